@@ -1,0 +1,131 @@
+"""Scheduling policies and the schemes built from them.
+
+A scheme = a source order ("fifo": plan order, "utility": non-increasing block utility) + a policy.
+Every policy sees the same ``SchedulerView`` and must return an action its mask allows; the DDQN and
+FlEC-RT of later work plug in through the same ``Policy`` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from common.sched.actions import Action, SchedulerView
+
+SourceOrder = Literal["fifo", "utility"]
+
+
+class Policy(Protocol):
+    name: str
+    sends_repairs: bool  # False: the session gives this policy no repair budget at all
+
+    def decide(self, view: SchedulerView) -> Action:
+        """Pick an action allowed by ``view.mask`` (at least one is allowed when called)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-handoff state."""
+        ...
+
+
+def _first_allowed(view: SchedulerView, preference: tuple[Action, ...]) -> Action:
+    for action in preference:
+        if view.mask[action]:
+            return action
+    raise ValueError("no action is allowed; the session must not ask the policy")
+
+
+class SourceOnly:
+    """No repair at all (`udp`, `priority`): sources while there are slots."""
+
+    name = "source-only"
+    sends_repairs = False
+
+    def decide(self, view: SchedulerView) -> Action:
+        return _first_allowed(view, (Action.SOURCE,))
+
+    def reset(self) -> None:
+        pass
+
+
+class FixedRate:
+    """A fixed repair rate (`uniform-fec`, `priority-fixed`): ``rate`` repairs per source packet.
+
+    Credit accrues with every source burst and is spent as single repairs, independent of the decoder
+    state; the session's hard masks still apply (no repair without an estimated deficit).
+    """
+
+    name = "fixed-rate"
+    sends_repairs = True
+
+    def __init__(self, rate: float = 0.125) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"fixed repair rate must be in [0, 1], got {rate!r}")
+        self.rate = rate
+        self._credit = 0.0
+        self._last_sources = 0
+
+    def decide(self, view: SchedulerView) -> Action:
+        self._credit += (view.sources_sent - self._last_sources) * self.rate
+        self._last_sources = view.sources_sent
+        if self._credit >= 1.0 and view.mask[Action.REPAIR_1]:
+            self._credit -= 1.0
+            return Action.REPAIR_1
+        if view.mask[Action.SOURCE]:
+            return Action.SOURCE
+        return _first_allowed(view, (Action.REPAIR_1,))
+
+    def reset(self) -> None:
+        self._credit = 0.0
+        self._last_sources = 0
+
+
+class DeficitHeuristic:
+    """Deficit-driven repair bursts under the budget (`heuristic`).
+
+    Sends enough repairs to cover the estimated deficit, inflated by the estimated loss rate, choosing the
+    largest burst that does not overshoot; otherwise continues the source stream.
+    """
+
+    name = "heuristic"
+    sends_repairs = True
+    # A burst of k is chosen once the need reaches 3/4 of k (a single repair from half a symbol).
+    THRESHOLDS = ((Action.REPAIR_16, 12.0), (Action.REPAIR_4, 3.0), (Action.REPAIR_1, 0.5))
+
+    def decide(self, view: SchedulerView) -> Action:
+        need = view.deficit_estimate / max(0.05, 1.0 - view.loss_estimate)
+        for action, threshold in self.THRESHOLDS:
+            if view.mask[action] and need >= threshold:
+                return action
+        return _first_allowed(view, (Action.SOURCE, Action.REPAIR_1))
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    order: SourceOrder
+    make_policy: Callable[[], Policy]
+    description: str
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("udp", "fifo", SourceOnly, "plan (FIFO) order, no repair"),
+        Scheme("priority", "utility", SourceOnly, "utility order, no repair"),
+        Scheme("uniform-fec", "fifo", FixedRate, "FIFO order, fixed repair rate 1/8"),
+        Scheme("priority-fixed", "utility", FixedRate, "utility order, fixed repair rate 1/8"),
+        Scheme("heuristic", "utility", DeficitHeuristic, "utility order, deficit-driven repair bursts"),
+    )
+}
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}") from None

@@ -1,0 +1,37 @@
+"""Types shared by the sender and receiver sessions (sans-IO: no clock is read here).
+
+``CpuMeter`` is how an adapter (the simulator, a daemon, a benchmark) measures the CPU time the sessions
+spend in the codec, feedback and policy: it injects a clock function and reads the sums back. Sessions
+never import ``time`` themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class CpuMeter:
+    clock: Callable[[], int]  # nanoseconds, e.g. time.perf_counter_ns
+    encode_ns: int = 0  # repair symbol generation (sender)
+    decode_ns: int = 0  # decoder inserts (receiver)
+    feedback_ns: int = 0  # building ACKs (receiver) and processing them (sender)
+    policy_ns: int = 0  # view refresh + masks + policy decision (sender)
+    decisions: int = 0
+    acks: int = 0
+    decision_ns: list[int] = field(default_factory=list)
+
+    def total_ns(self) -> int:
+        return self.encode_ns + self.decode_ns + self.feedback_ns + self.policy_ns
+
+
+@dataclass(frozen=True, slots=True)
+class DatagramDropped:
+    """A datagram was dropped and counted; ``reason`` comes from a bounded set."""
+
+    reason: str
+
+
+Event = Any  # each session documents the event dataclasses it emits

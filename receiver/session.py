@@ -1,0 +1,516 @@
+"""Receiver side, sans-IO: one ``ReceiverSession`` per handoff and a ``ReceiverEndpoint`` that keys them.
+
+Theory of operation
+-------------------
+Session states: RECEIVING -> DECODING_CLOSED (deadline passed) -> RESULT_SENT -> CLOSED.
+
+- A session exists once an authenticated OFFER arrives; its deadline is ``arrival + budget`` in the
+  receiver's own clock (the OFFER carries a time budget, never a timestamp). Data that arrives before its
+  OFFER is held in a small bounded buffer per unknown session id and replayed when the OFFER comes.
+- Every SOURCE/REPAIR goes straight into the decoder (partial delivery). An ACK (cumulative decoded
+  prefix, deficit inside the sender's possible window, counters for loss and burst estimates, the largest
+  packet number and how long ago it arrived) leaves after every ``ack_every`` data datagrams, or
+  ``ack_delay_s`` after the first unacknowledged one.
+- At the deadline the session stops decoding and emits ``DeadlineReached`` with every decoded source
+  symbol. The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated
+  until the sender's CLOSE or ``result_retries`` run out (a vanished sender), then the session closes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from common.fec import Decoder, FecError, RepairId
+from common.session_events import CpuMeter, DatagramDropped, Event
+from common.wire import (
+    Accept,
+    Ack,
+    Close,
+    CloseCode,
+    Message,
+    MsgType,
+    Offer,
+    PacketProtector,
+    ParseError,
+    Refuse,
+    RefuseCode,
+    Repair,
+    Result,
+    Role,
+    Source,
+    clip_text,
+    max_app_chunk,
+    peek_header,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    ack_every: int = 4
+    ack_delay_s: float = 0.002
+    result_retry_s: float = 0.05
+    result_retries: int = 20
+    max_sessions: int = 64
+    max_session_bytes: int = 1 << 30  # N x symbol size one session may allocate
+    pending_sessions: int = 8  # unknown session ids whose early data is buffered
+    pending_datagrams: int = 256  # per unknown session id
+    closed_memory: int = 1024  # recently closed session ids remembered (late data is counted, not buffered)
+
+    def __post_init__(self) -> None:
+        if self.ack_every < 1:
+            raise ValueError(f"ack_every must be >= 1, got {self.ack_every!r}")
+        if self.ack_delay_s <= 0:
+            raise ValueError(f"ack_delay_s must be positive, got {self.ack_delay_s!r}")
+
+
+class ReceiverState(Enum):
+    RECEIVING = "receiving"
+    DEADLINE = "deadline"
+    RESULT_SENT = "result_sent"
+    CLOSED = "closed"
+
+
+# Events.
+@dataclass(frozen=True, slots=True)
+class OfferReceived:
+    session_id: int
+    offer: Offer
+    app_blob: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineReached:
+    session_id: int
+    decoded_esis: npt.NDArray[np.int64]  # every decoded source symbol
+    store: npt.NDArray[np.uint8]  # (N, S) decoded symbols by ESI (rows not in decoded_esis are garbage)
+    have: npt.NDArray[np.bool_]
+    stats: ReceiverStats
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    session_id: int
+    reason: str
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    received: dict[str, int] = field(default_factory=lambda: {"source": 0, "repair": 0, "control": 0})
+    lost: int = 0  # packet-number gaps
+    loss_runs: int = 0
+    duplicates: int = 0  # source symbols that were already known
+    redundant_repairs: int = 0
+    late: int = 0  # data after the deadline
+    acks_sent: int = 0
+    stalls: int = 0  # times the decoded prefix got blocked by a missing symbol
+    stall_time_s: float = 0.0
+    first_data_at: float | None = None
+    deadline_at: float = 0.0
+
+
+class ReceiverSession:
+    def __init__(
+        self,
+        session_id: int,
+        protector: PacketProtector,
+        offer: Offer,
+        offer_packet_number: int,
+        now: float,
+        config: ReceiverConfig,
+        cpu: CpuMeter | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.protector = protector
+        self.offer = offer
+        self.config = config
+        self.cpu = cpu
+        self.state = ReceiverState.RECEIVING
+        self.deadline = now + offer.budget_us * 1e-6
+        self.decoder = Decoder(offer.n_source, offer.symbol_size, offer.window_cap)
+        self.stats = ReceiverStats(deadline_at=self.deadline)
+        self._window_cap = offer.window_cap
+        self._outbox: deque[bytes] = deque()
+        self._events: deque[Event] = deque()
+        self._app_parts: dict[int, bytes] = {}
+        self._app_part_count = offer.part_count
+        self._offer_complete = False
+        self._largest_pn = 0
+        self._largest_pn_at = now
+        self._count_packet(offer_packet_number, now)
+        self._unacked = 0
+        self._ack_timer: float | None = None
+        self._result_datagrams: list[bytes] = []
+        self._result_timer: float | None = None
+        self._result_tries = 0
+        self._stalled_since: float | None = None
+        self.close_reason = ""
+        self._outbox.append(protector.seal(Accept(offer.window_cap, offer.n_source)))
+        self._on_offer_part(offer)
+
+    # ----------------------------------------------------------------- public API
+    def handle_message(self, packet_number: int, message: Message, now: float) -> None:
+        """An authenticated, replay-checked message from the sender."""
+        self._count_packet(packet_number, now)
+        if isinstance(message, Source | Repair):
+            self._on_data(message, now)
+        elif isinstance(message, Offer):
+            self.stats.received["control"] += 1
+            self._on_offer_part(message)
+        elif isinstance(message, Close):
+            self.stats.received["control"] += 1
+            self._close(f"sender closed ({message.code.name}) {message.text}".strip())
+        else:
+            self._drop("unexpected_type")
+
+    def send_result(self, app_blob: bytes, now: float) -> None:
+        """Report the handoff's outcome to the sender (repeated until CLOSE)."""
+        if self.state is ReceiverState.CLOSED:
+            return
+        chunk = max_app_chunk(MsgType.RESULT)
+        parts = [app_blob[i : i + chunk] for i in range(0, len(app_blob), chunk)] or [b""]
+        decoded = self.decoder.decoded_count
+        self._result_datagrams = [
+            self.protector.seal(Result(decoded, i, len(parts), part)) for i, part in enumerate(parts)
+        ]
+        self._outbox.extend(self._result_datagrams)
+        self.state = ReceiverState.RESULT_SENT
+        self._result_tries = 1
+        self._result_timer = now + self.config.result_retry_s
+
+    def refuse(self, code: RefuseCode, text: str) -> None:
+        self._outbox.append(self.protector.seal(Refuse(code, clip_text(text))))
+        self._close(f"refused: {text}")
+
+    def datagrams_to_send(self) -> list[bytes]:
+        out = list(self._outbox)
+        self._outbox.clear()
+        return out
+
+    def next_event(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    def get_timer(self) -> float | None:
+        if self.state is ReceiverState.CLOSED:
+            return None
+        timers = [t for t in (self._ack_timer, self._result_timer) if t is not None]
+        if self.state is ReceiverState.RECEIVING:
+            timers.append(self.deadline)
+        return min(timers) if timers else None
+
+    def handle_timer(self, now: float) -> None:
+        if self.state is ReceiverState.RECEIVING and now >= self.deadline:
+            self._reach_deadline(now)
+        if self._ack_timer is not None and now >= self._ack_timer:
+            self._send_ack(now)
+        if self._result_timer is not None and now >= self._result_timer:
+            if self._result_tries >= self.config.result_retries:
+                self._result_timer = None
+                self._close("no CLOSE from the sender after the RESULT (sender gone?)")
+            else:
+                self._outbox.extend(self._result_datagrams)
+                self._result_tries += 1
+                self._result_timer = now + self.config.result_retry_s
+
+    @property
+    def closed(self) -> bool:
+        return self.state is ReceiverState.CLOSED
+
+    # ------------------------------------------------------------------ receiving
+    def _count_packet(self, pn: int, now: float) -> None:
+        stats = self.stats
+        if pn > self._largest_pn:
+            gap = pn - self._largest_pn - 1
+            if gap > 0:
+                stats.lost += gap
+                stats.loss_runs += 1
+            self._largest_pn = pn
+            self._largest_pn_at = now
+        elif stats.lost > 0:
+            stats.lost -= 1  # a reordered packet fills a gap counted as lost
+
+    def _on_data(self, message: Source | Repair, now: float) -> None:
+        stats = self.stats
+        if self.state is not ReceiverState.RECEIVING:
+            stats.late += 1
+            return
+        if stats.first_data_at is None:
+            stats.first_data_at = now
+        decoder = self.decoder
+        cpu = self.cpu
+        t0 = cpu.clock() if cpu is not None else 0
+        try:
+            if isinstance(message, Source):
+                stats.received["source"] += 1
+                if decoder.add_source(message.esi, message.symbol) == 0:
+                    stats.duplicates += 1
+            else:
+                stats.received["repair"] += 1
+                rid = RepairId(message.repair_key, message.dt, message.nss, message.fss_esi)
+                decoder.add_repair(rid, message.symbol)
+                stats.redundant_repairs = decoder.redundant
+        except FecError as exc:
+            self._drop(f"fec_{exc.reason}")
+            return
+        finally:
+            if cpu is not None:
+                cpu.decode_ns += cpu.clock() - t0
+        self._track_stall(now)
+        self._unacked += 1
+        if self._unacked >= self.config.ack_every:
+            self._send_ack(now)
+        elif self._ack_timer is None:
+            self._ack_timer = now + self.config.ack_delay_s
+
+    def _track_stall(self, now: float) -> None:
+        blocked = self.decoder.decoded_prefix < self.decoder.seen_end
+        if blocked and self._stalled_since is None:
+            self._stalled_since = now
+            self.stats.stalls += 1
+        elif not blocked and self._stalled_since is not None:
+            self.stats.stall_time_s += now - self._stalled_since
+            self._stalled_since = None
+
+    def _window_deficit(self) -> int:
+        """Unknowns the sender's window can still cover ([prefix, prefix + K)) minus equations held."""
+        dec = self.decoder
+        lo = dec.decoded_prefix
+        hi = min(lo + self._window_cap, dec.seen_end)
+        if hi <= lo:
+            return 0
+        unknown = (hi - lo) - int(np.count_nonzero(dec.have[lo:hi]))
+        return max(0, unknown - dec.rank)
+
+    def _send_ack(self, now: float) -> None:
+        cpu = self.cpu
+        t0 = cpu.clock() if cpu is not None else 0
+        dec = self.decoder
+        stats = self.stats
+        received = stats.received["source"] + stats.received["repair"]
+        ack = Ack(
+            decoded_prefix=dec.decoded_prefix,
+            seen_end=dec.seen_end,
+            decoded_count=dec.decoded_count,
+            deficit=min(self._window_deficit(), 0xFFFF),
+            unknowns=min(dec.unknowns, 0xFFFF),
+            largest_pn=self._largest_pn,
+            ack_delay_us=min(int((now - self._largest_pn_at) * 1e6), 0xFFFFFFFF),
+            received=received,
+            lost=stats.lost,
+            loss_runs=stats.loss_runs,
+        )
+        self._outbox.append(self.protector.seal(ack))
+        stats.acks_sent += 1
+        self._unacked = 0
+        self._ack_timer = None
+        if cpu is not None:
+            cpu.feedback_ns += cpu.clock() - t0
+            cpu.acks += 1
+
+    def _on_offer_part(self, offer: Offer) -> None:
+        if self._offer_complete:
+            return
+        if offer.part_count != self._app_part_count or offer.part_index >= offer.part_count:
+            self._drop("bad_offer_part")
+            return
+        self._app_parts[offer.part_index] = bytes(offer.app)
+        if len(self._app_parts) == self._app_part_count:
+            self._offer_complete = True
+            blob = b"".join(self._app_parts[i] for i in range(self._app_part_count))
+            self._events.append(OfferReceived(self.session_id, self.offer, blob))
+
+    def _reach_deadline(self, now: float) -> None:
+        self.state = ReceiverState.DEADLINE
+        if self._stalled_since is not None:
+            self.stats.stall_time_s += now - self._stalled_since
+            self._stalled_since = None
+        if self._unacked:
+            self._send_ack(now)
+        self._ack_timer = None
+        dec = self.decoder
+        self._events.append(
+            DeadlineReached(self.session_id, dec.decoded_esis(), dec.store, dec.have, self.stats)
+        )
+
+    def _close(self, reason: str) -> None:
+        if self.state is ReceiverState.CLOSED:
+            return
+        self.state = ReceiverState.CLOSED
+        self.close_reason = reason
+        self._unacked = 0
+        self._ack_timer = None
+        self._result_timer = None
+        self._events.append(SessionClosed(self.session_id, reason))
+
+    def _drop(self, reason: str) -> None:
+        self._events.append(DatagramDropped(reason))
+
+
+Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
+
+
+class ReceiverEndpoint:
+    """All sessions of one receiver: dispatch by session id, admission, early data, bounded memory."""
+
+    def __init__(
+        self,
+        psk: bytes,
+        fingerprint: bytes,
+        config: ReceiverConfig | None = None,
+        admit: Admission | None = None,
+        authenticate: bool = True,
+        cpu: CpuMeter | None = None,
+    ) -> None:
+        self.psk = psk
+        self.fingerprint = fingerprint
+        self.config = config or ReceiverConfig()
+        self.admit = admit
+        self.authenticate = authenticate
+        self.cpu = cpu
+        self.sessions: dict[int, ReceiverSession] = {}
+        self.drops: dict[str, int] = {}
+        self._pending: OrderedDict[int, list[bytes]] = OrderedDict()
+        self._closed: OrderedDict[int, None] = OrderedDict()
+        self._events: deque[Event] = deque()
+        self._refusals: list[tuple[int, bytes]] = []  # REFUSEs for sessions that never existed
+
+    def receive_datagram(self, data: bytes, now: float) -> None:
+        try:
+            header = peek_header(data)
+        except ParseError as exc:
+            self._drop(exc.reason)
+            return
+        sid = header.session_id
+        session = self.sessions.get(sid)
+        if session is not None:
+            self._deliver(session, data, now)
+        elif sid in self._closed:
+            self._drop("closed_session")
+        elif header.type == MsgType.OFFER:
+            self._open_session(sid, data, now)
+        else:
+            self._buffer_early(sid, data)
+
+    def datagrams_to_send(self) -> list[tuple[int, bytes]]:
+        out = self._refusals
+        self._refusals = []
+        for sid, session in self.sessions.items():
+            out.extend((sid, d) for d in session.datagrams_to_send())
+        self._reap()
+        return out
+
+    def next_event(self) -> Event | None:
+        if not self._events:
+            for session in self.sessions.values():
+                while (event := session.next_event()) is not None:
+                    if isinstance(event, DatagramDropped):
+                        self._drop(event.reason)
+                    else:
+                        self._events.append(event)
+        return self._events.popleft() if self._events else None
+
+    def get_timer(self) -> float | None:
+        timers = [t for s in self.sessions.values() if (t := s.get_timer()) is not None]
+        return min(timers) if timers else None
+
+    def handle_timer(self, now: float) -> None:
+        for session in self.sessions.values():
+            timer = session.get_timer()
+            if timer is not None and now >= timer:
+                session.handle_timer(now)
+
+    # ------------------------------------------------------------------ internals
+    def _deliver(self, session: ReceiverSession, data: bytes, now: float) -> None:
+        try:
+            header, message = session.protector.open(data)
+        except ParseError as exc:
+            self._drop(exc.reason)
+            return
+        session.handle_message(header.packet_number, message, now)
+
+    def _open_session(self, sid: int, data: bytes, now: float) -> None:
+        try:
+            # OFFER bodies do not depend on the symbol size, which only the OFFER tells: open it once
+            # to learn it, then again with the session's real protector (fresh replay window).
+            _header, offer = PacketProtector(
+                self.psk, sid, Role.RECEIVER, 1, authenticate=self.authenticate
+            ).open(data)
+            if not isinstance(offer, Offer):
+                raise ParseError("bad_type")
+            protector = PacketProtector(
+                self.psk, sid, Role.RECEIVER, offer.symbol_size, authenticate=self.authenticate
+            )
+            header, _ = protector.open(data)
+        except ParseError as exc:
+            self._drop(exc.reason)
+            return
+        refusal = self._check_offer(sid, offer)
+        if refusal is not None:
+            self._refuse(protector, sid, *refusal)
+            return
+        session = ReceiverSession(sid, protector, offer, header.packet_number, now, self.config, self.cpu)
+        self.sessions[sid] = session
+        for early in self._pending.pop(sid, []):
+            self._deliver(session, early, now)
+
+    def _check_offer(self, sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
+        if offer.fingerprint != self.fingerprint:
+            return (
+                RefuseCode.FINGERPRINT_MISMATCH,
+                f"sender model fingerprint {offer.fingerprint.hex()[:16]} differs from this receiver's "
+                f"{self.fingerprint.hex()[:16]}: both nodes must serve the same model and KV layout",
+            )
+        if len(self.sessions) >= self.config.max_sessions:
+            return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
+        need = offer.n_source * offer.symbol_size
+        if need > self.config.max_session_bytes:
+            return (
+                RefuseCode.OVERLOADED,
+                f"handoff needs {need} bytes, above this receiver's max_session_bytes "
+                f"{self.config.max_session_bytes}",
+            )
+        if offer.n_source == 0 or offer.window_cap == 0 or offer.window_cap > 4095:
+            return (
+                RefuseCode.BAD_PARAMETERS,
+                f"n_source {offer.n_source} and window_cap {offer.window_cap} must be positive, window_cap <= 4095",
+            )
+        if self.admit is not None:
+            return self.admit(sid, offer)
+        return None
+
+    def _refuse(self, protector: PacketProtector, sid: int, code: RefuseCode, text: str) -> None:
+        self._remember_closed(sid)
+        self._pending.pop(sid, None)
+        self._events.append(SessionClosed(sid, f"refused: {text}"))
+        self._refusals.append((sid, protector.seal(Refuse(code, clip_text(text)))))
+
+    def _buffer_early(self, sid: int, data: bytes) -> None:
+        cfg = self.config
+        queue = self._pending.get(sid)
+        if queue is None:
+            if len(self._pending) >= cfg.pending_sessions:
+                _old, dropped = self._pending.popitem(last=False)
+                self._drop("early_evicted", len(dropped))
+            queue = self._pending[sid] = []
+        if len(queue) >= cfg.pending_datagrams:
+            self._drop("early_overflow")
+            return
+        queue.append(bytes(data))
+
+    def _reap(self) -> None:
+        for sid in [sid for sid, s in self.sessions.items() if s.closed]:
+            del self.sessions[sid]
+            self._remember_closed(sid)
+
+    def _remember_closed(self, sid: int) -> None:
+        self._closed[sid] = None
+        while len(self._closed) > self.config.closed_memory:
+            self._closed.popitem(last=False)
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + count
