@@ -17,10 +17,14 @@ Bodies (type: layout -- body size in bytes)::
     SOURCE  1  u32 esi | symbol[symbol_size]                               4 + ss
     REPAIR  2  u16 repair_key | u16 (DT:4 | NSS:12) | u32 fss_esi |         8 + ss
                symbol[symbol_size]   (RFC 8681 Repair FEC Payload ID, GF(2^8); NSS >= 1)
-    ACK     3  u32 decoded_prefix | u32 seen_end | u32 decoded_count |     36
+    ACK     3  u32 decoded_prefix | u32 seen_end | u32 decoded_count |     38 + map
                u16 deficit (saturating) | u16 unknowns (saturating) |
                u32 largest_pn | u32 ack_delay_us | u32 received |
-               u32 lost | u32 loss_runs
+               u32 lost | u32 loss_runs | u16 hole_bits (<= 4096) |
+               hole map: ceil(hole_bits / 8) bytes, bit i (MSB first) set when
+               ESI decoded_prefix + i is undecoded
+               (deficit, unknowns and the map cover the receiver's decoder span
+               [decoded_prefix, decoded_prefix + hole_bits): where repairs can help)
     OFFER   4  u16 symbol_size | u16 window_cap | u32 n_source |           48 + app
                u32 budget_us | 32 B fingerprint | u16 part_index |
                u16 part_count | app bytes (rest)
@@ -75,6 +79,7 @@ __all__ = [
     "HEADER_SIZE",
     "KEY_SIZE",
     "MAX_DATAGRAM",
+    "MAX_HOLE_BITS",
     "MAX_TEXT",
     "MIN_PSK_SIZE",
     "OFFER_FIXED_SIZE",
@@ -123,7 +128,8 @@ MAX_DATAGRAM: Final = 1400
 SOURCE_ID_SIZE: Final = 4
 REPAIR_ID_SIZE: Final = 8
 DEFAULT_SYMBOL_SIZE: Final = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE - REPAIR_ID_SIZE  # 1362
-ACK_BODY_SIZE: Final = 36
+ACK_BODY_SIZE: Final = 38  # fixed part; the hole map follows
+MAX_HOLE_BITS: Final = 4096
 OFFER_FIXED_SIZE: Final = 48
 ACCEPT_BODY_SIZE: Final = 6
 RESULT_FIXED_SIZE: Final = 8
@@ -141,7 +147,7 @@ _HEADER = struct.Struct(">BBQI")
 _NONCE = struct.Struct(">8xI")
 _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
-_ACK = struct.Struct(">IIIHHIIIII")
+_ACK = struct.Struct(">IIIHHIIIIIH")
 _OFFER = struct.Struct(">HHII32sHH")
 _ACCEPT = struct.Struct(">HI")
 _RESULT = struct.Struct(">IHH")
@@ -294,6 +300,8 @@ class Ack:
     received: int
     lost: int
     loss_runs: int
+    hole_bits: int = 0  # length of the hole map in bits
+    holes: bytes = b""  # packed map of undecoded ESIs from decoded_prefix (see module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,7 +387,7 @@ def _body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
     return {
         MsgType.SOURCE: (SOURCE_ID_SIZE + symbol_size, SOURCE_ID_SIZE + symbol_size),
         MsgType.REPAIR: (REPAIR_ID_SIZE + symbol_size, REPAIR_ID_SIZE + symbol_size),
-        MsgType.ACK: (ACK_BODY_SIZE, ACK_BODY_SIZE),
+        MsgType.ACK: (ACK_BODY_SIZE, ACK_BODY_SIZE + MAX_HOLE_BITS // 8),
         MsgType.OFFER: (OFFER_FIXED_SIZE, MAX_BODY),
         MsgType.ACCEPT: (ACCEPT_BODY_SIZE, ACCEPT_BODY_SIZE),
         MsgType.REFUSE: (1, 1 + MAX_TEXT),
@@ -443,6 +451,11 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
         return _pack(_REPAIR_ID, "REPAIR", msg.repair_key, (msg.dt << 12) | msg.nss, msg.fss_esi) + msg.symbol
     if isinstance(msg, Ack):
         deficit, unknowns = msg.deficit, msg.unknowns
+        if not (0 <= msg.hole_bits <= MAX_HOLE_BITS and len(msg.holes) == (msg.hole_bits + 7) // 8):
+            raise ValueError(
+                f"ACK: hole map of {len(msg.holes)} bytes does not fit hole_bits {msg.hole_bits!r} "
+                f"(<= {MAX_HOLE_BITS})"
+            )
         if not (isinstance(deficit, int) and isinstance(unknowns, int) and deficit >= 0 and unknowns >= 0):
             raise ValueError(f"ACK: deficit/unknowns must be non-negative ints, got {deficit!r}/{unknowns!r}")
         return _pack(
@@ -458,7 +471,8 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
             msg.received,
             msg.lost,
             msg.loss_runs,
-        )
+            msg.hole_bits,
+        ) + bytes(msg.holes)
     if isinstance(msg, Offer):
         if not isinstance(msg.fingerprint, (bytes, bytearray)) or len(msg.fingerprint) != FINGERPRINT_SIZE:
             raise ValueError(f"OFFER: fingerprint must be {FINGERPRINT_SIZE} bytes")
@@ -516,7 +530,11 @@ def _dec_repair(body: _Body) -> Repair:
 
 
 def _dec_ack(body: _Body) -> Ack:
-    return Ack(*_ACK.unpack_from(body))
+    fields = _ACK.unpack_from(body)
+    hole_bits = fields[-1]
+    if hole_bits > MAX_HOLE_BITS or len(body) != ACK_BODY_SIZE + (hole_bits + 7) // 8:
+        raise ParseError("bad_length", f"ACK hole map: {hole_bits} bits in {len(body) - ACK_BODY_SIZE} bytes")
+    return Ack(*fields, bytes(body[ACK_BODY_SIZE:]))  # type: ignore[call-arg]
 
 
 def _dec_parts(pi: int, pc: int, what: str) -> None:
@@ -863,17 +881,18 @@ class PacketProtector:
             if view[n - TAG_SIZE :] != _ZERO_TAG:
                 raise AuthError("auth", f"packet {pn}: non-zero tag in unauthenticated mode")
             body = view[HEADER_SIZE : n - TAG_SIZE]
-        # Replay window, updated only now that the packet is authentic.
+        # Replay window: checked now that the packet is authentic, updated once it also parsed.
         largest = self._largest
-        if pn > largest:
-            self._largest = pn
-        elif largest - pn >= self._window:
-            raise ReplayError("too_old", f"packet {pn}, largest {largest}")
-        elif self._ring[pn % self._window] == pn:
-            raise ReplayError("replay", f"packet {pn}")
-        self._ring[pn % self._window] = pn
+        if pn <= largest:
+            if largest - pn >= self._window:
+                raise ReplayError("too_old", f"packet {pn}, largest {largest}")
+            if self._ring[pn % self._window] == pn:
+                raise ReplayError("replay", f"packet {pn}")
         if mtype == 1:
             msg: Message = _new_source(_U32_UNPACK_FROM(body)[0], body[SOURCE_ID_SIZE:])
         else:
             msg = _DECODERS[mtype](body)
+        if pn > largest:
+            self._largest = pn
+        self._ring[pn % self._window] = pn
         return _new_header(version, _MSGTYPE_BY_INT[mtype], sid, pn), msg

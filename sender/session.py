@@ -1,4 +1,4 @@
-"""Sender side of one handoff, sans-IO (aioquic style): bytes and ``now`` in, datagrams, timers and events out.
+"""Sender side of one handoff, sans-IO (aioquic style): bytes and ``now`` in; datagrams, timers, events out.
 
 Theory of operation
 -------------------
@@ -23,6 +23,7 @@ States: OFFERING -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -33,6 +34,7 @@ import numpy.typing as npt
 from common.fec import DEFAULT_WINDOW, Encoder
 from common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from common.sched.policies import Policy
+from common.session_events import CpuMeter, DatagramDropped, Event
 from common.wire import (
     Accept,
     Ack,
@@ -50,7 +52,9 @@ from common.wire import (
     clip_text,
     max_app_chunk,
 )
-from common.session_events import CpuMeter, DatagramDropped, Event
+from sender.repair_plan import PROACTIVE, RepairPlanner
+
+MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +187,9 @@ class SenderSession:
             fixed_dt=config.fixed_dt,
         )
         self._symbols = symbols
+        self.planner = RepairPlanner(
+            config.window_cap, config.window_cap, config.target_nonzeros, config.fixed_dt
+        )
         self.state = SenderState.IDLE
         self.view = SchedulerView(n_source=self.encoder.n_source, repair_budget=config.repair_budget)
         self.view.repairs_left = config.repair_budget if policy.sends_repairs else 0
@@ -195,9 +202,18 @@ class SenderSession:
         self._burst_left = 0
         self._repair_buf = np.empty(self.encoder.symbol_size, dtype=np.uint8)
         # (packet number, esi or -1 for repairs, send time) of data datagrams not yet covered by an ACK.
-        self._in_flight: deque[tuple[int, int, float]] = deque()
-        self._repairs_in_flight = 0
+        # What was sent, in send order (preallocated: one row per source / repair the session may send).
+        # The newest ACK's largest packet number splits each into acknowledged and in flight.
+        n = self.encoder.n_source
+        self._src_pn = np.zeros(n, dtype=np.int64)
+        self._src_time = np.zeros(n, dtype=np.float64)
+        budget = config.repair_budget + 1
+        self._rep_pn = np.zeros(budget, dtype=np.int64)
+        self._rep_time = np.zeros(budget, dtype=np.float64)
+        self._rep_window = np.zeros((budget, 2), dtype=np.int64)  # first, end
+        self._repairs_acked = 0
         self._acked_source_end = 0  # every source ESI below this was sent before the newest ACKed packet
+        self._proactive = False  # near the deadline: repairs may also protect the newest sources
         self._start = 0.0
         self._send_deadline = 0.0
         self._deadline = 0.0
@@ -247,10 +263,11 @@ class SenderSession:
         self._handle(message, now)
 
     def get_timer(self) -> float | None:
-        timers = [t for t in (self._offer_timer, self._result_timer) if t is not None]
-        if self.state is SenderState.STREAMING:
-            timers.append(self._send_deadline)
-        return min(timers) if timers else None
+        timer = self._send_deadline if self.state is SenderState.STREAMING else None
+        for t in (self._offer_timer, self._result_timer):
+            if t is not None and (timer is None or t < timer):
+                timer = t
+        return timer
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
@@ -309,23 +326,25 @@ class SenderSession:
     def _refresh_view(self, now: float) -> None:
         view = self.view
         enc = self.encoder
+        planner = self.planner
+        loss = view.loss_estimate
         view.now = now
         view.sources_sent = enc.next_esi
         view.slots_left = self._slots_left(now)
         view.acked_prefix = enc.ack_prefix
-        first, count = enc.window()
-        view.window_size = count
         view.ack_staleness = now - self._last_prefix_change
-        # In-flight sources are the ESIs sent after the newest one an ACK accounted for.
-        repairs = self._repairs_in_flight
-        inflight_lo = max(self._acked_source_end, first)
-        sources_in_window = max(0, min(first + count, enc.next_esi) - inflight_lo)
-        view.repairs_in_flight = repairs
+        view.repairs_in_flight = view.repairs_sent - self._repairs_acked
         view.sources_in_flight = enc.next_esi - self._acked_source_end
-        loss = view.loss_estimate
-        view.deficit_estimate = max(
-            0.0, view.deficit_reported + loss * sources_in_window - (1.0 - loss) * repairs
-        )
+        # Proactive repair only pays when feedback about the newest sources cannot return in time.
+        rtt = view.rtt_estimate
+        self._proactive = rtt > 0 and view.slots_left * self.config.slot_s < 1.5 * rtt
+        _first, count, _dt, region = planner.next_window(enc.next_esi, loss, self._proactive)
+        view.window_size = count
+        holes = planner.unknowns if region != PROACTIVE else max(1, math.ceil(loss * count))
+        view.repair_effectiveness = planner.effectiveness(count, holes)
+        view.deficit_estimate = planner.reactive_need(loss)
+        if self._proactive:
+            view.deficit_estimate += planner.proactive_need(enc.next_esi, self._acked_source_end, loss)
         if self._source_info is not None and self._norm_utility is not None:
             self._refresh_utility_features(enc.next_esi)
 
@@ -346,23 +365,30 @@ class SenderSession:
     def _send_source(self, now: float) -> bytes:
         esi = self.encoder.take_source()
         datagram = self.protector.seal(Source(esi, self._symbols[esi].data))
-        self._in_flight.append((self.protector.packets_sealed, esi, now))
+        self._src_pn[esi] = self.protector.packets_sealed
+        self._src_time[esi] = now
         self.datagrams_sent["source"] += 1
         return datagram
 
     def _send_repair(self, now: float) -> bytes:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
-        rid = self.encoder.make_repair(self._repair_buf)
+        first, count, dt, region = self.planner.next_window(
+            self.encoder.next_esi, self.view.loss_estimate, self._proactive
+        )
+        rid = self.encoder.make_repair(self._repair_buf, count=count, dt=dt, first=first)
+        self.planner.sent(region)
         if cpu is not None:
             cpu.encode_ns += cpu.clock() - t0
         datagram = self.protector.seal(
             Repair(rid.repair_key, rid.dt, rid.nss, rid.fss_esi, self._repair_buf.data)
         )
-        self._in_flight.append((self.protector.packets_sealed, -1, now))
-        self._repairs_in_flight += 1
+        sent = self.view.repairs_sent
+        self._rep_pn[sent] = self.protector.packets_sealed
+        self._rep_time[sent] = now
+        self._rep_window[sent] = (first, first + count)
         self.view.repairs_left -= 1
-        self.view.repairs_sent += 1
+        self.view.repairs_sent = sent + 1
         self.datagrams_sent["repair"] += 1
         return datagram
 
@@ -406,6 +432,8 @@ class SenderSession:
         elif isinstance(message, Accept):
             self._offer_confirmed = True
             self._offer_timer = None
+            # ACCEPT carries the receiver's decoder span: how far past its prefix repairs may reach.
+            self.planner.span = max(self.config.window_cap, min(message.window_cap, MAX_SPAN))
             self._events.append(Accepted(message.window_cap))
         elif isinstance(message, Refuse):
             self._fail_refused(message)
@@ -436,17 +464,23 @@ class SenderSession:
             view.loss_estimate = ack.lost / seen
         if ack.loss_runs > 0:
             view.burst_estimate = ack.lost / ack.loss_runs
-        # Forget datagrams the receiver has accounted for; the newest of them gives an RTT sample.
-        in_flight = self._in_flight
+        # What the receiver has accounted for; the newest datagram it saw gives an RTT sample.
+        largest = ack.largest_pn
         sample_time = -1.0
-        while in_flight and in_flight[0][0] <= ack.largest_pn:
-            pn, esi, sent = in_flight.popleft()
-            if esi < 0:
-                self._repairs_in_flight -= 1
-            else:
-                self._acked_source_end = esi + 1
-            if pn == ack.largest_pn:
-                sample_time = sent
+        sent = enc.next_esi
+        acked = int(np.searchsorted(self._src_pn[:sent], largest, side="right"))
+        if acked > self._acked_source_end:
+            self._acked_source_end = acked
+            if self._src_pn[acked - 1] == largest:
+                sample_time = float(self._src_time[acked - 1])
+        n_rep = view.repairs_sent
+        acked = int(np.searchsorted(self._rep_pn[:n_rep], largest, side="right"))
+        if acked > self._repairs_acked:
+            self._repairs_acked = acked
+            if self._rep_pn[acked - 1] == largest:
+                sample_time = float(self._rep_time[acked - 1])
+        if ack.decoded_prefix == enc.ack_prefix:  # the newest ACK: its hole map is current
+            self._plan_from_ack(ack)
         if sample_time >= 0:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:
@@ -454,6 +488,12 @@ class SenderSession:
         if cpu is not None:
             cpu.feedback_ns += cpu.clock() - t0
             cpu.acks += 1
+
+    def _plan_from_ack(self, ack: Ack) -> None:
+        in_flight = self._rep_window[self._repairs_acked : self.view.repairs_sent]
+        self.planner.on_ack(
+            ack.decoded_prefix, ack.holes, ack.hole_bits, ack.deficit, self.encoder.next_esi, in_flight
+        )
 
     def _on_result(self, result: Result, now: float) -> None:
         if self.state in (SenderState.DONE, SenderState.FAILED):
@@ -488,4 +528,3 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self._events.append(DatagramDropped(reason))
-

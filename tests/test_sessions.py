@@ -182,7 +182,7 @@ def test_without_repair_the_lost_symbols_stay_missing() -> None:
 
 def test_deadline_cuts_the_stream_and_partial_delivery_is_reported() -> None:
     # 200 symbols need 20 ms of link; a 10 ms budget leaves (10 - 5) ms = 50 slots.
-    h, symbols = make_pair(budget_s=0.010, policy=SourceOnly())
+    h, _ = make_pair(budget_s=0.010, policy=SourceOnly())
     h.run()
     ev = h.deadline_event()
     assert 40 <= len(ev.decoded_esis) <= 50
@@ -191,7 +191,7 @@ def test_deadline_cuts_the_stream_and_partial_delivery_is_reported() -> None:
 
 
 def test_lost_offer_is_repeated_and_early_data_is_replayed() -> None:
-    h, symbols = make_pair(policy=SourceOnly(), budget_s=0.08)
+    h, _ = make_pair(policy=SourceOnly(), budget_s=0.08)
     h.drop_forward = lambda i, d: i == 0  # the first OFFER
     h.run()
     ev = h.deadline_event()
@@ -219,7 +219,7 @@ def test_offer_app_blob_spans_several_datagrams() -> None:
 
 
 def test_garbage_forged_and_replayed_datagrams_are_counted_not_fatal() -> None:
-    h, symbols = make_pair(policy=SourceOnly())
+    h, _ = make_pair(policy=SourceOnly())
     seen: list[bytes] = []
 
     def tamper(i: int, d: bytes) -> bool:

@@ -70,7 +70,7 @@ def sample_messages(ss: int = SS) -> list[Message]:
     return [
         Source(5, sym),
         Repair(7, 3, 40, 1000, sym),
-        Ack(10, 20, 15, 3, 2, 99, 1500, 400, 12, 4),
+        Ack(10, 20, 15, 3, 2, 99, 1500, 400, 12, 4, 12, b"\xa5\x30"),
         Offer(ss, 256, 5000, 250_000, b"F" * 32, 0, 2, b"app-part-0"),
         Accept(128, 5000),
         Refuse(RefuseCode.OVERLOADED, "busy ☃"),
@@ -107,7 +107,7 @@ def test_constants_and_sizes() -> None:
     sizes = {type(m).__name__: len(seal_open(m)[0]) for m in sample_messages()}
     assert sizes["Source"] == 1396
     assert sizes["Repair"] == 1400
-    assert sizes["Ack"] == 30 + 36
+    assert sizes["Ack"] == 30 + 38 + 2
     assert sizes["Accept"] == 30 + 6
     assert max_app_chunk(MsgType.OFFER) == 1322
     assert max_app_chunk(MsgType.RESULT) == 1362
@@ -194,7 +194,16 @@ def messages(draw: st.DrawFn) -> tuple[int, Message]:
     elif kind == 2:
         msg = Repair(draw(u16), draw(st.integers(0, 15)), draw(st.integers(1, 4095)), draw(u32), sym)
     elif kind == 3:
-        msg = Ack(draw(u32), draw(u32), draw(u32), draw(u16), draw(u16), *(draw(u32) for _ in range(5)))
+        msg = Ack(
+            draw(u32),
+            draw(u32),
+            draw(u32),
+            draw(u16),
+            draw(u16),
+            *(draw(u32) for _ in range(5)),
+            9,
+            b"\xff\x80",
+        )
     elif kind == 4:
         pc = draw(st.integers(1, 0xFFFF))
         msg = Offer(

@@ -39,7 +39,7 @@ class SchedulerView:
     repairs_sent: int = 0
     # Feedback (from the newest ACK) and estimates derived from it.
     acked_prefix: int = 0  # receiver's cumulative decoded prefix
-    window_size: int = 0  # symbols in the sender's coding window now
+    window_size: int = 0  # symbols a repair would combine now
     window_at_feedback: int = 0  # unresolved symbols the receiver reported (its unknowns)
     deficit_reported: int = 0  # receiver's window deficit in the newest ACK
     deficit_estimate: float = 0.0  # reported deficit, corrected for what is in flight
@@ -50,6 +50,7 @@ class SchedulerView:
     feedback_seen: bool = False
     sources_in_flight: int = 0
     repairs_in_flight: int = 0
+    repair_effectiveness: float = 0.0  # P(a repair now has a nonzero coefficient on a reported hole)
     # Application (KV utility) features; neutral when the stream carries no utility.
     block_progress: float = 0.0  # share of the current block's fragments already sent
     block_utility: float = 0.0  # current block's utility / the largest block utility
