@@ -621,7 +621,8 @@ def decoder_add_source(esi: int, payload: U8, store: U8, have: B1, coef: U8, pay
     ist[ST_HEADER] = esi
     ist[ST_NNEW] = 1
     prefix = ist[ST_PREFIX]
-    if esi < prefix + cap:
+    # Rows only exist while equations are pending (rank > 0); most sources skip the column scan.
+    if ist[ST_RANK] > 0 and esi < prefix + cap:
         col = esi % cap
         scr = ST_HEADER + cap + 1
         mod = ist[scr : scr + cap]

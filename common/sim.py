@@ -59,7 +59,7 @@ class SimConfig:
     repair_budget: float = 0.15  # B_rep as a fraction of the source symbols
     window_cap: int = 64
     target_nonzeros: int = 8
-    ack_every: int = 4
+    ack_every: int = 8
     authenticate: bool = False  # AEAD on every datagram (slower; the daemons always authenticate)
     reverse_loss: LossModel | None = None
     profile: UtilityProfile | None = None  # None: synthetic_profile()

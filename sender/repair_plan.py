@@ -32,7 +32,7 @@ REPAIR_HITS_MARGIN = 3.0
 PROACTIVE = -1
 
 
-@numba.njit(cache=True, nogil=True)  # type: ignore[untyped-decorator]
+@numba.njit(cache=True, nogil=True)
 def _group_holes(
     packed: npt.NDArray[np.uint8],
     bits: int,
