@@ -115,7 +115,7 @@ class ReceiverStats:
     redundant_repairs: int = 0
     late: int = 0  # data after the deadline
     acks_sent: int = 0
-    stalls: int = 0  # times the decoded prefix got blocked by a missing symbol
+    stalls: int = 0  # times the undecoded range outgrew the decoder span (repairs could not reach it)
     stall_time_s: float = 0.0
     first_data_at: float | None = None
     deadline_at: float = 0.0
@@ -283,7 +283,9 @@ class ReceiverSession:
             self._ack_timer = now + self.config.ack_delay_s
 
     def _track_stall(self, now: float) -> None:
-        blocked = self.decoder.decoded_prefix < self.decoder.seen_end
+        # Stalled: undecoded symbols reach past the decoder span, where no repair can help them until
+        # the cumulative prefix moves (the paper's cumulative decoding stall).
+        blocked = self.decoder.seen_end - self.decoder.decoded_prefix > self.span
         if blocked and self._stalled_since is None:
             self._stalled_since = now
             self.stats.stalls += 1

@@ -158,7 +158,8 @@ def test_lossless_handoff_delivers_everything_and_finishes() -> None:
 def test_scripted_drops_are_repaired_by_the_heuristic() -> None:
     # Lose the OFFER's neighbours and a burst of data; repairs must fill every hole before the deadline.
     lost = {5, 6, 7, 30, 31, 32, 33, 34, 90, 150}
-    h, symbols = make_pair(n=200, budget_s=0.06)
+    # A decoder span of 16 symbols (< the 100-packet RTT) makes the decoder stall until repairs land.
+    h, symbols = make_pair(n=200, budget_s=0.06, config=ReceiverConfig(ack_every=2, decoder_span=16))
     h.drop_forward = lambda i, d: i in lost
     h.run()
     ev = h.deadline_event()
