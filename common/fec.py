@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -134,6 +134,23 @@ def _as_u8(payload: Payload, size: int) -> U8:
         arr = arr.view()
         arr.flags.writeable = False
     return arr
+
+
+def _kernel_payload(payload: Payload, size: int) -> U8:
+    """What the decoder kernels take: the receive path's read-only byte views go in as they are (numba
+    reads buffers directly; np.frombuffer alone costs about a microsecond per datagram), anything else
+    through :func:`_as_u8`."""
+    if (
+        type(payload) is memoryview
+        and payload.readonly
+        and payload.format == "B"
+        and payload.ndim == 1
+        and payload.c_contiguous
+    ):
+        if payload.nbytes != size:
+            raise FecError("bad_symbol_size", f"got {payload.nbytes} bytes, want {size}")
+        return cast(U8, payload)  # numba types it as a read-only uint8 buffer: same kernels
+    return _as_u8(payload, size)
 
 
 class Encoder:
@@ -341,10 +358,8 @@ class Decoder:
         """Insert a source symbol; returns the number of newly decoded symbols (0 if duplicate)."""
         if not 0 <= esi < self.n_source:
             raise FecError("esi_out_of_range", f"esi={esi} n_source={self.n_source}")
-        arr = _as_u8(payload, self.symbol_size)
-        return int(
-            gf256.decoder_add_source(esi, arr, self.store, self.have, self._coef, self._pay, self._ist)
-        )
+        arr = _kernel_payload(payload, self.symbol_size)
+        return gf256.decoder_add_source(esi, arr, self.store, self.have, self._coef, self._pay, self._ist)
 
     def add_repair(self, rid: RepairId, payload: Payload) -> int:
         """Insert a repair symbol; returns the number of newly decoded symbols."""
@@ -362,7 +377,7 @@ class Decoder:
                 "window_overflow",
                 f"fss_esi={fss} nss={nss} decoded_prefix={self.decoded_prefix} cap={self.window_cap}",
             )
-        arr = _as_u8(payload, self.symbol_size)
+        arr = _kernel_payload(payload, self.symbol_size)
         return int(
             gf256.decoder_add_repair(
                 key,

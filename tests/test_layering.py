@@ -18,6 +18,7 @@ SANS_IO = [
     "common/kvlayout.py",
     "common/utility.py",
     "common/session_events.py",
+    "common/handoff.py",
     "sender/session.py",
     "receiver/session.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "common" / "sched").glob("*.py")),
