@@ -237,6 +237,7 @@ class Encoder:
         dt: int | None = None,
         cover_first: bool = True,
         first: int | None = None,
+        cover_last: bool = False,
     ) -> RepairId:
         """Encode one repair symbol into ``out`` (uint8[S], in place).
 
@@ -246,6 +247,7 @@ class Encoder:
         whose RFC 8681 coefficient row is all zero (possible at low DT and small windows) is
         skipped, and with ``cover_first`` so is a key whose row skips the window's first symbol:
         that is a hole the receiver reported, so a sparse repair that misses it is usually wasted.
+        ``cover_last`` does the same for the window's last symbol (a region of two holes ends on one).
         """
         if first is None:
             first, full = self.window()
@@ -265,7 +267,7 @@ class Encoder:
         elif not 0 <= dt <= MAX_DT:
             raise ValueError(f"dt must be in 0..{MAX_DT}, got {dt!r}")
         key, skipped = gf256.encoder_make_repair(
-            self._symbols, first, count, dt, self._next_key, self._cc, out, self._acc, cover_first
+            self._symbols, first, count, dt, self._next_key, self._cc, out, self._acc, cover_first, cover_last
         )
         self.zero_rows_skipped += int(skipped)
         if key < 0:

@@ -453,19 +453,28 @@ def generate_coefficients(repair_key: int, dt: int, nss: int, out: U8) -> int:
 
 @_jit
 def encoder_make_repair(
-    symbols: U8, first: int, count: int, dt: int, key: int, cc: U8, out: U8, acc: U8, cover_first: bool
+    symbols: U8,
+    first: int,
+    count: int,
+    dt: int,
+    key: int,
+    cc: U8,
+    out: U8,
+    acc: U8,
+    cover_first: bool,
+    cover_last: bool,
 ) -> tuple[int, int]:
     """Generate one repair over ``symbols[first:first+count]`` into ``out``.
 
     Starts at repair key ``key`` and moves to the next key (16-bit wrap) while the
-    coefficient row is all zero, or, with ``cover_first``, while the first window symbol's
-    coefficient is zero. Returns ``(key_used, keys_skipped)``; ``key_used`` is -1 if no
+    coefficient row is all zero, or, with ``cover_first`` / ``cover_last``, while the first / last
+    window symbol's coefficient is zero. Returns ``(key_used, keys_skipped)``; ``key_used`` is -1 if no
     key in the whole 16-bit space qualifies. ``acc`` is (8, S) scratch.
     """
     skipped = 0
     for _ in range(65536):
         nnz = generate_coefficients(key, dt, count, cc)
-        if nnz > 0 and (not cover_first or cc[0] != 0):
+        if nnz > 0 and (not cover_first or cc[0] != 0) and (not cover_last or cc[count - 1] != 0):
             _encode(symbols, first, cc[:count], out, acc)
             return key, skipped
         skipped += 1

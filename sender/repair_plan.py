@@ -158,7 +158,8 @@ class RepairPlanner:
     def next_window(self, next_esi: int, loss: float, proactive: bool = False) -> tuple[int, int, int, int]:
         """(first, count, dt, region) of the next repair: the region with the largest outstanding need
         (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region needs
-        as much."""
+        as much. A region starts and ends on a hole, so with one or two holes the encoder is told to
+        cover both ends (see ``covers_both_ends``) and the repair can stay sparse."""
         arrive = 1.0 - loss
         best, best_rem = -1, 0.0
         for r, need in enumerate(self._need):
@@ -187,10 +188,16 @@ class RepairPlanner:
         density = (self._dt(count, holes) + 1) / 16
         return 1.0 - (1.0 - density) ** holes
 
+    def covers_both_ends(self, region: int) -> bool:
+        """A region of at most two holes: a repair that covers its first and last symbol hits every hole."""
+        return region != PROACTIVE and self._holes[region] <= 2
+
     def _dt(self, count: int, holes: int) -> int:
         if self.fixed_dt is not None:
             return self.fixed_dt
         target = self.target_nonzeros if self.target_nonzeros is not None else count
+        if holes <= 2:
+            return density_for(max(1, count), target)  # both holes are forced in by key choice
         hits = math.log(max(1, holes)) + REPAIR_HITS_MARGIN
         wanted = max(target, math.ceil(count * min(1.0, hits / max(1, holes))))
         return density_for(max(1, count), wanted)

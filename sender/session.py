@@ -376,7 +376,13 @@ class SenderSession:
         first, count, dt, region = self.planner.next_window(
             self.encoder.next_esi, self.view.loss_estimate, self._proactive
         )
-        rid = self.encoder.make_repair(self._repair_buf, count=count, dt=dt, first=first)
+        rid = self.encoder.make_repair(
+            self._repair_buf,
+            count=count,
+            dt=dt,
+            first=first,
+            cover_last=self.planner.covers_both_ends(region),
+        )
         self.planner.sent(region)
         if cpu is not None:
             cpu.encode_ns += cpu.clock() - t0
