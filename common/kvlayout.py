@@ -78,10 +78,7 @@ class BlockPlan:
                 f"{FRAGMENT_ID_SIZE}-byte fragment id"
             )
         per_block = np.array(
-            [
-                -(-self.block_bytes(b) // self.fragment_payload)
-                for b in range(self.n_token_blocks)
-            ],
+            [-(-self.block_bytes(b) // self.fragment_payload) for b in range(self.n_token_blocks)],
             dtype=np.int64,
         )
         counts = np.tile(per_block, self.geometry.n_layers)

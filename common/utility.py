@@ -19,6 +19,7 @@ File format (JSON, ``format: "pfec-utility-profile/1"``)::
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,15 +47,21 @@ class UtilityProfile:
 
     def __post_init__(self) -> None:
         covered = sorted(self.layer_groups)
-        if not covered or covered[0][0] != 0 or covered[-1][1] != self.n_layers or any(
-            a[1] != b[0] for a, b in zip(covered, covered[1:], strict=False)
+        if (
+            not covered
+            or covered[0][0] != 0
+            or covered[-1][1] != self.n_layers
+            or any(a[1] != b[0] for a, b in itertools.pairwise(covered))
         ):
             raise ValueError(
                 f"profile layer_groups {list(self.layer_groups)} must tile layers 0..{self.n_layers}"
             )
         edges = self.position_bins
-        if len(edges) < 2 or edges[0] != 0.0 or edges[-1] != 1.0 or any(
-            b <= a for a, b in zip(edges, edges[1:], strict=False)
+        if (
+            len(edges) < 2
+            or edges[0] != 0.0
+            or edges[-1] != 1.0
+            or any(b <= a for a, b in itertools.pairwise(edges))
         ):
             raise ValueError(f"profile position_bins {list(edges)} must increase from 0.0 to 1.0")
         if len(self.layer_scores) != len(self.layer_groups):
@@ -91,7 +98,9 @@ class UtilityProfile:
         n_tok = plan.n_tokens
         # Per-token share of each position bin: token t sits at relative position (t + 0.5) / T.
         rel = (np.arange(n_tok) + 0.5) / n_tok
-        bin_of_token = np.clip(np.searchsorted(self.position_bins, rel, side="right") - 1, 0, len(self.position_scores) - 1)
+        bin_of_token = np.clip(
+            np.searchsorted(self.position_bins, rel, side="right") - 1, 0, len(self.position_scores) - 1
+        )
         tokens_in_bin = np.bincount(bin_of_token, minlength=len(self.position_scores)).astype(np.float64)
         # Token weight within its bin: alpha over positions (empty bins carry no weight).
         group_of_layer = np.empty(self.n_layers, dtype=np.int64)
@@ -169,7 +178,7 @@ def synthetic_profile(n_layers: int = 30, n_groups: int = 10, n_bins: int = 10) 
     """
     n_groups = min(n_groups, n_layers)
     bounds = np.linspace(0, n_layers, n_groups + 1).round().astype(int)
-    groups = tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    groups = tuple((int(a), int(b)) for a, b in itertools.pairwise(bounds))
     g = np.arange(n_groups)
     layer_scores = np.exp(-g / 2.0) + 0.15
     centres = (np.arange(n_bins) + 0.5) / n_bins
@@ -193,3 +202,59 @@ def utility_order(block_utilities: npt.NDArray[np.float64]) -> npt.NDArray[np.in
 def fifo_order(n_blocks: int) -> npt.NDArray[np.int64]:
     """Plan order (layer-major), what utility-blind schemes send."""
     return np.arange(n_blocks, dtype=np.int64)
+
+
+def request_block_utilities(
+    plan: BlockPlan, attention_mass: npt.NDArray[np.floating]
+) -> npt.NDArray[np.float64]:
+    """Per-request U_b from the sender's own prefill (SnapKV/H2O style); sums to 1.
+
+    ``attention_mass`` [layers, KV heads, tokens] is the softmax mass each KV row received from the last
+    queries of the context (``llm.prefill(..., observe_window=W)``). Every layer's mass sums to the same
+    total, so this ranks blocks within a layer and weighs layers equally; blend it with a profile to get
+    the profile's view of layers.
+    """
+    mass = np.asarray(attention_mass, dtype=np.float64)
+    want = (plan.geometry.n_layers, plan.geometry.n_kv_heads, plan.n_tokens)
+    if mass.shape != want:
+        raise ValueError(f"attention mass has shape {mass.shape}, the plan needs {want}")
+    per_token = mass.sum(axis=1)  # [layers, tokens]
+    pad = plan.n_token_blocks * plan.block_tokens - plan.n_tokens
+    per_block = np.pad(per_token, ((0, 0), (0, pad))).reshape(plan.geometry.n_layers, plan.n_token_blocks, -1)
+    per_block = per_block.sum(axis=2)
+    layer_total = per_block.sum(axis=1, keepdims=True)
+    share = np.divide(per_block, layer_total, out=np.full_like(per_block, 1.0 / plan.n_token_blocks),
+                      where=layer_total > 0)
+    return np.asarray((share / plan.geometry.n_layers).reshape(-1), dtype=np.float64)
+
+
+def blend_utilities(profile_utilities: npt.NDArray[np.float64], request_utilities: npt.NDArray[np.float64],
+                    request_weight: float = 0.5) -> npt.NDArray[np.float64]:
+    """(1 - w) * profile + w * request; w = 1 replaces the profile, w = 0 ignores the request."""
+    if not 0.0 <= request_weight <= 1.0:
+        raise ValueError(f"request weight {request_weight!r} must lie in [0, 1]")
+    a, b = np.asarray(profile_utilities, np.float64), np.asarray(request_utilities, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"utility vectors differ in shape: {a.shape} vs {b.shape}")
+    return (1.0 - request_weight) * a + request_weight * b
+
+
+UTILITY_MODES = ("profile", "request", "blend")
+
+
+def handoff_utilities(plan: BlockPlan, profile: UtilityProfile, mode: str = "profile",
+                      attention_mass: npt.NDArray[np.floating] | None = None,
+                      request_weight: float = 0.5) -> npt.NDArray[np.float64]:
+    """U_b the sender orders by: the offline profile, the per-request attention utility, or a blend."""
+    if mode not in UTILITY_MODES:
+        raise ValueError(f"utility mode {mode!r} is not one of {', '.join(UTILITY_MODES)}")
+    if mode == "profile":
+        return profile.block_utilities(plan)
+    if attention_mass is None:
+        raise ValueError(
+            f"utility mode {mode!r} needs the prefill's attention mass (prefill with observe_window)"
+        )
+    request = request_block_utilities(plan, attention_mass)
+    if mode == "request":
+        return request
+    return blend_utilities(profile.block_utilities(plan), request, request_weight)
