@@ -25,9 +25,15 @@ def _register_external_commands() -> None:
     """Commands whose modules own their options (imports stay light: typer only reads signatures)."""
     from common.config import keygen_cmd
     from common.emulator import emulate_cmd
+    from common.kvcli import kvcheck_cmd, kvloss_cmd, profile_cmd, profile_plot_cmd, retention_cmd
 
     app.command("keygen", help="Generate a pre-shared key file for a node pair.")(keygen_cmd)
     app.command("emulate", help="Link emulator: rate, delay and loss between two nodes.")(emulate_cmd)
+    app.command("profile", help="Profile a model's KV utility (layer groups x position bins).")(profile_cmd)
+    app.command("profile-plot", help="Plot a utility profile.")(profile_plot_cmd)
+    app.command("retention", help="Teacher-forced agreement under partial KV retention.")(retention_cmd)
+    app.command("kvcheck", help="Fragments -> rebuild: receiver answer vs sender's.")(kvcheck_cmd)
+    app.command("kvloss", help="Needle-QA F1 of mask vs zero reconstruction under block loss.")(kvloss_cmd)
 
 
 _register_external_commands()
@@ -124,6 +130,7 @@ def sim(
         result = simulate(config, names, realizations, progress=_progress("sim"))
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    result["inputs"]["loss"] = loss  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -171,6 +178,210 @@ def bench_codec(
         typer.echo(json.dumps(result, indent=2))
     else:
         typer.echo((out_dir / "codec.md").read_text())
+
+
+# --------------------------------------------------------------------------- daemons (issue 4)
+
+sender_app = typer.Typer(help="The sender daemon (prefill, stream KV, control API).", no_args_is_help=True)
+receiver_app = typer.Typer(help="The receiver daemon (decode, rebuild, generate).", no_args_is_help=True)
+app.add_typer(sender_app, name="sender")
+app.add_typer(receiver_app, name="receiver")
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (deploy/*.example.toml).")]
+
+
+def _daemon_setup(kind: str, config_path: Path | None) -> tuple[Any, bytes, str | None]:
+    """Load the config, the key and the token; any problem prints the bad value and exits 2."""
+    import logging
+    import os
+
+    from common.config import ConfigError, load_config, read_psk, read_token
+
+    try:
+        config = load_config(kind, config_path, os.environ)  # type: ignore[call-overload]
+        psk = read_psk(config.security.psk_file).key
+        token = read_token(config.control.token_file) if config.control.tcp is not None else None
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return config, psk, token
+
+
+@sender_app.command("serve")
+def sender_serve(config: ConfigOpt = None) -> None:
+    """Run the sender daemon until SIGTERM."""
+    from common.emulator import run_event_loop
+    from sender.daemon import serve
+
+    cfg, psk, token = _daemon_setup("sender", config)
+    try:
+        run_event_loop(serve(cfg, psk, token))
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+@receiver_app.command("serve")
+def receiver_serve(config: ConfigOpt = None) -> None:
+    """Run the receiver daemon until SIGTERM."""
+    from common.emulator import run_event_loop
+    from receiver.daemon import serve
+
+    cfg, psk, token = _daemon_setup("receiver", config)
+    try:
+        run_event_loop(serve(cfg, psk, token))
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The handoff report as a few human-readable lines."""
+
+    def num(key: str, fmt: str, scale: float = 1.0) -> str:
+        value = report.get(key)
+        return "-" if value is None else format(value * scale, fmt)
+
+    lines = [
+        f"handoff {report.get('id', '?')}: {report.get('outcome', report.get('state'))}"
+        f" ({report.get('scheme', '?')}, {report.get('mode', '?')} reconstruction)",
+        f"  recovered utility {num('recovered_utility', '.2%')}, blocks {report.get('blocks_recovered', '-')}"
+        f"/{report.get('n_blocks', '-')}, decoded symbols {report.get('decoded_symbols', '-')}"
+        f"/{report.get('n_source', '-')}",
+        f"  sent: source {report.get('source_sent', '-')}, repair {report.get('repair_sent', '-')}, "
+        f"control {report.get('control_sent', '-')}, {num('bytes_sent', ',.0f')} bytes",
+        f"  deadline {num('deadline_ms', '.1f')} ms (rho {num('rho', '.2f')}), "
+        f"slack {num('deadline_slack_ms', '.2f')} ms, "
+        f"receiver start lateness {num('deadline_late_ms', '.2f')} ms",
+        f"  prefill {num('prefill_s', '.2f')} s, TTFT {num('ttft_s', '.3f')} s",
+        f"  answer: {report.get('answer')!r}",
+    ]
+    if "full_kv_answer" in report:
+        lines.append(f"  full-KV answer: {report['full_kv_answer']!r}")
+    if report.get("failure"):
+        lines.append(f"  failure: {report['failure']}")
+    return "\n".join(lines)
+
+
+@app.command()
+def handoff(
+    receiver: Annotated[str, typer.Option(help="Receiver data address HOST:PORT.")],
+    question: Annotated[str | None, typer.Option(help="The question the receiver answers.")] = None,
+    context: Annotated[str | None, typer.Option(help="Context text.")] = None,
+    context_file: Annotated[Path | None, typer.Option(help="Read the context from this file.")] = None,
+    deadline_ms: Annotated[float | None, typer.Option(help="Deadline D in ms.")] = None,
+    rho: Annotated[float | None, typer.Option(help="Deadline as (D - T_ow) / T_ser (default 0.8).")] = None,
+    scheme: Annotated[str | None, typer.Option(help="Scheme (default: the sender's).")] = None,
+    reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
+    rate_mbps: Annotated[float | None, typer.Option(help="Link rate override, Mbit/s.")] = None,
+    full_kv_answer: Annotated[bool, typer.Option(help="Also answer from the sender's intact cache.")] = False,
+    synthetic_tokens: Annotated[
+        int | None, typer.Option(help="Transport test: random KV of this many tokens (no context).")
+    ] = None,
+    socket_path: Annotated[Path, typer.Option("--socket", help="Sender control socket.")] = Path(
+        "/run/pfec/sender.sock"
+    ),
+    url: Annotated[
+        str | None, typer.Option(help="TCP control API http://HOST:PORT (instead of --socket).")
+    ] = None,
+    token_file: Annotated[Path | None, typer.Option(help="Bearer token file for --url.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """Ask the sender daemon for a handoff, wait for it and print the report."""
+    import asyncio
+
+    from common.config import ConfigError, read_token
+    from common.control import ControlClient
+
+    if context_file is not None:
+        try:
+            context = context_file.read_text()
+        except OSError as exc:
+            raise _fail(f"--context-file {str(context_file)!r}: {exc.strerror}") from None
+    body: dict[str, Any] = {"receiver": receiver, "reconstruction": reconstruction,
+                            "full_kv_answer": full_kv_answer}
+    if synthetic_tokens is not None:
+        body.update(synthetic_tokens=synthetic_tokens, generate=False)
+    else:
+        body.update(context=context, question=question)
+    options = {"deadline_ms": deadline_ms, "rho": rho, "scheme": scheme, "rate_mbps": rate_mbps}
+    for key, value in options.items():
+        if value is not None:
+            body[key] = value
+    try:
+        token = read_token(token_file) if token_file is not None else None
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    client = ControlClient(None if url else socket_path, url, token)
+
+    async def run() -> tuple[int, Any]:
+        status, created = await client.request("POST", "/handoffs", body)
+        if status != 202:
+            return status, created
+        hid, state = created["id"], created.get("state")
+        typer.echo(f"handoff {hid}: {state}", err=True)
+        while True:  # progress on stderr: preparing (prefill) -> streaming -> draining -> done/failed
+            status, report = await client.request("GET", f"/handoffs/{hid}?wait=0.5")
+            if status != 200 or report.get("state") in ("done", "failed"):
+                return status, report
+            if report.get("state") != state:
+                state = report.get("state")
+                typer.echo(f"handoff {hid}: {state}", err=True)
+
+    try:
+        status, data = asyncio.run(run())
+    except OSError as exc:
+        raise _fail(f"cannot reach the sender's control API ({url or socket_path}): {exc}") from None
+    if status >= 400:
+        raise _fail(str(data.get("error", data)))
+    typer.echo(json.dumps(data, indent=2) if as_json else format_report(data))
+    if data.get("outcome") != "done":
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    scheme: Annotated[str, typer.Option(help="Scheme.")] = "heuristic",
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = 0.8,
+    loss: Annotated[str, typer.Option(help="Forward loss of the emulated link.")] = "ge:0.001,0.5,0.02,0.1",
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate.")] = 100.0,
+    rtt_ms: Annotated[float, typer.Option(help="Emulated round-trip time.")] = 20.0,
+    tokens: Annotated[int, typer.Option(help="Approximate context tokens (needle QA over essays).")] = 1500,
+    seed: Annotated[int, typer.Option(help="Workload and loss seed.")] = 1,
+    reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
+    compare_sim: Annotated[bool, typer.Option(help="Also run `pfec sim` on the same link (10 runs).")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
+    from common.demo import DemoConfig, format_demo, run_demo
+
+    try:
+        cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
+                         tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim)
+        result = run_demo(cfg)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(json.dumps(result, indent=2) if as_json else format_demo(result))
+
+
+@bench_app.command("transport")
+def bench_transport(
+    handoffs: Annotated[int, typer.Option(help="Handoffs (>= 30 for the lateness percentiles).")] = 30,
+    tokens: Annotated[int, typer.Option(help="Synthetic KV tokens per handoff.")] = 384,
+    rate_mbps: Annotated[float, typer.Option(help="Pacing rate of the sender.")] = 1000.0,
+    deadline_ms: Annotated[float, typer.Option(help="Deadline of each handoff.")] = 1000.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    out_dir: Annotated[Path, typer.Option(help="Where transport.json and transport.md go.")] = DOCS_BENCH,
+) -> None:
+    """Transport only (synthetic KV, FEC + AEAD on): goodput, pps, CPU per packet, deadline lateness."""
+    from common.bench_transport import run_transport_bench, write_transport_bench
+
+    try:
+        result = run_transport_bench(handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps,
+                                     deadline_ms=deadline_ms)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    result["machine"] = machine_info()
+    write_transport_bench(result, out_dir)
+    typer.echo(json.dumps(result, indent=2) if as_json else (out_dir / "transport.md").read_text())
 
 
 def main() -> None:  # pragma: no cover - console entry point

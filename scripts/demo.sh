@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone: set up .venv (idempotent), then run a simulated handoff report.
+# The main job, from a fresh clone: set up .venv (idempotent), then hand a real context's KV cache from a
+# sender daemon to a receiver daemon through the link emulator on this machine (default model, rho 0.8,
+# 100 Mbit/s, 20 ms RTT, bursty GE loss) and print the report next to the full-KV answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/pfec sim --rho 0.8 --loss ge:0.001,0.5,0.02,0.1 --rate-mbps 100 --rtt-ms 20 \
-    --tokens 1536 --realizations 5 "$@"
+exec .venv/bin/pfec demo "$@"

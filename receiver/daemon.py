@@ -1,0 +1,556 @@
+"""Receiver daemon: a thin asyncio adapter over ``ReceiverEndpoint`` (sans-IO), plus rebuild + generation.
+
+- One UDP socket (large SO_RCVBUF; SO_RCVBUFFORCE as root) feeds ``endpoint.receive_datagram``; every
+  reply goes to the address the session's OFFER came from.
+- One loop timer (``loop.call_at`` on the loop's monotonic clock, which is the sessions' ``now``) tracks
+  ``endpoint.get_timer()``.
+- ``DeadlineReached`` files the decoded symbols by fragment id and hands them to a single worker thread
+  (rebuild the partial cache, generate); its RESULT goes back through ``session.send_result``.
+- Results are kept (last ``RESULTS_KEPT``) for the control API; sessions are bounded by the endpoint's
+  config and reaped by the endpoint (a vanished sender's session closes after its RESULT retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.handoff import (
+    ModelIdentity,
+    OfferApp,
+    ResultApp,
+    file_by_fragment,
+    load_profile,
+    pack_bits,
+    recovered_utility,
+)
+from common.session_events import CpuMeter
+from common.wire import MsgType, RefuseCode, peek_header
+from receiver.metrics import ReceiverMetrics
+from receiver.session import (
+    DeadlineReached,
+    OfferReceived,
+    ReceiverConfig,
+    ReceiverEndpoint,
+    SessionClosed,
+)
+
+log = logging.getLogger("pfec.receiver")
+RESULTS_KEPT = 256
+_TYPE_NAMES = {int(t): t.name.lower() for t in MsgType}
+_OFFER_TYPE = int(MsgType.OFFER)
+# The sessions' clock: the loop's monotonic clock at full resolution (uvloop's loop.time() has the same
+# base but 1 ms steps; timers still fire through loop.call_at).
+clock = time.monotonic
+TIMER_EARLY_S = 0.0015
+
+
+SO_RCVBUFFORCE, SO_SNDBUFFORCE = 33, 32  # Linux; Python's socket module does not export them
+
+
+def set_buffers(sock: socket.socket, rcvbuf: int, sndbuf: int) -> None:
+    """Large socket buffers: the FORCE options as root (beyond net.core.rmem_max), else the capped ones."""
+    for force, plain, size in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf),
+                               (SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except OSError:  # EPERM without CAP_NET_ADMIN, or not Linux
+            sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
+def open_udp_socket(host: str, port: int, rcvbuf: int, sndbuf: int) -> socket.socket:
+    """A bound, non-blocking UDP socket with big buffers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        set_buffers(sock, rcvbuf, sndbuf)
+        sock.setblocking(False)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind UDP {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+@dataclass
+class SessionInfo:
+    session_id: int
+    peer: Any
+    opened_at: float
+    deadline: float
+    app: OfferApp | None = None
+    state: str = "receiving"
+    result: dict[str, Any] | None = None
+
+
+@dataclass
+class Rebuilt:
+    """What the worker thread returns."""
+
+    answer: str | None
+    generation_ttft_s: float | None
+    rebuild_s: float | None
+    error: str | None = None
+
+
+@dataclass
+class Reconstructed:
+    complete: Any  # bool [n_blocks]: blocks whose every fragment was decoded (None after a failure)
+    utility: float | None
+    rebuilt: Rebuilt
+
+
+def reconstruct(runtime: Any, identity: ModelIdentity, app: OfferApp, profile: Any,
+                decoded_esis: Any, store: Any) -> Reconstructed:
+    """Worker thread: file the decoded symbols by fragment id, score them, rebuild the cache, generate."""
+    plan = identity.plan(app.n_tokens)
+    received = file_by_fragment(plan, decoded_esis, store)
+    utility = None
+    if profile is not None:
+        utility = recovered_utility(profile.block_utilities(plan), received.complete_blocks)
+    if not app.generate or runtime is None:
+        return Reconstructed(received.complete_blocks, utility, Rebuilt(None, None, None))
+    from common import llm
+
+    kv = llm.rebuild_from_symbols(runtime, plan, received.store, received.have, app.mode)
+    gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
+    return Reconstructed(received.complete_blocks, utility, Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s))
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, daemon: ReceiverDaemon) -> None:
+        self.daemon = daemon
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            self.daemon.on_datagram(data, addr)
+        except Exception:  # a bug must cost one datagram, not the socket (the loop would close it)
+            log.exception("receive path failed; datagram dropped")
+            self.daemon.metrics.dropped("other")
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("UDP error: %s", exc)
+
+
+@dataclass
+class ReceiverStatsSnapshot:
+    received: int = 0
+    bytes_received: int = 0
+    deadline_late_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class ReceiverDaemon:
+    """All sessions of one receiver node on one UDP socket."""
+
+    def __init__(
+        self,
+        identity: ModelIdentity,
+        psk: bytes,
+        *,
+        runtime: Any = None,
+        session_config: ReceiverConfig | None = None,
+        metrics: ReceiverMetrics | None = None,
+        default_mode: str = "mask",
+    ) -> None:
+        self.identity = identity
+        self.runtime = runtime  # None: synthetic KV, no generation (transport benchmarks)
+        self.fingerprint = identity.fingerprint()
+        self.metrics = metrics or ReceiverMetrics(process_metrics=False)
+        self.cpu = CpuMeter(time.perf_counter_ns)
+        self.endpoint = ReceiverEndpoint(psk, self.fingerprint, session_config, admit=None, cpu=self.cpu)
+        self.default_mode = default_mode
+        self.sessions: dict[int, SessionInfo] = {}
+        self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
+        self.stats = ReceiverStatsSnapshot()
+        self._peers: dict[int, Any] = {}  # session id -> reply address (sessions and pending refusals)
+        self._transport: asyncio.DatagramTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at: float | None = None
+        self._service_pending = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfec-generate")
+        self._drops_seen: dict[str, int] = {}
+        self._jobs: set[asyncio.Future[Any]] = set()
+        self._profiles: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock = open_udp_socket(host, port, rcvbuf, sndbuf)
+        transport, _ = await self._loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        self._transport = transport
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._transport is not None, "receiver not started"
+        host, port = self._transport.get_extra_info("sockname")[:2]
+        return str(host), int(port)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        for job in list(self._jobs):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(job), 30)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ receive path
+    def on_datagram(self, data: bytes, addr: Any) -> None:
+        assert self._loop is not None
+        now = clock()
+        self.stats.received += 1
+        self.stats.bytes_received += len(data)
+        endpoint = self.endpoint
+        if len(data) > 1 and data[1] == _OFFER_TYPE:
+            sid = self._session_id_of(data)
+            if sid is not None and sid not in endpoint.sessions:
+                self._peers[sid] = addr  # the OFFER's source: where this session's replies go (pruned)
+        endpoint.receive_datagram(data, now)
+        if len(data) > 1:
+            kind = _TYPE_NAMES.get(data[1])
+            if kind is not None:
+                self.metrics.datagram_received(kind, len(data))
+        if not self._service_pending:  # once per loop iteration, after every datagram that was ready
+            self._service_pending = True
+            self._loop.call_soon(self._deferred_service)
+
+    def _deferred_service(self) -> None:
+        self._service_pending = False
+        self._service(clock())
+
+    @staticmethod
+    def _session_id_of(data: bytes) -> int | None:
+        try:
+            return peek_header(data).session_id
+        except Exception:
+            return None
+
+    def _service(self, now: float) -> None:
+        """Drain events, send what the sessions queued, re-arm the timer."""
+        endpoint = self.endpoint
+        while (event := endpoint.next_event()) is not None:
+            self._on_event(event, now)
+        self._flush()
+        self._export_drops()
+        self._arm_timer()
+
+    def _flush(self) -> None:
+        transport = self._transport
+        out = self.endpoint.datagrams_to_send()
+        for sid, datagram in out:
+            peer = self._peers.get(sid)
+            if peer is None or transport is None:
+                self.metrics.dropped("send_failed")
+                continue
+            try:
+                transport.sendto(datagram, peer)
+            except OSError:
+                self.metrics.dropped("send_failed")
+                continue
+            kind = _TYPE_NAMES.get(datagram[1])
+            if kind is not None:
+                self.metrics.datagram_sent(kind, len(datagram))
+        if len(self._peers) > len(self.endpoint.sessions):
+            live = self.endpoint.sessions
+            for sid in [s for s in self._peers if s not in live]:
+                del self._peers[sid]
+
+    def _export_drops(self) -> None:
+        drops = self.endpoint.drops
+        if drops == self._drops_seen:
+            return
+        for reason, count in drops.items():
+            delta = count - self._drops_seen.get(reason, 0)
+            if delta:
+                self.metrics.dropped(reason, delta)
+        self._drops_seen = dict(drops)
+
+    # ------------------------------------------------------------------ timers
+    def _arm_timer(self) -> None:
+        """One loop timer for the endpoint's next deadline, armed ``TIMER_EARLY_S`` early.
+
+        Loop timers have 1 ms steps (uvloop); the last stretch is spent polling I/O with ``call_soon``
+        so a deadline starts within tens of microseconds instead of up to a millisecond late.
+        """
+        loop = self._loop
+        assert loop is not None
+        at = self.endpoint.get_timer()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = loop.call_at(at - TIMER_EARLY_S, self._on_timer)
+
+    def _on_timer(self) -> None:
+        assert self._loop is not None
+        now = clock()
+        at = self._timer_at
+        if at is not None and now < at:
+            self._timer = self._loop.call_soon(self._on_timer)
+            return
+        self._timer = None
+        self._timer_at = None
+        self.endpoint.handle_timer(now)
+        self._service(now)
+
+    # ------------------------------------------------------------------ events
+    def _on_event(self, event: Any, now: float) -> None:
+        if isinstance(event, OfferReceived):
+            self._on_offer(event, now)
+        elif isinstance(event, DeadlineReached):
+            self._on_deadline(event, now)
+        elif isinstance(event, SessionClosed):
+            self._on_closed(event)
+
+    def _on_offer(self, event: OfferReceived, now: float) -> None:
+        session = self.endpoint.sessions.get(event.session_id)
+        if session is None:
+            return
+        info = SessionInfo(event.session_id, self._peers.get(event.session_id), now, session.deadline)
+        self.sessions[event.session_id] = info
+        self.metrics.session_started()
+        try:
+            app = OfferApp.decode(event.app_blob)
+            plan = self.identity.plan(app.n_tokens)
+            if plan.n_fragments != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
+                raise ValueError(
+                    f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
+                    f"{plan.symbol_size} B here, the sender offers {event.offer.n_source} of "
+                    f"{event.offer.symbol_size} B"
+                )
+            if app.generate and self.runtime is None:
+                raise ValueError("OFFER asks for generation, but this receiver runs without a model")
+        except ValueError as exc:
+            info.state = "refused"
+            session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
+            return
+        info.app = app
+
+    def _on_deadline(self, event: DeadlineReached, now: float) -> None:
+        info = self.sessions.get(event.session_id)
+        late = now - event.stats.deadline_at
+        self.stats.deadline_late_s.append(late)
+        self.metrics.deadline_started(late)
+        stats = event.stats
+        self.metrics.decoder_stall(stats.stall_time_s, stats.stalls)
+        self.metrics.symbols_decoded(len(event.decoded_esis))
+        self.metrics.redundant_repairs(stats.redundant_repairs)
+        if info is None or info.app is None:  # the OFFER's application part never completed
+            self._result_without_rebuild(event, late, "the OFFER's application data never arrived complete")
+            return
+        info.state = "generating"
+        app = info.app
+        base = {"late": late, "decoded": len(event.decoded_esis), "stats": stats,
+                "n_source": len(event.have)}
+        loop = self._loop
+        assert loop is not None
+        # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
+        job = loop.run_in_executor(self._executor, reconstruct, self.runtime, self.identity, app,
+                                   self._profile(app.profile), event.decoded_esis, event.store)
+        self._jobs.add(job)
+        job.add_done_callback(lambda fut: self._on_generated(event.session_id, base, fut))
+
+    def _result_without_rebuild(self, event: DeadlineReached, late: float, error: str) -> None:
+        """Answer with an error RESULT so the session still ends (RESULT, then CLOSE or retries)."""
+        sid = event.session_id
+        session = self.endpoint.sessions.get(sid)
+        if session is None:
+            return
+        if sid not in self.sessions:
+            self.sessions[sid] = SessionInfo(sid, self._peers.get(sid), clock(), event.stats.deadline_at)
+            self.metrics.session_started()
+        info = self.sessions[sid]
+        info.state = "result_sent"
+        result = ResultApp(None, 0, 0, len(event.decoded_esis), len(event.have), pack_bits(np.zeros(0, bool)),
+                           None, None, late * 1000, None, self.default_mode, error=error)
+        info.result = {"session_id": f"{sid:016x}", "finished_at": time.time(), "error": error}
+        self.results.append(info.result)
+        session.send_result(result.encode(), clock())
+
+    def _profile(self, name: str) -> Any:
+        if name not in self._profiles:
+            try:
+                self._profiles[name] = load_profile(self.identity, name)
+            except ValueError:
+                self._profiles[name] = None  # unknown here: the sender scores from the blocks bitmap
+        return self._profiles[name]
+
+    def _on_generated(self, sid: int, base: dict[str, Any], fut: asyncio.Future[Any]) -> None:
+        self._jobs.discard(fut)
+        now = clock()
+        info = self.sessions.get(sid)
+        try:
+            done: Reconstructed = fut.result()
+        except Exception as exc:  # filing, rebuild or generation failed: report it, keep serving
+            log.exception("session %016x: rebuild/generation failed", sid)
+            done = Reconstructed(None, None, Rebuilt(None, None, None, f"{type(exc).__name__}: {exc}"))
+        if info is None:
+            return
+        rebuilt = done.rebuilt
+        stats = base["stats"]
+        if done.utility is not None:
+            self.metrics.recovered_utility(done.utility)
+        ttft = None
+        if rebuilt.generation_ttft_s is not None:
+            # OFFER arrival -> first token: the wait for the deadline, start lateness, rebuild, forward.
+            ttft = (info.deadline + base["late"] + rebuilt.generation_ttft_s) - info.opened_at
+            self.metrics.ttft(ttft)
+        complete = done.complete if done.complete is not None else np.zeros(0, dtype=bool)
+        result = ResultApp(
+            recovered_utility=done.utility,
+            blocks_recovered=int(complete.sum()),
+            n_blocks=len(complete),
+            decoded_symbols=base["decoded"],
+            n_source=base["n_source"],
+            blocks_bitmap=pack_bits(complete),
+            ttft_s=ttft,
+            generation_ttft_s=rebuilt.generation_ttft_s,
+            deadline_late_ms=base["late"] * 1000,
+            answer=rebuilt.answer,
+            mode=info.app.mode if info.app else self.default_mode,
+            rebuild_s=rebuilt.rebuild_s,
+            error=rebuilt.error,
+            stats={
+                "received": dict(stats.received),
+                "lost": stats.lost,
+                "late": stats.late,
+                "acks_sent": stats.acks_sent,
+                "stalls": stats.stalls,
+                "redundant_repairs": stats.redundant_repairs,
+            },
+        )
+        record = {"session_id": f"{sid:016x}", "finished_at": time.time(), **result.__dict__}
+        record.pop("blocks_bitmap", None)
+        info.result = record
+        info.state = "result_sent"
+        self.results.append(record)
+        session = self.endpoint.sessions.get(sid)
+        if session is not None:
+            session.send_result(result.encode(), now)
+        self._service(now)
+
+    def _on_closed(self, event: SessionClosed) -> None:
+        info = self.sessions.pop(event.session_id, None)
+        reason = event.reason
+        if info is None:  # refused before it existed
+            if reason.startswith("refused"):
+                self.metrics.session_refused()
+                self.results.append(
+                    {"session_id": f"{event.session_id:016x}", "finished_at": time.time(), "error": reason}
+                )
+            return
+        if info.state == "refused":
+            outcome = "failed"
+        elif reason.startswith("sender closed (DONE)"):
+            outcome = "done"
+        elif reason.startswith("sender closed"):
+            outcome = "cancelled"
+        elif "sender gone" in reason:
+            outcome = "timeout"
+        else:
+            outcome = "failed"
+        self.metrics.session_finished(outcome)
+        if info.result is None:
+            self.results.append(
+                {"session_id": f"{event.session_id:016x}", "finished_at": time.time(), "error": reason}
+            )
+
+    # ------------------------------------------------------------------ control API views
+    def session_views(self) -> list[dict[str, Any]]:
+        now = clock()
+        out = []
+        for sid, info in self.sessions.items():
+            session = self.endpoint.sessions.get(sid)
+            out.append(
+                {
+                    "session_id": f"{sid:016x}",
+                    "state": info.state,
+                    "peer": f"{info.peer[0]}:{info.peer[1]}" if info.peer else None,
+                    "deadline_in_ms": round((info.deadline - now) * 1000, 3),
+                    "decoded_symbols": session.decoder.decoded_count if session else None,
+                    "n_source": session.offer.n_source if session else None,
+                }
+            )
+        return out
+
+    def health(self) -> dict[str, Any]:
+        late = np.asarray(self.stats.deadline_late_s, dtype=float)
+        return {
+            "status": "ok",
+            "role": "receiver",
+            "model": self.identity.model_id,
+            "fingerprint": self.fingerprint.hex()[:16],
+            "udp": f"{self.address[0]}:{self.address[1]}",
+            "sessions": len(self.endpoint.sessions),
+            "datagrams_received": self.stats.received,
+            "drops": dict(self.endpoint.drops),
+            "deadline_late_ms_p99": float(np.percentile(late, 99) * 1000) if len(late) else None,
+        }
+
+
+# --------------------------------------------------------------------------- `pfec receiver serve`
+
+
+async def serve(config: Any, psk: bytes, token: str | None = None,
+                ready: Callable[[ReceiverDaemon], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run a receiver from a ``ReceiverDaemonConfig`` until SIGINT/SIGTERM (or ``stop``)."""
+    from common.control import ControlServer, receiver_routes
+    from common.fec import warm_up
+    from common.handoff import load_runtime
+
+    warm_up()
+    runtime, identity = await asyncio.get_running_loop().run_in_executor(
+        None, load_runtime, config.model.path, config.model.device, config.model.cache_dir
+    )
+    limits = config.limits
+    daemon = ReceiverDaemon(
+        identity, psk, runtime=runtime,
+        session_config=ReceiverConfig(max_sessions=limits.max_sessions,
+                                      max_session_bytes=limits.max_session_bytes),
+        metrics=ReceiverMetrics(), default_mode=config.reconstruction,
+    )
+    await daemon.start(config.udp.host, config.udp.port, config.udp.rcvbuf_bytes, config.udp.sndbuf_bytes)
+    control = ControlServer(receiver_routes(daemon))
+    await control.start(config.control.socket, config.control.tcp_address, token)
+    metrics_runner = None
+    if config.metrics.enabled:
+        metrics_runner = await daemon.metrics.serve(config.metrics.host, config.metrics.port)
+    log.info("receiver ready: model %s, fingerprint %s, UDP %s:%d", identity.model_id,
+             daemon.fingerprint.hex()[:16], *daemon.address)
+    if ready is not None:
+        ready(daemon)
+    try:
+        await wait_for_signal(stop)
+    finally:
+        await control.close()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
+        await daemon.close()
+
+
+async def wait_for_signal(stop: asyncio.Event | None = None) -> None:
+    import signal
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,617 @@
+"""Daemons over real sockets: handoffs through the UDP relay, failures, hostile datagrams, refusal, the
+control API and the CLI, and (root) two network namespaces joined by the TUN emulator.
+
+Most tests use a tiny random-init Llama (fast) or synthetic KV (no model); tests/test_demo.py runs the
+real default model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from common import fec, llm
+from common.channel import Bernoulli
+from common.control import ControlClient, ControlServer, sender_routes
+from common.demo import Child
+from common.emulator import (
+    DirectionSpec,
+    EmulatorConfig,
+    NetnsSpec,
+    TunBridge,
+    UdpRelay,
+    netns_available,
+    run_event_loop,
+    setup_namespaces,
+    teardown_namespaces,
+)
+from common.handoff import runtime_identity, synthetic_identity
+from common.kvlayout import KVGeometry
+from common.wire import PacketProtector, Role, Source, peek_header
+from receiver.daemon import ReceiverDaemon
+from sender.daemon import Handoff, HandoffSpec, SenderDaemon
+from sender.kv import ContextInput
+
+T = TypeVar("T")
+PSK = bytes(range(100, 132))
+VOCAB = 96
+SMALL = KVGeometry(n_layers=4, n_kv_heads=2, head_dim=32, dtype="bf16")  # 1 KiB of KV per token
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    return run_event_loop(main)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_codec() -> None:
+    fec.warm_up()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> llm.ModelRuntime:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    backend = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    backend.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
+    return llm.runtime_from_model(model, tok, "tiny-llama", Path("."), "0" * 64, "fp32")
+
+
+def _context(n: int = 150, seed: int = 0) -> str:
+    return " ".join(f"w{i}" for i in np.random.default_rng(seed).integers(3, VOCAB, size=n))
+
+
+async def _wait(handoff: Handoff, timeout: float = 60.0) -> dict[str, Any]:
+    await asyncio.wait_for(handoff.done.wait(), timeout)
+    return handoff.view()
+
+
+# --------------------------------------------------------------------------- handoffs
+
+
+def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRuntime) -> None:
+    """Tiny model, 10% loss at 20 Mbit/s: repairs are sent, everything is recovered, answers agree."""
+    identity = runtime_identity(tiny)
+    link = EmulatorConfig(DirectionSpec(20e6, 0.005, Bernoulli(0.1)), DirectionSpec(20e6, 0.005), seed=3)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], bytes]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
+            tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=5, scheme="heuristic")
+            h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                      relay.listen_address, rho=5.0, full_kv_answer=True, max_new_tokens=6,
+                                      repair_budget=0.5))
+            report = await _wait(h)
+            stats = relay.stats()
+            await tx.close()
+        metrics = rx.metrics.exposition()
+        await rx.close()
+        return report, stats, list(rx.results), metrics
+
+    report, stats, results, metrics = run(main())
+    assert report["outcome"] == "done", report
+    assert stats["forward"]["lost"] > 0 and report["repair_sent"] > 0, (stats, report)
+    assert report["recovered_utility"] == pytest.approx(1.0), report
+    assert report["blocks_recovered"] == report["n_blocks"]
+    assert report["answer"] == report["full_kv_answer"] and report["answer"], report
+    assert report["ttft_s"] > report["deadline_ms"] / 1000 * 0.5
+    assert report["source_sent"] == report["n_source"]
+    assert results and results[-1]["recovered_utility"] == pytest.approx(1.0)
+    assert b"pfec_receiver_sessions_total{outcome=\"done\"} 1.0" in metrics
+
+
+def test_partial_delivery_scores_like_the_blocks_received() -> None:
+    """A deadline too short for the context: part of the KV arrives, utility is in (0, 1) on both sides."""
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=2048), rx.address, rho=0.4, generate=False))
+        report = await _wait(h)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "done", report
+    assert 0.2 < report["recovered_utility"] < 0.95, report
+    assert report["receiver_recovered_utility"] == pytest.approx(report["recovered_utility"])
+    assert report["source_sent"] < report["n_source"]
+    assert report["deadline_slack_ms"] >= -10.0  # the last send stays at the deadline (a loaded loop lags)
+
+
+def test_pacing_holds_the_link_rate() -> None:
+    """No loss, a long deadline: the stream takes its serialisation time at the configured rate."""
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority")
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=512), rx.address, rho=3.0, generate=False))
+        report = await _wait(h)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "done" and report["source_sent"] == report["n_source"], report
+    streamed_s = (report["deadline_ms"] - 1.0 - report["deadline_slack_ms"]) / 1000
+    wire_s = report["bytes_sent"] * 8 / 20e6
+    assert 0.9 * wire_s <= streamed_s <= 1.3 * wire_s + 0.01, (streamed_s, wire_s)
+
+
+def test_receiver_killed_mid_stream_sender_reports_and_recovers() -> None:
+    identity = synthetic_identity(SMALL)
+    child = Child("receiver", model="synthetic", psk=PSK, geometry=SMALL)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        address = tuple(await asyncio.get_running_loop().run_in_executor(None, child.wait_ready))
+        tx = SenderDaemon(identity, PSK, rate_mbps=10, owd_ms=1, result_wait_s=0.3)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=1024), address, deadline_ms=800,
+                                  rho=None, generate=False))
+        while h.state != "streaming":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        child.kill()
+        failed = await _wait(h, 10)
+        # The sender is still healthy: a new receiver gets a complete handoff.
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        h2 = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=64), rx.address, rho=3.0, generate=False))
+        ok = await _wait(h2, 10)
+        health = tx.health()
+        await tx.close()
+        await rx.close()
+        return failed, ok, health
+
+    try:
+        failed, ok, health = run(main())
+    finally:
+        child.kill()
+    assert failed["outcome"] == "failed", failed
+    assert "no RESULT" in failed["failure"], failed
+    assert 0 < failed["source_sent"] < failed["n_source"]
+    assert ok["outcome"] == "done" and ok["recovered_utility"] == pytest.approx(1.0), ok
+    assert health["status"] == "ok" and health["active_handoffs"] == 0
+
+
+def test_sender_vanishing_or_shutting_down_leaves_no_state_on_the_receiver() -> None:
+    """A sender that goes silent is reaped after its deadline; one that shuts down sends CLOSE at once."""
+    identity = synthetic_identity(SMALL)
+    link = EmulatorConfig(DirectionSpec(0, 0.001), DirectionSpec(0, 0.001))
+
+    async def reaped(rx: ReceiverDaemon, limit_s: float) -> float:
+        started = time.monotonic()
+        while rx.endpoint.sessions or rx.sessions:
+            assert time.monotonic() - started < limit_s, rx.session_views()
+            await asyncio.sleep(0.01)
+        return time.monotonic() - started
+
+    async def main() -> tuple[ReceiverDaemon, float, float, bytes, dict[str, Any]]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=10, owd_ms=1)
+        # 1. Vanished: the path through the relay disappears mid-stream (no CLOSE can arrive).
+        relay = UdpRelay(link, ("127.0.0.1", 0), rx.address)
+        await relay.start()
+        tx.submit(HandoffSpec(ContextInput(synthetic_tokens=1024), relay.listen_address, deadline_ms=300,
+                              rho=None, generate=False))
+        while not rx.endpoint.sessions:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await relay.close()
+        silent = await reaped(rx, 5.0)  # deadline + RESULT retries (20 x 50 ms)
+        # 2. Shutdown: the sender cancels with a CLOSE; the receiver frees the session before its deadline.
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=1024), rx.address, deadline_ms=3000,
+                                  rho=None, generate=False))
+        while not rx.endpoint.sessions:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await tx.close()
+        closed = await reaped(rx, 1.0)
+        metrics = rx.metrics.exposition()
+        await rx.close()
+        return rx, silent, closed, metrics, h.view()
+
+    rx, silent, closed, metrics, cancelled = run(main())
+    assert not rx.endpoint.sessions and not rx.sessions and not rx._peers and not rx._jobs
+    assert silent > 0.2 and closed < 0.5, (silent, closed)
+    assert b'pfec_receiver_sessions_total{outcome="timeout"} 1.0' in metrics
+    assert b'pfec_receiver_sessions_total{outcome="cancelled"} 1.0' in metrics
+    assert cancelled["outcome"] == "cancelled" and "shutting down" in cancelled["failure"], cancelled
+
+
+def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded() -> None:
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> list[dict[str, Any]]:
+        from receiver.session import ReceiverConfig
+
+        rx = ReceiverDaemon(identity, PSK, session_config=ReceiverConfig(max_sessions=3))
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, result_wait_s=1)
+        spec = HandoffSpec(ContextInput(synthetic_tokens=128), rx.address, deadline_ms=400, rho=None,
+                           generate=False)
+        handoffs = [tx.submit(spec) for _ in range(5)]
+        reports = [await _wait(h, 20) for h in handoffs]
+        await tx.close()
+        await rx.close()
+        assert not rx.endpoint.sessions and not rx.sessions
+        return reports
+
+    reports = run(main())
+    outcomes = sorted(r["outcome"] for r in reports)
+    assert outcomes == ["done", "done", "done", "refused", "refused"], [r.get("failure") for r in reports]
+    assert all("OVERLOADED" in r["failure"] for r in reports if r["outcome"] == "refused")
+    assert all(r["recovered_utility"] == pytest.approx(1.0) for r in reports if r["outcome"] == "done")
+
+
+def test_a_bug_in_one_handoff_fails_it_and_spares_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sender.session import SenderSession
+
+    identity = synthetic_identity(SMALL)
+    real = SenderSession.next_datagram
+    calls = {"n": 0}
+
+    def flaky(self: SenderSession, now: float) -> bytes | None:
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise RuntimeError("injected fault")
+        return real(self, now)
+
+    monkeypatch.setattr(SenderSession, "next_datagram", flaky)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1)
+        spec = HandoffSpec(ContextInput(synthetic_tokens=128), rx.address, rho=3.0, generate=False)
+        first = await _wait(tx.submit(spec), 10)
+        second = await _wait(tx.submit(spec), 10)
+        await tx.close()
+        await rx.close()
+        return first, second
+
+    first, second = run(main())
+    assert first["outcome"] == "failed" and "injected fault" in first["failure"], first
+    assert second["outcome"] == "done" and second["recovered_utility"] == pytest.approx(1.0), second
+
+
+class _Tap(asyncio.DatagramProtocol):
+    """Sender -> receiver forwarder that also injects garbage, forged and replayed datagrams (or, with
+    ``drop_offer_parts``, loses every OFFER datagram after the first)."""
+
+    def __init__(self, receiver: tuple[str, int], drop_offer_parts: bool = False) -> None:
+        self.receiver = receiver
+        self.drop_offer_parts = drop_offer_parts
+        self.offers = 0
+        self.transport: asyncio.DatagramTransport | None = None
+        self.sender_addr: Any = None
+        self.seen: list[bytes] = []
+        self.injected = {"garbage": 0, "forged": 0, "replayed": 0}
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        assert self.transport is not None
+        if addr == self.receiver:
+            self.transport.sendto(data, self.sender_addr)
+            return
+        self.sender_addr = addr
+        if self.drop_offer_parts:
+            self.offers += data[1] == 4
+            if data[1] != 4 or self.offers == 1:
+                self.transport.sendto(data, self.receiver)
+            return
+        self.transport.sendto(data, self.receiver)
+        self.seen.append(data)
+        n = len(self.seen)
+        if data[1] == 1 and n % 5 == 0:  # SOURCE: replay an older one, forge one, add garbage
+            self.transport.sendto(self.seen[n // 2], self.receiver)
+            self.injected["replayed"] += 1
+            header = peek_header(data)
+            wrong = PacketProtector(bytes(32), header.session_id, Role.SENDER, len(data) - 34)
+            forged = wrong.seal(Source(0, bytes(len(data) - 34)))
+            self.transport.sendto(forged, self.receiver)
+            self.injected["forged"] += 1
+            self.transport.sendto(os.urandom(n % 1500 + 1), self.receiver)
+            self.injected["garbage"] += 1
+
+
+def test_garbage_forged_and_replayed_datagrams_are_dropped_and_counted() -> None:
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> tuple[dict[str, Any], dict[str, int], dict[str, int], bytes]:
+        loop = asyncio.get_running_loop()
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        transport, tap = await loop.create_datagram_endpoint(lambda: _Tap(rx.address),
+                                                             local_addr=("127.0.0.1", 0))
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, result_wait_s=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=256), transport.get_extra_info("sockname"),
+                                  rho=3.0, generate=False))
+        report = await _wait(h, 20)
+        await tx.close()
+        transport.close()
+        drops = dict(rx.endpoint.drops)
+        metrics = rx.metrics.exposition()
+        await rx.close()
+        return report, tap.injected, drops, metrics
+
+    report, injected, drops, metrics = run(main())
+    assert report["outcome"] == "done" and report["recovered_utility"] == pytest.approx(1.0), report
+    assert min(injected.values()) >= 5, injected
+    assert drops.get("replay", 0) + drops.get("too_old", 0) == injected["replayed"], drops
+    assert drops.get("auth", 0) >= injected["forged"], drops
+    garbage = sum(v for k, v in drops.items() if k not in ("replay", "too_old", "auth"))
+    assert garbage + drops.get("auth", 0) - injected["forged"] == injected["garbage"], drops
+    line = f'pfec_receiver_datagrams_dropped_total{{reason="replay"}} {float(drops["replay"])}'
+    assert line.encode() in metrics
+
+
+def test_incomplete_offer_ends_with_an_error_result_not_a_stuck_session() -> None:
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> tuple[dict[str, Any], ReceiverDaemon]:
+        loop = asyncio.get_running_loop()
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        transport, _tap = await loop.create_datagram_endpoint(lambda: _Tap(rx.address, drop_offer_parts=True),
+                                                              local_addr=("127.0.0.1", 0))
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, result_wait_s=1)
+        long_question = tuple(range(3, 1500))  # an OFFER blob of several parts
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=64, question_ids=long_question),
+                                  transport.get_extra_info("sockname"), rho=3.0, generate=False))
+        report = await _wait(h, 20)
+        for _ in range(200):
+            if not rx.endpoint.sessions:
+                break
+            await asyncio.sleep(0.01)
+        await tx.close()
+        transport.close()
+        await rx.close()
+        return report, rx
+
+    report, rx = run(main())
+    assert report["outcome"] == "failed" and "never arrived complete" in report["failure"], report
+    assert not rx.endpoint.sessions and not rx.sessions
+
+
+def test_peer_with_another_model_is_refused_with_the_reason() -> None:
+    async def main() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        rx = ReceiverDaemon(synthetic_identity(SMALL, "model-a"), PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(synthetic_identity(SMALL, "model-b"), PSK, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=64), rx.address, rho=2.0, generate=False))
+        report = await _wait(h, 10)
+        await tx.close()
+        await asyncio.sleep(0.05)
+        results = list(rx.results)
+        await rx.close()
+        return report, results
+
+    report, results = run(main())
+    assert report["outcome"] == "refused", report
+    assert "FINGERPRINT_MISMATCH" in report["failure"] and "same model" in report["failure"], report
+    assert report["source_sent"] < report["n_source"]
+    assert results and "refused" in results[-1]["error"]
+
+
+# --------------------------------------------------------------------------- control API and CLI
+
+
+class _LoopThread:
+    """An event loop in a background thread (the CLI under test runs its own asyncio.run)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from common.cli import app
+
+    identity = synthetic_identity(SMALL)
+    sock = tmp_path / "sender.sock"
+    token = "t" * 32
+    lt = _LoopThread()
+
+    async def start() -> tuple[SenderDaemon, ReceiverDaemon, ControlServer]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1)
+        server = ControlServer(sender_routes(tx))
+        await server.start(sock, ("127.0.0.1", 0), token)
+        return tx, rx, server
+
+    tx, rx, server = lt.call(start())
+    try:
+        assert oct(sock.stat().st_mode & 0o777) == "0o660"
+        client = ControlClient(sock)
+        target = f"{rx.address[0]}:{rx.address[1]}"
+        bad = [
+            ({"synthetic_tokens": 64}, "receiver"),
+            ({"receiver": "nohost", "synthetic_tokens": 64}, "receiver"),
+            ({"receiver": target, "synthetic_tokens": 64, "rho": -1}, "rho"),
+            ({"receiver": target, "synthetic_tokens": 64, "scheme": "bogus"}, "scheme"),
+            ({"receiver": target, "synthetic_tokens": 64, "reconstruction": "blur"}, "reconstruction"),
+            ({"receiver": target, "synthetic_tokens": 64, "colour": 1}, "colour"),
+            ({"receiver": target, "context": "x"}, "question"),
+        ]
+        for body, field in bad:
+            status, data = lt.call(client.request("POST", "/handoffs", body))
+            assert status == 422, (body, data)
+            assert field in data["error"], (field, data)
+        status, data = lt.call(client.request("GET", "/handoffs/nope"))
+        assert status == 404 and "nope" in data["error"]
+        # TCP needs the bearer token.
+        url = f"http://127.0.0.1:{server.tcp_port}"
+        status, data = lt.call(ControlClient(url=url, token="wrong" * 4).request("GET", "/healthz"))
+        assert status == 401
+        status, data = lt.call(ControlClient(url=url, token=token).request("GET", "/healthz"))
+        assert status == 200 and data["role"] == "sender"
+        # A real handoff through the API, then the CLI prints its report.
+        status, created = lt.call(client.request("POST", "/handoffs",
+                                                 {"receiver": target, "synthetic_tokens": 64, "rho": 4.0,
+                                                  "generate": False}))
+        assert status == 202
+        status, report = lt.call(client.request("GET", f"/handoffs/{created['id']}?wait=1"))
+        assert report["outcome"] == "done" and report["recovered_utility"] == pytest.approx(1.0)
+        status, listing = lt.call(client.request("GET", "/handoffs"))
+        assert [h["id"] for h in listing["handoffs"]] == [created["id"]]
+        res = CliRunner().invoke(app, ["handoff", "--receiver", target, "--context", "abc", "--question", "q",
+                                       "--socket", str(sock), "--rho", "-2"])
+        assert res.exit_code == 2 and "rho" in res.output, res.output
+        res = CliRunner().invoke(app, ["handoff", "--receiver", target, "--synthetic-tokens", "64",
+                                       "--socket", str(sock), "--json"])
+        assert res.exit_code == 0, res.output
+        printed = json.loads(res.stdout)
+        assert printed["outcome"] == "done" and 0 < printed["source_sent"] <= printed["n_source"], printed
+        res = CliRunner().invoke(app, ["handoff", "--receiver", target, "--synthetic-tokens", "64",
+                                       "--url", url, "--token-file", str(tmp_path / "missing")])
+        assert res.exit_code == 2 and "missing" in res.output, res.output
+    finally:
+        lt.call(server.close())
+        lt.call(tx.close())
+        lt.call(rx.close())
+        lt.stop()
+
+
+def test_serve_with_a_bad_config_prints_the_value_and_exits_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from common.cli import app
+
+    cfg = tmp_path / "r.toml"
+    cfg.write_text("[udp]\nport = 70000\n")
+    res = CliRunner().invoke(app, ["receiver", "serve", "--config", str(cfg)])
+    assert res.exit_code == 2 and "70000" in res.output and "udp.port" in res.output, res.output
+
+
+# --------------------------------------------------------------------------- two namespaces over TUN
+
+_NETNS_OK, _NETNS_WHY = netns_available()
+
+
+def _write_configs(tmp: Path, spec: NetnsSpec) -> tuple[Path, Path, Path]:
+    psk = tmp / "psk"
+    psk.write_text(PSK.hex() + "\n")
+    psk.chmod(0o600)
+    rx_cfg, tx_cfg = tmp / "receiver.toml", tmp / "sender.toml"
+    common = f'[security]\npsk_file = "{psk}"\n[metrics]\nenabled = false\n[model]\npath = "synthetic"\n'
+    rx_sock = tmp / "rx.sock"
+    udp = f'[udp]\nhost = "{spec.addr_b}"\nport = 7400\n'
+    rx_cfg.write_text(udp + f'[control]\nsocket = "{rx_sock}"\n' + common)
+    link = "[link]\nrate_mbps = 50\nowd_ms = 5\n"
+    tx_cfg.write_text(f'[control]\nsocket = "{tmp / "tx.sock"}"\n' + link + common)
+    return rx_cfg, tx_cfg, tmp / "tx.sock"
+
+
+@pytest.mark.skipif(not _NETNS_OK, reason=f"netns/TUN emulator unavailable: {_NETNS_WHY}")
+def test_daemons_in_two_namespaces_over_tun(tmp_path: Path) -> None:
+    """`pfec receiver serve` / `pfec sender serve` in their own namespaces; a handoff over the TUN link."""
+    tag = uuid.uuid4().hex[:6]
+    spec = NetnsSpec(ns_a=f"pfec-da-{tag}", ns_b=f"pfec-db-{tag}")
+    rx_cfg, tx_cfg, tx_sock = _write_configs(tmp_path, spec)
+    pfec = str(REPO / ".venv" / "bin" / "pfec") if (REPO / ".venv/bin/pfec").exists() else "pfec"
+    link = EmulatorConfig(DirectionSpec(50e6, 0.005, Bernoulli(0.02)), DirectionSpec(50e6, 0.005), seed=5)
+
+    async def main() -> dict[str, Any]:
+        async with TunBridge(link, spec):
+            procs = []
+            for ns, cfg, role in ((spec.ns_b, rx_cfg, "receiver"), (spec.ns_a, tx_cfg, "sender")):
+                cmd = ["ip", "netns", "exec", ns, pfec, role, "serve", "--config", str(cfg)]
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            try:
+                client = ControlClient(tx_sock)
+                for _ in range(600):
+                    if tx_sock.exists() and (tmp_path / "rx.sock").exists():
+                        break
+                    await asyncio.sleep(0.05)
+                body = {"receiver": f"{spec.addr_b}:7400", "synthetic_tokens": 256, "rho": 2.0,
+                        "generate": False}
+                status, created = await client.request("POST", "/handoffs", body)
+                assert status == 202, created
+                _, report = await client.request("GET", f"/handoffs/{created['id']}?wait=30")
+                _, results = await ControlClient(tmp_path / "rx.sock").request("GET", "/results")
+                report["_rx_results"] = results
+                return report
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+
+    teardown_namespaces(spec)
+    setup_namespaces(spec)
+    try:
+        report = asyncio.run(main())
+    finally:
+        teardown_namespaces(spec)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert spec.ns_a not in left and spec.ns_b not in left
+    assert report["outcome"] == "done", report
+    assert report["recovered_utility"] > 0.95, report  # 2% loss, 15% repair budget, rho 2
+    rx_result = report["_rx_results"]["results"][-1]
+    assert rx_result["recovered_utility"] == pytest.approx(report["recovered_utility"])
+
+
+def test_udp_socket_gets_a_large_receive_buffer() -> None:
+    from receiver.daemon import open_udp_socket
+
+    rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+    want = 2 * rmem_max + (1 << 20)
+    sock = open_udp_socket("127.0.0.1", 0, want, 1 << 20)
+    try:
+        got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        if os.geteuid() == 0:
+            assert got >= want  # SO_RCVBUFFORCE goes past net.core.rmem_max (the kernel doubles it)
+        else:
+            assert got == 2 * min(want, rmem_max)
+    finally:
+        sock.close()
+
