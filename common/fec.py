@@ -428,3 +428,4 @@ def warm_up() -> None:
         if not dec.complete or not np.array_equal(dec.store, syms):
             raise AssertionError("codec self-test failed during warm-up")
     coding_coefficients(1, 3, 8)
+    gf256.pack_holes(np.zeros(16, dtype=np.bool_), 0, 16, np.zeros(2, dtype=np.uint8))  # every ACK

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from common import fec
 from common.channel import LossModel, realization_rng
 from common.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
 from common.sched.policies import Scheme, get_scheme
@@ -34,6 +33,7 @@ from common.session_events import CpuMeter
 from common.utility import UtilityProfile, fifo_order, synthetic_profile, utility_order
 from common.wire import DEFAULT_SYMBOL_SIZE, HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE, PacketProtector, Role
 from receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint
+from sender.repair_plan import warm_up
 from sender.session import (
     Failed,
     ResultReceived,
@@ -404,7 +404,7 @@ def simulate(
     schemes = [get_scheme(n) for n in scheme_names]
     if realizations < 1:
         raise ValueError(f"realizations must be >= 1, got {realizations!r}")
-    fec.warm_up()  # compile or load every kernel variant now, not inside the first timed run
+    warm_up()  # compile or load every kernel variant now, not inside the first timed run
     handoff = prepare(config)
     runs: dict[str, list[RunResult]] = {s.name: [] for s in schemes}
     total = realizations * len(schemes)

@@ -44,6 +44,7 @@ from receiver.session import (
     ReceiverEndpoint,
     SessionClosed,
 )
+from sender.repair_plan import warm_up as transport_warm_up
 
 log = logging.getLogger("pfec.receiver")
 RESULTS_KEPT = 256
@@ -162,6 +163,7 @@ class ReceiverDaemon:
         metrics: ReceiverMetrics | None = None,
         default_mode: str = "mask",
     ) -> None:
+        transport_warm_up()  # numba kernels compiled before any datagram, not mid-handoff
         self.identity = identity
         self.runtime = runtime  # None: synthetic KV, no generation (transport benchmarks)
         self.fingerprint = identity.fingerprint()

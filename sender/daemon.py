@@ -41,6 +41,7 @@ from common.wire import MsgType, PacketProtector, Role
 from receiver.daemon import set_buffers
 from sender.kv import ContextInput, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from sender.metrics import SenderMetrics
+from sender.repair_plan import warm_up as transport_warm_up
 from sender.session import (
     Accepted,
     Failed,
@@ -339,6 +340,7 @@ class SenderDaemon:
         result_wait_s: float = 2.0,
     ) -> None:
         get_scheme(scheme)
+        transport_warm_up()  # numba kernels compiled before any datagram, not mid-handoff
         self.identity = identity
         self.psk = psk
         self.runtime = runtime

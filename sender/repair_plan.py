@@ -21,6 +21,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from common import fec
 from common.fec import density_for
 from common.wire import MAX_HOLE_BITS
 
@@ -83,6 +84,14 @@ def _group_holes(
         if not charged:
             unassigned += 1
     return n_holes, n, unassigned
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the planner kernel and the codec's, before the first ACK:
+    a first-use compile stalls the sender for seconds, long enough to miss a deadline."""
+    fec.warm_up()
+    planner = RepairPlanner(4, 8)
+    planner.on_ack(0, b"\xa0", 3, 2, 8, np.zeros((1, 2), dtype=np.int64))
 
 
 class RepairPlanner:
