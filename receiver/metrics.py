@@ -16,23 +16,21 @@ Deadline metrics (all in the receiver's own monotonic clock):
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.process_collector import ProcessCollector
 
+from common.metrics_http import MetricsEndpoint
 from common.wire import PARSE_REASONS
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    pass
 
 __all__ = [
     "DATAGRAM_TYPES",
@@ -86,7 +84,7 @@ def type_label(kind: str | enum.Enum) -> str:
     return name
 
 
-class ReceiverMetrics:
+class ReceiverMetrics(MetricsEndpoint):
     """All ``pfec_receiver_*`` series, in a registry of their own (``self.registry``)."""
 
     def __init__(
@@ -253,32 +251,3 @@ class ReceiverMetrics:
     def session_refused(self) -> None:
         """An OFFER was refused; the session never became active."""
         self._sessions.labels("refused").inc()
-
-    # ------------------------------------------------------------------ exposition
-
-    def exposition(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
-
-    def aiohttp_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """An aiohttp handler serving ``exposition()``; mount it at ``/metrics`` of any app."""
-        from aiohttp import web
-
-        async def handler(_request: web.Request) -> web.Response:
-            return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        return handler
-
-    async def serve(self, host: str, port: int) -> web.AppRunner:
-        """Serve ``/metrics`` on ``host:port`` from the running loop; ``await runner.cleanup()`` to stop.
-
-        ``runner.addresses[0][1]`` is the bound port (useful with ``port=0``).
-        """
-        from aiohttp import web
-
-        app = web.Application()
-        app.router.add_get("/metrics", self.aiohttp_handler())
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        return runner

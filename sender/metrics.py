@@ -10,23 +10,22 @@ Every labelled series is created at zero up front, so ``rate()`` and alerts see 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.process_collector import ProcessCollector
 
+from common.metrics_http import MetricsEndpoint
 from common.wire import PARSE_REASONS
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    pass
 
 __all__ = [
     "DATAGRAM_TYPES",
@@ -69,7 +68,7 @@ def _check_in(value: str, allowed: Iterable[str], what: str) -> str:
     return value
 
 
-class SenderMetrics:
+class SenderMetrics(MetricsEndpoint):
     """All ``pfec_sender_*`` series, in a registry of their own (``self.registry``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
@@ -192,32 +191,3 @@ class SenderMetrics:
         """Bulk form for ``CpuMeter.decision_ns`` (nanoseconds per decision) collected by a session."""
         for ns in decision_ns:
             self._decision.observe(ns * 1e-9)
-
-    # ------------------------------------------------------------------ exposition
-
-    def exposition(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
-
-    def aiohttp_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """An aiohttp handler serving ``exposition()``; mount it at ``/metrics`` of any app."""
-        from aiohttp import web
-
-        async def handler(_request: web.Request) -> web.Response:
-            return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        return handler
-
-    async def serve(self, host: str, port: int) -> web.AppRunner:
-        """Serve ``/metrics`` on ``host:port`` from the running loop; ``await runner.cleanup()`` to stop.
-
-        ``runner.addresses[0][1]`` is the bound port (useful with ``port=0``).
-        """
-        from aiohttp import web
-
-        app = web.Application()
-        app.router.add_get("/metrics", self.aiohttp_handler())
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        return runner
