@@ -197,6 +197,11 @@ class Encoder:
         self._next_key = first_repair_key
         self._cc = np.zeros(self.window_cap, dtype=np.uint8)
         self._acc = np.zeros((8, self.symbol_size), dtype=np.uint8)
+        out = np.zeros(self.symbol_size, dtype=np.uint8)
+        # Bound for this encoder's argument types (a repair per few packets: skip numba's dispatch).
+        self._make_repair = gf256.entry_point(
+            gf256.encoder_make_repair, symbols, 0, 1, 0, 0, self._cc, out, self._acc, True, False
+        )
 
     @property
     def next_repair_key(self) -> int:
@@ -266,8 +271,21 @@ class Encoder:
             dt = self.dt_for(count)
         elif not 0 <= dt <= MAX_DT:
             raise ValueError(f"dt must be in 0..{MAX_DT}, got {dt!r}")
-        key, skipped = gf256.encoder_make_repair(
-            self._symbols, first, count, dt, self._next_key, self._cc, out, self._acc, cover_first, cover_last
+        # The bound kernel takes exactly a writable C-contiguous ``out``; anything else is dispatched.
+        kernel = (
+            self._make_repair if out.flags.c_contiguous and out.flags.writeable else gf256.encoder_make_repair
+        )
+        key, skipped = kernel(
+            self._symbols,
+            first,
+            count,
+            dt,
+            self._next_key,
+            self._cc,
+            out,
+            self._acc,
+            bool(cover_first),
+            bool(cover_last),
         )
         self.zero_rows_skipped += int(skipped)
         if key < 0:
@@ -303,6 +321,13 @@ class Decoder:
         self._ist = np.zeros(gf256.decoder_state_len(cap), dtype=np.int64)
         self._bscr = np.zeros(2 * cap, dtype=np.uint8)
         self._acc = np.zeros((8, symbol_size), dtype=np.uint8)
+        # Kernels bound per payload type (read-only memoryview or read-only array, see _kernel_payload):
+        # one insert per datagram, where numba's type dispatch would cost as much as the insert.
+        self._add_source: dict[type, Callable[..., int]] = {}
+        self._add_repair: dict[type, Callable[..., int]] = {}
+        self._source_args = (self.store, self.have, self._coef, self._pay, self._ist)
+        self._repair_args = (*self._source_args, self._bscr, self._acc)
+        self._ack_snapshot: Callable[..., tuple[int, int, int, int, int, int]] | None = None
 
     # --- state ---------------------------------------------------------------------------
 
@@ -354,6 +379,23 @@ class Decoder:
         """All decoded ESIs, ascending."""
         return np.flatnonzero(self.have).astype(np.int64, copy=False)
 
+    def ack_snapshot(self, span: int, holes_out: U8) -> tuple[int, int, int, int, int, int]:
+        """(decoded prefix, seen end, decoded count, unknowns, deficit, hole bits) for an ACK, with the map
+        of undecoded ESIs over [prefix, min(prefix + span, seen end)) packed MSB first into ``holes_out``
+        (uint8, C-contiguous, at least ceil(span / 8) bytes). One compiled call: it runs for every ACK."""
+        if (
+            holes_out.dtype != np.uint8
+            or holes_out.ndim != 1
+            or len(holes_out) * 8 < span
+            or not (holes_out.flags.c_contiguous and holes_out.flags.writeable)
+        ):
+            raise ValueError(f"holes_out must be a writable C-contiguous uint8[>= {(span + 7) // 8}]")
+        kernel = self._ack_snapshot
+        if kernel is None:
+            kernel = gf256.entry_point(gf256.decoder_ack_snapshot, self.have, self._ist, span, holes_out)
+            self._ack_snapshot = kernel
+        return cast(tuple[int, int, int, int, int, int], kernel(self.have, self._ist, span, holes_out))
+
     # --- inserts -------------------------------------------------------------------------
 
     def add_source(self, esi: int, payload: Payload) -> int:
@@ -361,7 +403,13 @@ class Decoder:
         if not 0 <= esi < self.n_source:
             raise FecError("esi_out_of_range", f"esi={esi} n_source={self.n_source}")
         arr = _kernel_payload(payload, self.symbol_size)
-        return gf256.decoder_add_source(esi, arr, self.store, self.have, self._coef, self._pay, self._ist)
+        args = self._source_args
+        kernel = self._add_source.get(type(arr))
+        if kernel is None:
+            kernel = self._add_source[type(arr)] = gf256.entry_point(
+                gf256.decoder_add_source, esi, arr, *args
+            )
+        return int(kernel(esi, arr, *args))
 
     def add_repair(self, rid: RepairId, payload: Payload) -> int:
         """Insert a repair symbol; returns the number of newly decoded symbols."""
@@ -380,22 +428,13 @@ class Decoder:
                 f"fss_esi={fss} nss={nss} decoded_prefix={self.decoded_prefix} cap={self.window_cap}",
             )
         arr = _kernel_payload(payload, self.symbol_size)
-        return int(
-            gf256.decoder_add_repair(
-                key,
-                dt,
-                nss,
-                fss,
-                arr,
-                self.store,
-                self.have,
-                self._coef,
-                self._pay,
-                self._ist,
-                self._bscr,
-                self._acc,
+        args = self._repair_args
+        kernel = self._add_repair.get(type(arr))
+        if kernel is None:
+            kernel = self._add_repair[type(arr)] = gf256.entry_point(
+                gf256.decoder_add_repair, key, dt, nss, fss, arr, *args
             )
-        )
+        return int(kernel(key, dt, nss, fss, arr, *args))
 
 
 def warm_up() -> None:
@@ -428,4 +467,4 @@ def warm_up() -> None:
         if not dec.complete or not np.array_equal(dec.store, syms):
             raise AssertionError("codec self-test failed during warm-up")
     coding_coefficients(1, 3, 8)
-    gf256.pack_holes(np.zeros(16, dtype=np.bool_), 0, 16, np.zeros(2, dtype=np.uint8))  # every ACK
+    Decoder(16, 4).ack_snapshot(16, np.zeros(2, dtype=np.uint8))  # every ACK

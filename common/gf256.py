@@ -48,10 +48,12 @@ __all__ = [
     "MUL",
     "POLY",
     "TinyMT32",
+    "decoder_ack_snapshot",
     "decoder_add_repair",
     "decoder_add_source",
     "encode_repair",
     "encoder_make_repair",
+    "entry_point",
     "generate_coefficients",
     "ref_encode_repair",
     "ref_generate_coefficients",
@@ -75,6 +77,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _jit(fn: _F) -> _F:
     """``numba.njit(cache=True, nogil=True)`` that keeps the Python signature for mypy."""
     return cast(_F, numba.njit(cache=True, nogil=True)(fn))
+
+
+def entry_point(kernel: Any, *example: object) -> Callable[..., Any]:
+    """The compiled function of numba ``kernel`` for exactly the argument types of ``example``
+    (compiled now, or loaded from numba's cache). Calling it skips numba's per-call type dispatch, which
+    costs about a microsecond for a kernel with many array arguments: worth it on per-packet paths.
+    The caller must pass arguments of those same types (a mismatch raises or mis-reads)."""
+    typeof = cast(Callable[[object], Any], numba.typeof)
+    return cast(Callable[..., Any], kernel.compile(tuple(typeof(a) for a in example)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -902,3 +913,17 @@ def pack_holes(have: B1, lo: int, hi: int, out: U8) -> tuple[int, int]:
             unknowns += 1
             last = i
     return unknowns, last + 1
+
+
+@_jit
+def decoder_ack_snapshot(have: B1, ist: I64, span: int, out: U8) -> tuple[int, int, int, int, int, int]:
+    """What an ACK reports about the decoder, in one call: (decoded prefix, seen end, decoded count,
+    unknowns, deficit, hole bits), the hole map over [prefix, min(prefix + span, seen end)) packed into
+    ``out`` as :func:`pack_holes` does. Every equation the decoder holds lies in that range, so its
+    rank counts against these unknowns only."""
+    lo = ist[ST_PREFIX]
+    seen = ist[ST_SEEN]
+    hi = min(lo + span, seen)
+    unknowns, bits = pack_holes(have, lo, hi, out) if hi > lo else (0, 0)
+    deficit = max(0, unknowns - ist[ST_RANK]) if unknowns > 0 else 0
+    return lo, seen, ist[ST_DECODED], unknowns, deficit, bits

@@ -27,7 +27,6 @@ import numpy as np
 import numpy.typing as npt
 
 from common.fec import Decoder, FecError, RepairId
-from common.gf256 import pack_holes
 from common.session_events import CpuMeter, DatagramDropped, Event
 from common.wire import (
     MAX_HOLE_BITS,
@@ -293,50 +292,36 @@ class ReceiverSession:
             self.stats.stall_time_s += now - self._stalled_since
             self._stalled_since = None
 
-    def _hole_map(self) -> tuple[int, int, int, bytes]:
-        """(unknowns, deficit, hole_bits, map) over the decoder span from the prefix: what repairs can fix.
-
-        Every equation the decoder holds lies inside the span, so its rank counts against these
-        unknowns only.
-        """
-        dec = self.decoder
-        lo = dec.decoded_prefix
-        hi = min(lo + self.span, dec.seen_end)
-        if hi <= lo:
-            return 0, 0, 0, b""
-        unknowns, bits = pack_holes(dec.have, lo, hi, self._hole_buf)
-        if unknowns == 0:
-            return 0, 0, 0, b""
-        return unknowns, max(0, unknowns - dec.rank), bits, self._hole_buf[: (bits + 7) // 8].tobytes()
-
     def _send_ack(self, now: float) -> None:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
-        dec = self.decoder
         stats = self.stats
-        received = stats.received["source"] + stats.received["repair"]
-        unknowns, deficit, hole_bits, holes = self._hole_map()
+        received = stats.received
+        # Decoder state and the hole map over the decoder span from the prefix: what repairs can fix.
+        prefix, seen_end, decoded, unknowns, deficit, hole_bits = self.decoder.ack_snapshot(
+            self.span, self._hole_buf
+        )
         ack = Ack(
-            decoded_prefix=dec.decoded_prefix,
-            seen_end=dec.seen_end,
-            decoded_count=dec.decoded_count,
+            decoded_prefix=prefix,
+            seen_end=seen_end,
+            decoded_count=decoded,
             deficit=deficit,
             unknowns=unknowns,
             largest_pn=self._largest_pn,
             ack_delay_us=min(max(0, int((now - self._largest_pn_at) * 1e6)), 0xFFFFFFFF),
-            received=received,
+            received=received["source"] + received["repair"],
             lost=stats.lost,
             loss_runs=stats.loss_runs,
             hole_bits=hole_bits,
-            holes=holes,
+            holes=self._hole_buf[: (hole_bits + 7) >> 3].tobytes(),
         )
+        if cpu is not None:  # sealing (framing + AEAD) is transport cost, as for data datagrams
+            cpu.feedback_ns += cpu.clock() - t0
+            cpu.acks += 1
         self._outbox.append(self.protector.seal(ack))
         stats.acks_sent += 1
         self._unacked = 0
         self._ack_timer = None
-        if cpu is not None:
-            cpu.feedback_ns += cpu.clock() - t0
-            cpu.acks += 1
 
     def _on_offer_part(self, offer: Offer) -> None:
         if self._offer_complete:

@@ -11,18 +11,24 @@ A region's outstanding need = its share of the reported deficit minus the repair
 after that ACK (each arrives with probability 1 - loss). Once every region is covered, a *proactive*
 repair protects the newest symbols in flight, [next - window_cap, next), as far as the receiver's
 span allows: the expected losses among in-flight sources count towards the deficit estimate.
+
+Every decision and every ACK go through here, so the region table lives in preallocated arrays and the
+arithmetic runs in compiled kernels called through their bound entry points (one call per decision,
+one per ACK; numba's per-call type dispatch would cost more than the work).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
 import numpy.typing as npt
 
 from common import fec
-from common.fec import density_for
+from common.gf256 import entry_point
 from common.wire import MAX_HOLE_BITS
 
 # Expected nonzero coefficients on the holes of a region: ln(holes) + REPAIR_HITS_MARGIN. Sparser repairs
@@ -31,6 +37,44 @@ from common.wire import MAX_HOLE_BITS
 # only once d * n exceeds about ln n), so the receiver would see redundant repairs.
 REPAIR_HITS_MARGIN = 3.0
 PROACTIVE = -1
+_MAX_DT = 15
+
+# Region table rows (int64 table / float64 table).
+_FIRST, _END, _HOLES = 0, 1, 2
+_NEED, _SENT = 0, 1
+
+
+class Plan(NamedTuple):
+    """The planner's answer at a decision epoch."""
+
+    region: int  # region the next repair serves, or PROACTIVE
+    first: int  # its window: [first, first + nss)
+    nss: int
+    dt: int  # density threshold for that window
+    reactive_need: float  # repairs still needed for the reported holes, after those in flight
+    effectiveness: float  # P(the next repair has a nonzero coefficient on a reported hole)
+
+
+@numba.njit(cache=True, nogil=True)
+def _density(nss: int, target: int) -> int:
+    # fec.density_for, compiled: clamp(ceil(16 * target / nss) - 1, 0, 15)
+    if target <= 0:
+        return 0
+    dt = -(-16 * target // nss) - 1
+    return max(0, min(_MAX_DT, dt))
+
+
+@numba.njit(cache=True, nogil=True)
+def _dt_for(count: int, holes: int, target: int, fixed_dt: int) -> int:
+    """DT for a repair over ``count`` symbols aimed at ``holes`` of them (target < 0: dense)."""
+    if fixed_dt >= 0:
+        return fixed_dt
+    tgt = count if target < 0 else target
+    if holes <= 2:
+        return _density(max(1, count), tgt)  # both holes are forced in by key choice
+    hits = math.log(max(1, holes)) + REPAIR_HITS_MARGIN
+    wanted = max(tgt, math.ceil(count * min(1.0, hits / max(1, holes))))
+    return _density(max(1, count), wanted)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -40,14 +84,18 @@ def _group_holes(
     prefix: int,
     limit: int,
     cap: int,
-    in_flight: npt.NDArray[np.int64],
+    deficit: int,
+    repair_windows: npt.NDArray[np.int64],
+    in_flight_from: int,
+    in_flight_to: int,
     holes: npt.NDArray[np.int64],
-    out: npt.NDArray[np.int64],
-    sent: npt.NDArray[np.float64],
+    reg_i: npt.NDArray[np.int64],
+    reg_f: npt.NDArray[np.float64],
 ) -> tuple[int, int, int]:
     """Unpack the ACK's hole map (ESIs below ``limit`` only) into ``holes``, group them greedily into
-    regions of <= cap consecutive ESIs (out[0] first ESI, out[1] one past the last hole, out[2] holes) and
-    charge each in-flight repair to the first region its [first, end) window overlaps (sent[r]).
+    regions of <= cap consecutive ESIs (first ESI, one past the last hole, holes), give each region its
+    share of the deficit and charge each in-flight repair (rows ``in_flight_from:in_flight_to`` of
+    ``repair_windows``) to the first region its [first, end) window overlaps.
     Returns (holes, regions, repairs overlapping no region)."""
     n_holes = 0
     for i in range(bits):
@@ -57,28 +105,29 @@ def _group_holes(
                 break
             holes[n_holes] = esi
             n_holes += 1
-    holes = holes[:n_holes]
+    share = deficit / n_holes if n_holes else 0.0
     n = 0
     i = 0
     while i < n_holes:
         first = holes[i]
         j = i
-        while j < len(holes) and holes[j] < first + cap:
+        while j < n_holes and holes[j] < first + cap:
             j += 1
-        out[0, n] = first
-        out[1, n] = holes[j - 1] + 1
-        out[2, n] = j - i
-        sent[n] = 0.0
+        reg_i[_FIRST, n] = first
+        reg_i[_END, n] = holes[j - 1] + 1
+        reg_i[_HOLES, n] = j - i
+        reg_f[_NEED, n] = (j - i) * share
+        reg_f[_SENT, n] = 0.0
         n += 1
         i = j
     unassigned = 0
-    for k in range(in_flight.shape[0]):
-        r_first = in_flight[k, 0]
-        r_end = in_flight[k, 1]
+    for k in range(in_flight_from, in_flight_to):
+        r_first = repair_windows[k, 0]
+        r_end = repair_windows[k, 1]
         charged = False
         for r in range(n):
-            if r_first < out[1, r] and out[0, r] < r_end:
-                sent[r] += 1.0
+            if r_first < reg_i[_END, r] and reg_i[_FIRST, r] < r_end:
+                reg_f[_SENT, r] += 1.0
                 charged = True
                 break
         if not charged:
@@ -86,12 +135,98 @@ def _group_holes(
     return n_holes, n, unassigned
 
 
+@numba.njit(cache=True, nogil=True)
+def _plan(
+    reg_i: npt.NDArray[np.int64],
+    reg_f: npt.NDArray[np.float64],
+    n: int,
+    loss: float,
+    proactive: bool,
+    next_esi: int,
+    prefix: int,
+    span: int,
+    cap: int,
+    target: int,
+    fixed_dt: int,
+    unknowns: int,
+) -> tuple[int, int, int, int, float, float]:
+    """(region, first, count, dt, reactive need, effectiveness): the region with the largest outstanding
+    need (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region
+    needs as much as half a repair."""
+    arrive = 1.0 - loss
+    best = -1
+    best_rem = 0.0
+    need_total = 0.0
+    for r in range(n):
+        rem = reg_f[_NEED, r] - arrive * reg_f[_SENT, r]
+        if rem > 0.0:
+            need_total += rem
+        if rem > best_rem:
+            best = r
+            best_rem = rem
+    if best >= 0 and (not proactive or best_rem >= 0.5):
+        first = reg_i[_FIRST, best]
+        count = reg_i[_END, best] - first
+        dt = _dt_for(count, reg_i[_HOLES, best], target, fixed_dt)
+        holes = unknowns  # what the receiver reported missing overall
+    else:
+        best = -1
+        hi = min(next_esi, prefix + span)
+        first = max(prefix, hi - cap)
+        count = max(0, hi - first)
+        holes = max(1, math.ceil(loss * count))
+        dt = _dt_for(count, holes, target, fixed_dt)
+    effectiveness = 0.0
+    if count > 0 and holes > 0:
+        density = (_dt_for(count, holes, target, fixed_dt) + 1) / 16
+        effectiveness = 1.0 - (1.0 - density) ** holes
+    return best, first, count, dt, need_total, effectiveness
+
+
+@numba.njit(cache=True, nogil=True)
+def count_upto(sorted_values: npt.NDArray[np.int64], n: int, value: int) -> int:
+    """How many of ``sorted_values[:n]`` are <= ``value`` (binary search)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sorted_values[mid] <= value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+_bound: dict[str, Callable[..., Any]] = {}
+
+
+def _kernels() -> dict[str, Callable[..., Any]]:
+    """Bind the kernels once per process (compiled now or loaded from numba's cache)."""
+    if not _bound:
+        reg_i = np.zeros((3, 2), dtype=np.int64)
+        reg_f = np.zeros((2, 2), dtype=np.float64)
+        ints = np.zeros(2, dtype=np.int64)
+        packed = np.frombuffer(b"\0", dtype=np.uint8)  # ACK hole maps arrive as read-only bytes
+        in_flight = np.zeros((1, 2), dtype=np.int64)
+        _bound["group"] = entry_point(
+            _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, ints, reg_i, reg_f
+        )
+        _bound["plan"] = entry_point(_plan, reg_i, reg_f, 0, 0.0, False, 0, 0, 0, 0, 0, 0, 0)
+        _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
+    return _bound
+
+
+def count_upto_kernel() -> Callable[[npt.NDArray[np.int64], int, int], int]:
+    """:func:`count_upto` through its bound entry point (int64 array, int, int)."""
+    return _kernels()["count_upto"]
+
+
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the planner kernel and the codec's, before the first ACK:
+    """Compile (or load from numba's cache) the planner kernels and the codec's, before the first ACK:
     a first-use compile stalls the sender for seconds, long enough to miss a deadline."""
     fec.warm_up()
     planner = RepairPlanner(4, 8)
     planner.on_ack(0, b"\xa0", 3, 2, 8, np.zeros((1, 2), dtype=np.int64))
+    planner.plan(8, 0.1, True)
 
 
 class RepairPlanner:
@@ -104,18 +239,24 @@ class RepairPlanner:
         self.span = span
         self.target_nonzeros = target_nonzeros
         self.fixed_dt = fixed_dt
+        self._target = -1 if target_nonzeros is None else int(target_nonzeros)  # kernels: -1 = dense
+        self._fixed_dt = -1 if fixed_dt is None else int(fixed_dt)
         self.prefix = 0
-        # Per region: first ESI, end (past its last hole), holes, deficit share, repairs sent since the ACK.
-        self._first: list[int] = []
-        self._end: list[int] = []
-        self._holes: list[int] = []
-        self._need: list[float] = []
-        self._sent: list[float] = []
-        self._proactive_sent = 0
         self.unknowns = 0
-        self._buf = np.zeros((3, MAX_HOLE_BITS), dtype=np.int64)  # regions <= holes in one ACK map
-        self._sent_buf = np.zeros(MAX_HOLE_BITS, dtype=np.float64)
+        self._proactive_sent = 0
+        # Region table (regions <= holes in one ACK map): first ESI, end past its last hole, holes;
+        # deficit share and repairs sent since the ACK.
+        self._n = 0
+        self._reg_i = np.zeros((3, MAX_HOLE_BITS), dtype=np.int64)
+        self._reg_f = np.zeros((2, MAX_HOLE_BITS), dtype=np.float64)
         self._hole_buf = np.zeros(MAX_HOLE_BITS, dtype=np.int64)
+        kernels = _kernels()
+        self._group = kernels["group"]
+        self._plan = kernels["plan"]
+
+    @property
+    def regions(self) -> int:
+        return self._n
 
     def on_ack(
         self,
@@ -124,37 +265,68 @@ class RepairPlanner:
         hole_bits: int,
         deficit: int,
         next_esi: int,
-        in_flight: npt.NDArray[np.int64],
+        repair_windows: npt.NDArray[np.int64],
+        in_flight_from: int = 0,
+        in_flight_to: int | None = None,
     ) -> None:
-        """Rebuild regions from an ACK's hole map. ``in_flight`` is an (n, 2) array of the [first, end)
-        windows of repairs the ACK had not seen: each still counts against the oldest region it overlaps.
-        Holes at or beyond ``next_esi`` (a forged or confused map) are ignored."""
+        """Rebuild regions from an ACK's hole map. Rows ``in_flight_from:in_flight_to`` of
+        ``repair_windows`` (a C-contiguous (n, 2) int64 array) are the [first, end) windows of repairs the
+        ACK had not seen: each still counts against the oldest region it overlaps. Holes at or beyond
+        ``next_esi`` (a forged or confused map) are ignored."""
+        windows = repair_windows
+        if windows.dtype != np.int64 or windows.ndim != 2 or not windows.flags.c_contiguous:
+            raise ValueError("repair_windows must be a C-contiguous (n, 2) int64 array")
+        stop = len(repair_windows) if in_flight_to is None else in_flight_to
+        if not 0 <= in_flight_from <= stop <= len(repair_windows):
+            raise ValueError(f"in-flight rows {in_flight_from}:{stop} outside {len(repair_windows)} windows")
+        if hole_bits > 8 * len(packed_holes) or hole_bits > MAX_HOLE_BITS:
+            raise ValueError(f"hole map of {len(packed_holes)} bytes cannot hold {hole_bits} bits")
         self.prefix = prefix
-        packed = np.frombuffer(packed_holes, dtype=np.uint8)
-        unknowns, n, self._proactive_sent = _group_holes(
+        packed = np.frombuffer(packed_holes, dtype=np.uint8) if packed_holes else _NO_HOLES
+        self.unknowns, self._n, self._proactive_sent = self._group(
             packed,
             hole_bits,
             prefix,
             next_esi,
             self.window_cap,
-            in_flight,
+            deficit,
+            repair_windows,
+            in_flight_from,
+            stop,
             self._hole_buf,
-            self._buf,
-            self._sent_buf,
+            self._reg_i,
+            self._reg_f,
         )
-        self.unknowns = unknowns
-        # A handful of regions: plain lists are cheaper than numpy for the per-decision arithmetic.
-        self._first = self._buf[0, :n].tolist()
-        self._end = self._buf[1, :n].tolist()
-        self._holes = self._buf[2, :n].tolist()
-        self._sent = self._sent_buf[:n].tolist()
-        share = deficit / unknowns if unknowns else 0.0
-        self._need = [h * share for h in self._holes]
+
+    def plan(self, next_esi: int, loss: float, proactive: bool = False) -> Plan:
+        """Where the next repair goes, how much reactive repair is still owed, and how likely the next
+        repair is to hit a reported hole. A region starts and ends on a hole, so with one or two holes
+        the encoder is told to cover both ends (see ``covers_both_ends``) and the repair stays sparse."""
+        return Plan(
+            *self._plan(
+                self._reg_i,
+                self._reg_f,
+                self._n,
+                loss,
+                proactive,
+                next_esi,
+                self.prefix,
+                self.span,
+                self.window_cap,
+                self._target,
+                self._fixed_dt,
+                self.unknowns,
+            )
+        )
 
     def reactive_need(self, loss: float) -> float:
         """Repairs still needed for the reported holes, after those already in flight."""
-        arrive = 1.0 - loss
-        return sum(max(0.0, need - arrive * sent) for need, sent in zip(self._need, self._sent, strict=True))
+        return self.plan(self.prefix, loss).reactive_need
+
+    def next_window(self, next_esi: int, loss: float, proactive: bool = False) -> tuple[int, int, int, int]:
+        """(first, count, dt, region) of the next repair (see :meth:`plan`)."""
+        p = self.plan(next_esi, loss, proactive)
+        return p.first, p.nss, p.dt, p.region
 
     def proactive_need(self, next_esi: int, acked_source_end: int, loss: float) -> float:
         """Expected losses among the newest sources the receiver has not reported on, minus the
@@ -164,49 +336,15 @@ class RepairPlanner:
         hi = min(next_esi, self.prefix + self.span)
         return max(0.0, loss * max(0, hi - lo) - (1.0 - loss) * self._proactive_sent)
 
-    def next_window(self, next_esi: int, loss: float, proactive: bool = False) -> tuple[int, int, int, int]:
-        """(first, count, dt, region) of the next repair: the region with the largest outstanding need
-        (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region needs
-        as much. A region starts and ends on a hole, so with one or two holes the encoder is told to
-        cover both ends (see ``covers_both_ends``) and the repair can stay sparse."""
-        arrive = 1.0 - loss
-        best, best_rem = -1, 0.0
-        for r, need in enumerate(self._need):
-            rem = need - arrive * self._sent[r]
-            if rem > best_rem:
-                best, best_rem = r, rem
-        if best >= 0 and (not proactive or best_rem >= 0.5):
-            first = self._first[best]
-            count = self._end[best] - first
-            return first, count, self._dt(count, self._holes[best]), best
-        hi = min(next_esi, self.prefix + self.span)
-        first = max(self.prefix, hi - self.window_cap)
-        count = max(0, hi - first)
-        return first, count, self._dt(count, max(1, math.ceil(loss * count))), PROACTIVE
-
     def sent(self, region: int) -> None:
         if region == PROACTIVE:
             self._proactive_sent += 1
         else:
-            self._sent[region] += 1.0
-
-    def effectiveness(self, count: int, holes: int) -> float:
-        """P(a repair over ``count`` symbols has a nonzero coefficient on at least one of ``holes``)."""
-        if count <= 0 or holes <= 0:
-            return 0.0
-        density = (self._dt(count, holes) + 1) / 16
-        return 1.0 - (1.0 - density) ** holes
+            self._reg_f[_SENT, region] += 1.0
 
     def covers_both_ends(self, region: int) -> bool:
         """A region of at most two holes: a repair that covers its first and last symbol hits every hole."""
-        return region != PROACTIVE and self._holes[region] <= 2
+        return region != PROACTIVE and self._reg_i[_HOLES, region] <= 2
 
-    def _dt(self, count: int, holes: int) -> int:
-        if self.fixed_dt is not None:
-            return self.fixed_dt
-        target = self.target_nonzeros if self.target_nonzeros is not None else count
-        if holes <= 2:
-            return density_for(max(1, count), target)  # both holes are forced in by key choice
-        hits = math.log(max(1, holes)) + REPAIR_HITS_MARGIN
-        wanted = max(target, math.ceil(count * min(1.0, hits / max(1, holes))))
-        return density_for(max(1, count), wanted)
+
+_NO_HOLES = np.frombuffer(b"\0", dtype=np.uint8)

@@ -23,7 +23,6 @@ States: OFFERING -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -52,7 +51,7 @@ from common.wire import (
     clip_text,
     max_app_chunk,
 )
-from sender.repair_plan import PROACTIVE, RepairPlanner
+from sender.repair_plan import RepairPlanner, count_upto_kernel
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 
@@ -190,12 +189,15 @@ class SenderSession:
         self.planner = RepairPlanner(
             config.window_cap, config.window_cap, config.target_nonzeros, config.fixed_dt
         )
+        self._count_upto = count_upto_kernel()
         self.state = SenderState.IDLE
         self.view = SchedulerView(n_source=self.encoder.n_source, repair_budget=config.repair_budget)
         self.view.repairs_left = config.repair_budget if policy.sends_repairs else 0
         self._source_info = source_info
-        self._norm_utility = source_info.normalised() if source_info is not None else None
-        self._utility_features = source_info.per_esi_features() if source_info is not None else None
+        # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
+        self._utility_features: list[list[float]] | None = (
+            source_info.per_esi_features().T.tolist() if source_info is not None else None
+        )
         self._events: deque[Event] = deque()
         self._control: deque[bytes] = deque()  # OFFER / CLOSE datagrams, sent before data
         self._burst_action = Action.SOURCE
@@ -326,40 +328,42 @@ class SenderSession:
     def _refresh_view(self, now: float) -> None:
         view = self.view
         enc = self.encoder
-        planner = self.planner
+        next_esi = enc.next_esi
         loss = view.loss_estimate
         view.now = now
-        view.sources_sent = enc.next_esi
-        view.slots_left = self._slots_left(now)
+        view.sources_sent = next_esi
+        slots_left = max(0, int((self._send_deadline - now) / self.config.slot_s))
+        view.slots_left = slots_left
         view.acked_prefix = enc.ack_prefix
         view.ack_staleness = now - self._last_prefix_change
         view.repairs_in_flight = view.repairs_sent - self._repairs_acked
-        view.sources_in_flight = enc.next_esi - self._acked_source_end
+        view.sources_in_flight = next_esi - self._acked_source_end
         # Proactive repair only pays when feedback about the newest sources cannot return in time.
         rtt = view.rtt_estimate
-        self._proactive = rtt > 0 and view.slots_left * self.config.slot_s < 1.5 * rtt
-        _first, count, _dt, region = planner.next_window(enc.next_esi, loss, self._proactive)
-        view.window_size = count
-        holes = planner.unknowns if region != PROACTIVE else max(1, math.ceil(loss * count))
-        view.repair_effectiveness = planner.effectiveness(count, holes)
-        view.deficit_estimate = planner.reactive_need(loss)
-        if self._proactive:
-            view.deficit_estimate += planner.proactive_need(enc.next_esi, self._acked_source_end, loss)
-        if self._source_info is not None and self._norm_utility is not None:
-            self._refresh_utility_features(enc.next_esi)
+        proactive = rtt > 0 and slots_left * self.config.slot_s < 1.5 * rtt
+        self._proactive = proactive
+        plan = self.planner.plan(next_esi, loss, proactive)
+        view.window_size = plan.nss
+        view.repair_effectiveness = plan.effectiveness
+        view.deficit_estimate = plan.reactive_need
+        if proactive:
+            view.deficit_estimate += self.planner.proactive_need(next_esi, self._acked_source_end, loss)
+        if self._utility_features is not None:
+            self._refresh_utility_features(next_esi)
 
     def _refresh_utility_features(self, next_esi: int) -> None:
         view = self.view
         feats = self._utility_features
         assert feats is not None
-        if next_esi >= feats.shape[0]:
+        progress, utility, upcoming = feats
+        if next_esi >= len(progress):
             view.block_progress = 1.0
             view.block_utility = 0.0
             view.upcoming_utility = 0.0
             return
-        view.block_progress = float(feats[next_esi, 0])
-        view.block_utility = float(feats[next_esi, 1])
-        view.upcoming_utility = float(feats[next_esi, 2])
+        view.block_progress = progress[next_esi]
+        view.block_utility = utility[next_esi]
+        view.upcoming_utility = upcoming[next_esi]
 
     # ------------------------------------------------------------------- sending
     def _send_source(self, now: float) -> bytes:
@@ -373,17 +377,17 @@ class SenderSession:
     def _send_repair(self, now: float) -> bytes:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
-        first, count, dt, region = self.planner.next_window(
-            self.encoder.next_esi, self.view.loss_estimate, self._proactive
-        )
+        planner = self.planner
+        plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
+        first, count, region = plan.first, plan.nss, plan.region
         rid = self.encoder.make_repair(
             self._repair_buf,
             count=count,
-            dt=dt,
+            dt=plan.dt,
             first=first,
-            cover_last=self.planner.covers_both_ends(region),
+            cover_last=planner.covers_both_ends(region),
         )
-        self.planner.sent(region)
+        planner.sent(region)
         if cpu is not None:
             cpu.encode_ns += cpu.clock() - t0
         datagram = self.protector.seal(
@@ -473,14 +477,13 @@ class SenderSession:
         # What the receiver has accounted for; the newest datagram it saw gives an RTT sample.
         largest = ack.largest_pn
         sample_time = -1.0
-        sent = enc.next_esi
-        acked = int(np.searchsorted(self._src_pn[:sent], largest, side="right"))
+        acked = self._count_upto(self._src_pn, enc.next_esi, largest)
         if acked > self._acked_source_end:
             self._acked_source_end = acked
             if self._src_pn[acked - 1] == largest:
                 sample_time = float(self._src_time[acked - 1])
         n_rep = view.repairs_sent
-        acked = int(np.searchsorted(self._rep_pn[:n_rep], largest, side="right"))
+        acked = self._count_upto(self._rep_pn, n_rep, largest)
         if acked > self._repairs_acked:
             self._repairs_acked = acked
             if self._rep_pn[acked - 1] == largest:
@@ -496,9 +499,15 @@ class SenderSession:
             cpu.acks += 1
 
     def _plan_from_ack(self, ack: Ack) -> None:
-        in_flight = self._rep_window[self._repairs_acked : self.view.repairs_sent]
         self.planner.on_ack(
-            ack.decoded_prefix, ack.holes, ack.hole_bits, ack.deficit, self.encoder.next_esi, in_flight
+            ack.decoded_prefix,
+            ack.holes,
+            ack.hole_bits,
+            ack.deficit,
+            self.encoder.next_esi,
+            self._rep_window,
+            self._repairs_acked,
+            self.view.repairs_sent,
         )
 
     def _on_result(self, result: Result, now: float) -> None:

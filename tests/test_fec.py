@@ -550,3 +550,35 @@ def test_codec_bench_smoke() -> None:
     res = codec_bench.bench_decode_insert(lost, symbol_size=64)
     assert res["decode_insert_us_mean"] > 0 and res["decode_insert_us_p99"] >= res["decode_insert_us_median"]
     assert res["complete"] == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), span=st.sampled_from([8, 64, 512]), drop=st.floats(0.0, 0.5))
+def test_ack_snapshot_matches_decoder_state(seed: int, span: int, drop: float) -> None:
+    """The one-call ACK snapshot equals the decoder's own properties and a numpy-packed hole map."""
+    rng = np.random.default_rng(seed)
+    n, size = 300, 16
+    syms = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    enc = Encoder(syms, window_cap=32)
+    dec = Decoder(n, size, window_cap=32)
+    out = np.zeros((span + 7) // 8, dtype=np.uint8)
+    for _ in range(int(rng.integers(1, n))):
+        esi = enc.take_source()
+        if rng.random() >= drop:
+            dec.add_source(esi, syms[esi])
+        if rng.random() < 0.1 and enc.window()[1] > 0:
+            rep = np.zeros(size, dtype=np.uint8)
+            dec.add_repair(enc.make_repair(rep), rep)
+        enc.on_ack(dec.decoded_prefix)
+    prefix, seen, decoded, unknowns, deficit, bits = dec.ack_snapshot(span, out)
+    assert (prefix, seen, decoded) == (dec.decoded_prefix, dec.seen_end, dec.decoded_count)
+    hi = min(prefix + span, seen)
+    missing = np.flatnonzero(~dec.have[prefix:hi])
+    assert unknowns == len(missing)
+    assert deficit == (max(0, unknowns - dec.rank) if unknowns else 0)
+    assert bits == (int(missing[-1]) + 1 if len(missing) else 0)
+    want = np.zeros(len(out) * 8, dtype=bool)
+    want[missing] = True
+    assert np.array_equal(np.unpackbits(out)[:bits], want[:bits])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dec.ack_snapshot(span, np.zeros(128, dtype=np.uint8)[::2])

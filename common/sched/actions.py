@@ -63,11 +63,17 @@ class SchedulerView:
         return self.n_source - self.sources_sent
 
     def update_mask(self) -> bool:
-        """Recompute the masks; return whether any action is allowed."""
+        """Recompute the masks; return whether any action is allowed.
+
+        Runs before every decision, hence written out per action (literal indices: Action and
+        REPAIR_SIZES order)."""
         slots = self.slots_left
-        self.mask[Action.SOURCE] = self.sources_left > 0 and slots > 0
+        left = self.repairs_left
+        mask = self.mask
+        source_ok = self.n_source > self.sources_sent and slots > 0
         repair_ok = self.window_size > 0 and self.deficit_estimate >= 0.5
-        for action in (Action.REPAIR_1, Action.REPAIR_4, Action.REPAIR_16):
-            k = REPAIR_SIZES[action]
-            self.mask[action] = repair_ok and self.repairs_left >= k and slots >= k
-        return any(self.mask)
+        mask[0] = source_ok
+        mask[1] = repair_ok and left >= 1 and slots >= 1
+        mask[2] = repair_ok and left >= 4 and slots >= 4
+        mask[3] = repair_ok and left >= 16 and slots >= 16
+        return source_ok or mask[1]
