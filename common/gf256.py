@@ -79,13 +79,21 @@ def _jit(fn: _F) -> _F:
     return cast(_F, numba.njit(cache=True, nogil=True)(fn))
 
 
+_entry_points: dict[tuple[int, tuple[Any, ...]], Callable[..., Any]] = {}
+
+
 def entry_point(kernel: Any, *example: object) -> Callable[..., Any]:
     """The compiled function of numba ``kernel`` for exactly the argument types of ``example``
-    (compiled now, or loaded from numba's cache). Calling it skips numba's per-call type dispatch, which
-    costs about a microsecond for a kernel with many array arguments: worth it on per-packet paths.
-    The caller must pass arguments of those same types (a mismatch raises or mis-reads)."""
+    (compiled now, or loaded from numba's cache, once per process). Calling it skips numba's per-call
+    type dispatch, which costs about a microsecond for a kernel with many array arguments: worth it on
+    per-packet paths. The caller must pass arguments of those same types (a mismatch raises or mis-reads)."""
     typeof = cast(Callable[[object], Any], numba.typeof)
-    return cast(Callable[..., Any], kernel.compile(tuple(typeof(a) for a in example)))
+    sig = tuple(typeof(a) for a in example)
+    key = (id(kernel), sig)
+    bound = _entry_points.get(key)
+    if bound is None:
+        bound = _entry_points[key] = cast(Callable[..., Any], kernel.compile(sig))
+    return bound
 
 
 # --------------------------------------------------------------------------------------------

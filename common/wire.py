@@ -805,19 +805,8 @@ class PacketProtector:
         if pn > _U32_MAX:
             raise ValueError("packet number space exhausted; start a new session")
         if type(msg) is Source and self._sends_source:
-            symbol = msg.symbol
-            if len(symbol) != self._symbol_size or (type(symbol) is memoryview and symbol.itemsize != 1):
-                raise ValueError(f"SOURCE symbol of {_buflen(symbol)} B, symbol_size is {self._symbol_size}")
-            try:
-                prefix = _U32_PACK(msg.esi)
-            except struct.error as exc:
-                raise ValueError(f"SOURCE: esi out of range: {msg.esi!r}") from exc
-            header = _HEADER_PACK(WIRE_VERSION, 1, self._session_id, pn)
-            if self._sealer is None:
-                out = b"".join((header, prefix, symbol, _ZERO_TAG))
-            else:
-                out = header + self._sealer.encrypt(_NONCE_PACK(pn), prefix + symbol, header)
-        elif type(msg) is Repair and self._sends_source:
+            return self.seal_source(msg.esi, msg.symbol)
+        if type(msg) is Repair and self._sends_source:
             symbol = msg.symbol
             if len(symbol) != self._symbol_size or (type(symbol) is memoryview and symbol.itemsize != 1):
                 raise ValueError(f"REPAIR symbol of {_buflen(symbol)} B, symbol_size is {self._symbol_size}")
@@ -843,6 +832,27 @@ class PacketProtector:
                 out = b"".join((header, body, _ZERO_TAG))
             else:
                 out = header + self._sealer.encrypt(_NONCE_PACK(pn), body, header)
+        self._next_pn = pn + 1
+        return out
+
+    def seal_source(self, esi: int, symbol: bytes | memoryview) -> bytes:
+        """``seal(Source(esi, symbol))`` without building the message: the sender's per-datagram path."""
+        pn = self._next_pn
+        if pn > _U32_MAX:
+            raise ValueError("packet number space exhausted; start a new session")
+        if not self._sends_source:
+            raise ValueError(f"{self._role.name} never sends SOURCE")
+        if len(symbol) != self._symbol_size or (type(symbol) is memoryview and symbol.itemsize != 1):
+            raise ValueError(f"SOURCE symbol of {_buflen(symbol)} B, symbol_size is {self._symbol_size}")
+        try:
+            prefix = _U32_PACK(esi)
+        except struct.error as exc:
+            raise ValueError(f"SOURCE: esi out of range: {esi!r}") from exc
+        header = _HEADER_PACK(WIRE_VERSION, 1, self._session_id, pn)
+        if self._sealer is None:
+            out = b"".join((header, prefix, symbol, _ZERO_TAG))
+        else:
+            out = header + self._sealer.encrypt(_NONCE_PACK(pn), prefix + symbol, header)
         self._next_pn = pn + 1
         return out
 

@@ -1,7 +1,11 @@
 """Receiver daemon: a thin asyncio adapter over ``ReceiverEndpoint`` (sans-IO), plus rebuild + generation.
 
 - One UDP socket (large SO_RCVBUF; SO_RCVBUFFORCE as root) feeds ``endpoint.receive_datagram``; every
-  reply goes to the address the session's OFFER came from.
+  reply goes to the address the session's OFFER came from. The socket is read directly (``add_reader``
+  + ``recvmsg``) rather than through a datagram transport, for two reasons: UDP GRO (Linux >= 5.0)
+  hands over a sender's GSO batch as one buffer with its segment size in a control message, one system
+  call for many datagrams; and each wake-up reads at most ``READ_BATCH`` buffers before yielding, so a
+  deadline timer never waits behind a drained socket buffer.
 - One loop timer (``loop.call_at`` on the loop's monotonic clock, which is the sessions' ``now``) tracks
   ``endpoint.get_timer()``.
 - ``DeadlineReached`` files the decoded symbols by fragment id and hands them to a single worker thread
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,6 +59,10 @@ _OFFER_TYPE = int(MsgType.OFFER)
 # base but 1 ms steps; timers still fire through loop.call_at).
 clock = time.monotonic
 TIMER_EARLY_S = 0.0015
+READ_BATCH = 32  # recvmsg calls per readable event before timers get their turn (each can be a GRO batch)
+UDP_GRO = 104  # linux/udp.h; Python's socket module does not export it
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+_RECV_SIZE = 65535
 
 
 SO_RCVBUFFORCE, SO_SNDBUFFORCE = 33, 32  # Linux; Python's socket module does not export them
@@ -128,21 +137,6 @@ def reconstruct(runtime: Any, identity: ModelIdentity, app: OfferApp, profile: A
     return Reconstructed(received.complete_blocks, utility, Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s))
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, daemon: ReceiverDaemon) -> None:
-        self.daemon = daemon
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        try:
-            self.daemon.on_datagram(data, addr)
-        except Exception:  # a bug must cost one datagram, not the socket (the loop would close it)
-            log.exception("receive path failed; datagram dropped")
-            self.daemon.metrics.dropped("other")
-
-    def error_received(self, exc: Exception) -> None:
-        log.debug("UDP error: %s", exc)
-
-
 @dataclass
 class ReceiverStatsSnapshot:
     received: int = 0
@@ -175,7 +169,10 @@ class ReceiverDaemon:
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
         self.stats = ReceiverStatsSnapshot()
         self._peers: dict[int, Any] = {}  # session id -> reply address (sessions and pending refusals)
-        self._transport: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
+        self._gro = False
+        self._rx_count = [0] * 256  # datagrams and bytes per wire type byte, not yet exported
+        self._rx_bytes = [0] * 256
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None
         self._timer_at: float | None = None
@@ -189,27 +186,63 @@ class ReceiverDaemon:
     async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> None:
         self._loop = asyncio.get_running_loop()
         sock = open_udp_socket(host, port, rcvbuf, sndbuf)
-        transport, _ = await self._loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
-        self._transport = transport
+        try:
+            sock.setsockopt(socket.IPPROTO_UDP, UDP_GRO, 1)
+            self._gro = True
+        except OSError:  # not Linux >= 5.0: one datagram per recvmsg
+            self._gro = False
+        self._sock = sock
+        self._loop.add_reader(sock.fileno(), self._on_readable)
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._transport is not None, "receiver not started"
-        host, port = self._transport.get_extra_info("sockname")[:2]
+        assert self._sock is not None, "receiver not started"
+        host, port = self._sock.getsockname()[:2]
         return str(host), int(port)
 
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
         for job in list(self._jobs):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(job), 30)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ receive path
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(READ_BATCH):
+            try:
+                data, ancillary, _flags, addr = sock.recvmsg(_RECV_SIZE, _GRO_CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. an ICMP error queued on the socket: costs nothing but a log line
+                log.debug("UDP receive error: %s", exc)
+                continue
+            segment = len(data)
+            for level, kind, value in ancillary:
+                if level == socket.IPPROTO_UDP and kind == UDP_GRO and len(value) >= 4:
+                    segment = int.from_bytes(value[:4], sys.byteorder) or segment  # a C int
+            if segment >= len(data):
+                self._guarded_datagram(data, addr)
+            else:  # a GRO batch: equal segments, the last may be shorter
+                for offset in range(0, len(data), segment):
+                    self._guarded_datagram(data[offset : offset + segment], addr)
+
+    def _guarded_datagram(self, data: bytes, addr: Any) -> None:
+        try:
+            self.on_datagram(data, addr)
+        except Exception:  # a bug must cost one datagram, not the socket
+            log.exception("receive path failed; datagram dropped")
+            self.metrics.dropped("other")
+
     def on_datagram(self, data: bytes, addr: Any) -> None:
         assert self._loop is not None
         now = clock()
@@ -221,17 +254,25 @@ class ReceiverDaemon:
             if sid is not None and sid not in endpoint.sessions:
                 self._peers[sid] = addr  # the OFFER's source: where this session's replies go (pruned)
         endpoint.receive_datagram(data, now)
-        if len(data) > 1:
-            kind = _TYPE_NAMES.get(data[1])
-            if kind is not None:
-                self.metrics.datagram_received(kind, len(data))
+        if len(data) > 1:  # counted here, exported once per loop iteration (_deferred_service)
+            type_byte = data[1]
+            self._rx_count[type_byte] += 1
+            self._rx_bytes[type_byte] += len(data)
         if not self._service_pending:  # once per loop iteration, after every datagram that was ready
             self._service_pending = True
             self._loop.call_soon(self._deferred_service)
 
     def _deferred_service(self) -> None:
         self._service_pending = False
+        self._export_received()
         self._service(clock())
+
+    def _export_received(self) -> None:
+        counts, sizes = self._rx_count, self._rx_bytes
+        for type_byte, kind in _TYPE_NAMES.items():
+            if counts[type_byte]:
+                self.metrics.datagrams_received(kind, counts[type_byte], sizes[type_byte])
+                counts[type_byte] = sizes[type_byte] = 0
 
     @staticmethod
     def _session_id_of(data: bytes) -> int | None:
@@ -250,16 +291,16 @@ class ReceiverDaemon:
         self._arm_timer()
 
     def _flush(self) -> None:
-        transport = self._transport
+        sock = self._sock
         out = self.endpoint.datagrams_to_send()
         for sid, datagram in out:
             peer = self._peers.get(sid)
-            if peer is None or transport is None:
+            if peer is None or sock is None:
                 self.metrics.dropped("send_failed")
                 continue
             try:
-                transport.sendto(datagram, peer)
-            except OSError:
+                sock.sendto(datagram, peer)
+            except OSError:  # including a full send buffer: feedback is repeated, RESULT retried
                 self.metrics.dropped("send_failed")
                 continue
             kind = _TYPE_NAMES.get(datagram[1])

@@ -186,6 +186,12 @@ class ReceiverMetrics(MetricsEndpoint):
         self._received_by_type[label].inc()
         self._bytes_received.inc(size)
 
+    def datagrams_received(self, kind: str | enum.Enum, count: int, nbytes: int) -> None:
+        """``count`` datagrams of ``nbytes`` in total (what one loop iteration read)."""
+        label = kind if kind in self._received_by_type else type_label(kind)
+        self._received_by_type[label].inc(count)
+        self._bytes_received.inc(nbytes)
+
     def datagram_sent(self, kind: str | enum.Enum, size: int) -> None:
         label = kind if kind in self._sent_by_type else type_label(kind)
         self._sent_by_type[label].inc()

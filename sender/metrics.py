@@ -154,6 +154,14 @@ class SenderMetrics(MetricsEndpoint):
         if label == "repair":
             self._repairs.inc()
 
+    def datagrams_sent(self, kind: str | enum.Enum, count: int, nbytes: int) -> None:
+        """``count`` datagrams of ``nbytes`` in total handed to the socket at once (one pacer wake-up)."""
+        label = kind if kind in self._sent_by_type else type_label(kind)
+        self._sent_by_type[label].inc(count)
+        self._bytes_sent.inc(nbytes)
+        if label == "repair":
+            self._repairs.inc(count)
+
     def datagram_received(self, kind: str | enum.Enum, size: int) -> None:
         label = kind if kind in self._received_by_type else type_label(kind)
         self._received_by_type[label].inc()

@@ -47,7 +47,6 @@ from common.wire import (
     Refuse,
     Repair,
     Result,
-    Source,
     clip_text,
     max_app_chunk,
 )
@@ -368,7 +367,7 @@ class SenderSession:
     # ------------------------------------------------------------------- sending
     def _send_source(self, now: float) -> bytes:
         esi = self.encoder.take_source()
-        datagram = self.protector.seal(Source(esi, self._symbols[esi].data))
+        datagram = self.protector.seal_source(esi, self._symbols[esi].data)
         self._src_pn[esi] = self.protector.packets_sealed
         self._src_time[esi] = now
         self.datagrams_sent["source"] += 1
