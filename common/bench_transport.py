@@ -171,9 +171,11 @@ def write_transport_bench(result: dict[str, Any], out_dir: Path) -> None:
         "Where a packet's CPU goes (us): sender "
         f"{f('sender_cpu_us_per_packet')} = session {sender_session:.1f} (ACK processing "
         f"{sess.get('feedback', 0):.1f}, scheduler {sess.get('policy', 0):.1f}, repair encode "
-        f"{sess.get('encode', 0):.1f}) + AEAD seal, sendto, metrics, pacing and per-handoff preparation; "
+        f"{sess.get('encode', 0):.1f}) + AEAD seal, UDP sends (GSO batches of each pacer wake-up), metrics, "
+        "pacing and per-handoff preparation; "
         f"receiver {f('receiver_cpu_us_per_packet')} = decoder + ACKs {f('receiver_codec_us_per_packet')} "
-        "+ AEAD open, header parsing, recvfrom, metrics and the adapter. Both are single Python threads, "
+        "+ AEAD open, header parsing, recvmsg (GRO batches), metrics and the adapter. Both are single Python "
+        "threads, "
         "so the rate one side sustains is about 1e6 / (its us per packet) datagrams per second when it has "
         "a core to itself.",
         "",
