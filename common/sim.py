@@ -11,6 +11,11 @@ pattern; control datagrams (OFFER, CLOSE) and ACKs draw from their own streams o
 Deadline: D = T_ow + rho * T_ser, T_ser = S_KV / C, where S_KV is the KV cache size in bytes (paper V-A).
 Recovered utility = sum of U_b over blocks whose every fragment was decoded by the receiver's deadline,
 divided by sum U_b (the utilities sum to 1).
+
+Two reference schemes run outside the sessions on the same forward realization: ``arq`` (idealised
+selective-repeat retransmission, an upper bound for TCP/QUIC, common/arq_sim.py) and ``oracle`` (the
+clairvoyant bound, common/oracle.py). The oracle is computed for every realization even when not asked
+for: every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization.
 """
 
 from __future__ import annotations
@@ -21,18 +26,30 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from common.arq_sim import ARQ_NOTE, simulate_arq
 from common.channel import LossModel, realization_rng
 from common.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
-from common.sched.policies import Scheme, get_scheme
+from common.oracle import DataTiming, oracle_delivered
+from common.sched.policies import SCHEMES, Scheme, get_scheme
 from common.session_events import CpuMeter
 from common.utility import UtilityProfile, fifo_order, synthetic_profile, utility_order
-from common.wire import DEFAULT_SYMBOL_SIZE, HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE, PacketProtector, Role
-from receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint
+from common.wire import (
+    DEFAULT_SYMBOL_SIZE,
+    HEADER_SIZE,
+    OFFER_FIXED_SIZE,
+    REPAIR_ID_SIZE,
+    SOURCE_ID_SIZE,
+    TAG_SIZE,
+    PacketProtector,
+    Role,
+)
+from receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint, ReceiverStats
 from sender.repair_plan import warm_up
 from sender.session import (
     Failed,
@@ -43,7 +60,12 @@ from sender.session import (
 )
 
 SIM_PSK = bytes(range(32))
+SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
+REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
+    "arq": ARQ_NOTE,
+    "oracle": "clairvoyant bound: knows the losses, sends sources in utility order only in arriving slots",
+}
 
 
 @dataclass(frozen=True)
@@ -60,7 +82,7 @@ class SimConfig:
     repair_budget: float = 0.15  # B_rep as a fraction of the source symbols
     window_cap: int = 64
     target_nonzeros: int = 8
-    ack_every: int = 8
+    ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
     authenticate: bool = False  # AEAD on every datagram (slower; the daemons always authenticate)
     reverse_loss: LossModel | None = None
     profile: UtilityProfile | None = None  # None: synthetic_profile()
@@ -162,6 +184,8 @@ class RunResult:
     cpu_ns: dict[str, int]
     wall_s: float
     failure: str | None = None
+    # Per block id: every fragment decoded (arq: delivered in order) by the deadline.
+    recovered_blocks: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
 
 
 class _Link:
@@ -198,7 +222,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
     symbols = handoff.ordered_payload[scheme.order]
     n_source = len(queue)
     max_data = int(handoff.deadline_s / handoff.slot_s) + 64
-    fwd_lost = cfg.loss.realize(max_data, handoff.slot_s, realization_rng(cfg.seed, realization, "forward"))
+    fwd_lost = forward_losses(handoff, realization)
     ctl_lost = cfg.loss.realize(64, handoff.slot_s, realization_rng(cfg.seed, realization, "control"))
     rev_lost = (
         cfg.reverse_loss.realize(max_data, handoff.slot_s, realization_rng(cfg.seed, realization, "reverse"))
@@ -301,6 +325,18 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
     wall = time.perf_counter() - wall0
 
     score = outcome.get("deadline")
+    if score is None and "failure" in outcome and session_id not in endpoint.sessions:
+        # Every copy of the OFFER was lost (a long bad spell on the control packets' channel): the receiver
+        # never knew the handoff, nothing was decoded; the sender reported it. A failed handoff, utility 0.
+        score = {
+            "utility": 0.0,
+            "decoded": 0,
+            "blocks": 0,
+            "redundant": 0,
+            "complete": np.zeros(handoff.plan.n_blocks, dtype=np.bool_),
+            "stats": ReceiverStats(),
+        }
+        outcome["failure"] = f"the receiver never got the OFFER: {outcome['failure']}"
     if score is None:
         raise RuntimeError(f"simulation ended without the receiver's deadline ({outcome})")
     stats = score["stats"]
@@ -329,7 +365,106 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         },
         wall_s=wall,
         failure=outcome.get("failure"),
+        recovered_blocks=score["complete"],
     )
+
+
+def forward_losses(handoff: Handoff, realization: int) -> npt.NDArray[np.bool_]:
+    """The forward erasure pattern of one realization, indexed by data datagram position (every scheme's)."""
+    cfg = handoff.config
+    max_data = int(handoff.deadline_s / handoff.slot_s) + 64
+    return cfg.loss.realize(max_data, handoff.slot_s, realization_rng(cfg.seed, realization, "forward"))
+
+
+def data_timing(handoff: Handoff) -> DataTiming:
+    """SOURCE datagram timing after the first OFFER (no app blob in the simulator), as the sessions send."""
+    cfg = handoff.config
+    offer_bytes = HEADER_SIZE + OFFER_FIXED_SIZE + TAG_SIZE
+    source_bytes = HEADER_SIZE + SOURCE_ID_SIZE + handoff.plan.symbol_size + TAG_SIZE
+    return DataTiming(
+        first_send_s=offer_bytes * 8 / cfg.rate_bps,
+        datagram_s=source_bytes * 8 / cfg.rate_bps,
+        owd_s=cfg.owd_s,
+        deadline_s=handoff.deadline_s,
+    )
+
+
+def complete_blocks(handoff: Handoff, fragments: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """Per block id: whether every one of its fragments is among ``fragments`` (fragment ids)."""
+    plan = handoff.plan
+    got = np.zeros(plan.n_fragments, dtype=np.int8)
+    got[fragments] = 1
+    return np.minimum.reduceat(got, plan.first_fragment[:-1]).astype(bool)
+
+
+def _reference_result(
+    handoff: Handoff, name: str, realization: int, complete: npt.NDArray[np.bool_], delivered: int, **kw: int
+) -> RunResult:
+    n_source = handoff.plan.n_fragments
+    return RunResult(
+        scheme=name,
+        realization=realization,
+        recovered_utility=float(handoff.block_utility[complete].sum()),
+        recovered_symbol_fraction=delivered / n_source if n_source else 0.0,
+        blocks_recovered=int(complete.sum()),
+        source_sent=kw.get("source_sent", delivered),
+        repair_sent=kw.get("repair_sent", 0),
+        control_sent=1,
+        forward_lost=kw.get("forward_lost", 0),
+        decoded_symbols=delivered,
+        redundant_repairs=0,
+        stalls=0,
+        stall_time_s=0.0,
+        late_datagrams=0,
+        acks=0,
+        decisions=0,
+        cpu_ns={"encode": 0, "decode": 0, "feedback": 0, "policy": 0},
+        wall_s=kw.get("wall_ns", 0) / 1e9,
+        recovered_blocks=complete,
+    )
+
+
+def run_oracle(handoff: Handoff, realization: int) -> RunResult:
+    """The clairvoyant bound on this realization: erased slots stay idle, no repairs, utility order."""
+    t0 = time.perf_counter_ns()
+    queue = handoff.queue("utility")
+    delivered = oracle_delivered(forward_losses(handoff, realization), data_timing(handoff), len(queue))
+    complete = complete_blocks(handoff, queue[:delivered])
+    wall_ns = time.perf_counter_ns() - t0
+    return _reference_result(handoff, "oracle", realization, complete, delivered, wall_ns=wall_ns)
+
+
+def run_arq(handoff: Handoff, realization: int) -> RunResult:
+    """Idealised selective-repeat ARQ on this realization (sources in utility order, in-order delivery).
+
+    ``repair_sent`` counts its retransmissions."""
+    t0 = time.perf_counter_ns()
+    queue = handoff.queue("utility")
+    cfg = handoff.config
+    arq = simulate_arq(forward_losses(handoff, realization), data_timing(handoff), 2 * cfg.owd_s, len(queue))
+    in_order = arq.delivered(handoff.deadline_s)
+    complete = complete_blocks(handoff, queue[in_order])
+    wall_ns = time.perf_counter_ns() - t0
+    return _reference_result(
+        handoff, "arq", realization, complete, int(in_order.sum()),
+        source_sent=arq.new_sent, repair_sent=arq.retransmissions, forward_lost=arq.lost, wall_ns=wall_ns,
+    )  # fmt: skip
+
+
+def run_scheme(handoff: Handoff, name: str, realization: int, verify: bool = True) -> RunResult:
+    """One realization of a session scheme (SCHEMES) or a reference scheme (arq, oracle)."""
+    if name == "oracle":
+        return run_oracle(handoff, realization)
+    if name == "arq":
+        return run_arq(handoff, realization)
+    return run_once(handoff, get_scheme(name), realization, verify=verify)
+
+
+def check_scheme_names(names: Sequence[str]) -> None:
+    for name in names:
+        if name not in SCHEMES and name not in REFERENCE_SCHEMES:
+            known = ", ".join([*SCHEMES, *REFERENCE_SCHEMES])
+            raise ValueError(f"unknown scheme {name!r}; choose from {known}")
 
 
 def _score(
@@ -342,11 +477,9 @@ def _score(
     decoded = event.decoded_esis
     if verify and len(decoded) and not np.array_equal(event.store[decoded], symbols[decoded]):
         raise AssertionError("decoder output differs from the source symbols")
-    plan = handoff.plan
-    got = np.zeros(plan.n_fragments, dtype=np.int8)
-    got[queue[decoded]] = 1
-    complete = np.minimum.reduceat(got, plan.first_fragment[:-1]).astype(bool)
+    complete = complete_blocks(handoff, queue[decoded])
     return {
+        "complete": complete,
         "utility": float(handoff.block_utility[complete].sum()),
         "blocks": int(complete.sum()),
         "decoded": len(decoded),
@@ -401,21 +534,43 @@ def simulate(
     verify: bool = True,
 ) -> dict[str, Any]:
     """Run every scheme on the same ``realizations`` paired loss sequences; return the report dict."""
-    schemes = [get_scheme(n) for n in scheme_names]
+    handoff, runs = simulate_runs(config, scheme_names, realizations, progress, verify)
+    return report(handoff, runs)
+
+
+def simulate_runs(
+    config: SimConfig,
+    scheme_names: Sequence[str],
+    realizations: int,
+    progress: Callable[[int, int], None] | None = None,
+    verify: bool = True,
+) -> tuple[Handoff, dict[str, list[RunResult]]]:
+    """Like ``simulate`` but returns every RunResult (e.g. ``recovered_blocks`` per realization)."""
+    check_scheme_names(scheme_names)
     if realizations < 1:
         raise ValueError(f"realizations must be >= 1, got {realizations!r}")
     warm_up()  # compile or load every kernel variant now, not inside the first timed run
     handoff = prepare(config)
-    runs: dict[str, list[RunResult]] = {s.name: [] for s in schemes}
-    total = realizations * len(schemes)
+    names = list(dict.fromkeys(scheme_names))
+    runs: dict[str, list[RunResult]] = {name: [] for name in names}
+    total = realizations * len(names)
     done = 0
     for r in range(realizations):
-        for scheme in schemes:
-            runs[scheme.name].append(run_once(handoff, scheme, r, verify=verify))
+        for name in names:
+            runs[name].append(run_scheme(handoff, name, r, verify=verify))
             done += 1
             if progress is not None:
                 progress(done, total)
-    return report(handoff, runs)
+    return handoff, runs
+
+
+def efficiencies(handoff: Handoff, results: Sequence[RunResult]) -> list[float]:
+    """Recovered utility / the oracle's on the same realization (1.0 where the oracle recovers nothing)."""
+    out = []
+    for r in results:
+        bound = run_oracle(handoff, r.realization).recovered_utility
+        out.append(r.recovered_utility / bound if bound > 0 else 1.0)
+    return out
 
 
 def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
@@ -450,9 +605,12 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         sym_mean, sym_ci = mean_ci95([r.recovered_symbol_fraction for r in results])
         packets = sum(r.source_sent + r.repair_sent for r in results)
         cpu_total = {k: sum(r.cpu_ns[k] for r in results) for k in ("encode", "decode", "feedback", "policy")}
+        eff_mean, eff_ci = mean_ci95(efficiencies(handoff, results))
         out["schemes"][name] = {
             "recovered_utility_mean": util_mean,
             "recovered_utility_ci95": list(util_ci),
+            "efficiency_mean": eff_mean,
+            "efficiency_ci95": list(eff_ci),
             "recovered_symbol_fraction_mean": sym_mean,
             "recovered_symbol_fraction_ci95": list(sym_ci),
             "source_sent_mean": float(np.mean([r.source_sent for r in results])),
@@ -467,6 +625,8 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
             },
             "wall_s_mean": float(np.mean([r.wall_s for r in results])),
         }
+        if name in REFERENCE_SCHEMES:
+            out["schemes"][name]["note"] = REFERENCE_SCHEMES[name]
     return out
 
 

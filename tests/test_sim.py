@@ -114,3 +114,13 @@ def test_cli_bad_input_names_the_value(args: list[str], needle: str) -> None:
     out = run_cli("sim", "--tokens", "64", "--realizations", "1", *args)
     assert out.returncode == 2
     assert needle in out.stderr
+
+
+def test_a_handoff_whose_offer_never_arrives_fails_with_zero_utility() -> None:
+    """Every datagram lost, the OFFER's retries included: the receiver never knows the session. The
+    simulator reports a failed handoff (utility 0, the sender's reason), not an internal error."""
+    handoff = prepare(SimConfig(loss=Bernoulli(1.0), rho=0.5, tokens=32))
+    result = run_once(handoff, get_scheme("heuristic"), 0)
+    assert result.recovered_utility == 0.0 and result.decoded_symbols == 0
+    assert result.failure is not None and "never got the OFFER" in result.failure
+    assert not result.recovered_blocks.any() and len(result.recovered_blocks) == handoff.plan.n_blocks

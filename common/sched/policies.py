@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from common.sched.actions import Action, SchedulerView
+from common.sched.flec import FlecRT
 
 SourceOrder = Literal["fifo", "utility"]
 
@@ -104,6 +105,13 @@ class DeficitHeuristic:
         pass
 
 
+def ddqn_policy() -> Policy:
+    """The trained Double-DQN scheduler (imported lazily: it loads numba kernels and the weights)."""
+    from common.sched.ddqn import DDQNPolicy
+
+    return DDQNPolicy()
+
+
 @dataclass(frozen=True)
 class Scheme:
     name: str
@@ -120,6 +128,9 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("uniform-fec", "fifo", FixedRate, "FIFO order, fixed repair rate 1/8"),
         Scheme("priority-fixed", "utility", FixedRate, "utility order, fixed repair rate 1/8"),
         Scheme("heuristic", "utility", DeficitHeuristic, "utility order, deficit-driven repair bursts"),
+        Scheme("rl-fec", "fifo", ddqn_policy, "FIFO order, Double-DQN repair scheduler"),
+        Scheme("priorityfec", "utility", ddqn_policy, "utility order, Double-DQN repair scheduler"),
+        Scheme("flec-rt", "fifo", FlecRT, "FIFO order, FlEC-style adaptive repair (no KV utility)"),
     )
 }
 
