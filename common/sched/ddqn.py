@@ -1,0 +1,145 @@
+"""Double-DQN repair scheduler inference without torch (paper IV-D): a 15-64-64-4 ReLU MLP in float32.
+
+Sans-IO. The trained weights (``common/sched/ddqn_weights.npz``, written by ``common/train.py``) are
+flattened once into one float32 parameter vector in torch's ``Linear`` layout (weight [out, in], then
+bias, layer by layer: 5,444 numbers). A decision writes the 15 features and the 4 action masks into one
+preallocated scratch vector and makes one compiled call that runs the network and returns the greedy
+allowed action; masked actions are never chosen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from common.sched.actions import N_ACTIONS, Action, SchedulerView
+from common.sched.features import N_FEATURES, FeatureSink, write_features
+
+HIDDEN = 64
+LAYER_SHAPES: tuple[tuple[int, int], ...] = ((HIDDEN, N_FEATURES), (HIDDEN, HIDDEN), (N_ACTIONS, HIDDEN))
+N_PARAMS = sum(o * i + o for o, i in LAYER_SHAPES)  # 5,444
+WEIGHTS_PATH = Path(__file__).with_name("ddqn_weights.npz")
+WEIGHT_KEYS = ("w1", "b1", "w2", "b2", "w3", "b3")
+
+# Scratch layout: features | masks (1.0 allowed) | hidden 1 | hidden 2.
+MASK_AT = N_FEATURES
+H1_AT = MASK_AT + N_ACTIONS
+H2_AT = H1_AT + HIDDEN
+SCRATCH_SIZE = H2_AT + HIDDEN
+_ACTIONS = tuple(Action)
+
+Float32Array = npt.NDArray[np.float32]
+
+
+def flatten_weights(layers: dict[str, npt.NDArray[np.floating]]) -> Float32Array:
+    """w1, b1, w2, b2, w3, b3 (torch Linear layout) -> one float32 vector of N_PARAMS."""
+    parts = []
+    for n, (out_dim, in_dim) in enumerate(LAYER_SHAPES, start=1):
+        w = np.asarray(layers[f"w{n}"], dtype=np.float32)
+        b = np.asarray(layers[f"b{n}"], dtype=np.float32)
+        if w.shape != (out_dim, in_dim) or b.shape != (out_dim,):
+            raise ValueError(
+                f"layer {n} has weight {w.shape} and bias {b.shape}; expected ({out_dim}, {in_dim}) and "
+                f"({out_dim},) for the 15-64-64-4 network"
+            )
+        parts += [w.ravel(), b]
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def load_weights(path: str | Path = WEIGHTS_PATH) -> Float32Array:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"DDQN weights {str(p)!r} do not exist; train them with `pfec train`")
+    with np.load(p) as data:
+        missing = [k for k in WEIGHT_KEYS if k not in data]
+        if missing:
+            raise ValueError(f"DDQN weights {str(p)!r} lack arrays {missing}; retrain with `pfec train`")
+        return flatten_weights({k: data[k] for k in WEIGHT_KEYS})
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True, inline="always")
+def _dense(params: Float32Array, at: int, src: Float32Array, src_at: int, n_in: int,
+           dst: Float32Array, dst_at: int, n_out: int, relu: bool) -> int:
+    """dst[dst_at:+n_out] = (relu of) W @ src[src_at:+n_in] + b; returns the offset past this layer."""
+    bias_at = at + n_out * n_in
+    for j in range(n_out):
+        acc = np.float32(0.0)
+        row = at + j * n_in
+        for i in range(n_in):
+            acc += params[row + i] * src[src_at + i]
+        acc += params[bias_at + j]
+        dst[dst_at + j] = max(acc, np.float32(0.0)) if relu else acc
+    return bias_at + n_out
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True)
+def q_values(params: Float32Array, scratch: Float32Array, q: Float32Array) -> None:
+    """Q(x, .) of the features in scratch[:N_FEATURES] into q (float32[N_ACTIONS])."""
+    at = _dense(params, 0, scratch, 0, N_FEATURES, scratch, H1_AT, HIDDEN, True)
+    at = _dense(params, at, scratch, H1_AT, HIDDEN, scratch, H2_AT, HIDDEN, True)
+    _dense(params, at, scratch, H2_AT, HIDDEN, q, 0, N_ACTIONS, False)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True)
+def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
+    """argmax of Q over the allowed actions (scratch[MASK_AT + a] > 0); -1 when none is allowed.
+
+    Ties go to the lowest action index, as torch.argmax does.
+    """
+    q = np.empty(N_ACTIONS, dtype=np.float32)
+    q_values(params, scratch, q)
+    best = -1
+    for a in range(N_ACTIONS):
+        if scratch[MASK_AT + a] > 0 and (best < 0 or q[a] > q[best]):
+            best = a
+    return best
+
+
+class DDQNPolicy:
+    """The greedy policy of a trained Q-network (schemes ``rl-fec`` and ``priorityfec``)."""
+
+    name = "ddqn"
+    sends_repairs = True
+
+    def __init__(self, params: Float32Array | None = None) -> None:
+        self.params = _default_params() if params is None else params
+        if self.params.shape != (N_PARAMS,) or self.params.dtype != np.float32:
+            got = f"{self.params.dtype}{self.params.shape}"
+            raise ValueError(f"DDQN params must be float32[{N_PARAMS}], got {got}")
+        self.scratch = np.zeros(SCRATCH_SIZE, dtype=np.float32)
+        self._cells = cast(FeatureSink, self.scratch.data)  # cheaper scalar stores than numpy's
+
+    def decide(self, view: SchedulerView) -> Action:
+        cells = self._cells
+        write_features(view, cells)
+        mask = view.mask
+        cells[MASK_AT] = mask[0]
+        cells[MASK_AT + 1] = mask[1]
+        cells[MASK_AT + 2] = mask[2]
+        cells[MASK_AT + 3] = mask[3]
+        action = greedy_action(self.params, self.scratch)
+        if action < 0:
+            raise ValueError("no action is allowed; the session must not ask the policy")
+        return _ACTIONS[action]
+
+    def reset(self) -> None:
+        pass
+
+
+_DEFAULT: list[Float32Array] = []
+
+
+def _default_params() -> Float32Array:
+    """The committed weights, loaded once per process."""
+    if not _DEFAULT:
+        _DEFAULT.append(load_weights())
+    return _DEFAULT[0]
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernels before a timed run."""
+    greedy_action(np.zeros(N_PARAMS, dtype=np.float32), np.zeros(SCRATCH_SIZE, dtype=np.float32))
