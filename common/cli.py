@@ -34,6 +34,10 @@ def _register_external_commands() -> None:
     app.command("retention", help="Teacher-forced agreement under partial KV retention.")(retention_cmd)
     app.command("kvcheck", help="Fragments -> rebuild: receiver answer vs sender's.")(kvcheck_cmd)
     app.command("kvloss", help="Needle-QA F1 of mask vs zero reconstruction under block loss.")(kvloss_cmd)
+    from common.evalcli import eval_cmd, eval_trace_cmd
+
+    app.command("eval", help="The paper's experiments on this code; regenerates docs/RESULTS.md.")(eval_cmd)
+    app.command("eval-trace", help="Write the synthetic example loss trace for trace replay.")(eval_trace_cmd)
 
 
 _register_external_commands()
@@ -96,16 +100,21 @@ def sim(
     repair_budget: Annotated[float, typer.Option(help="Repair budget, fraction of source symbols.")] = 0.15,
     window: Annotated[int, typer.Option(help="Coding window cap K (symbols).")] = 64,
     profile: Annotated[
-        str, typer.Option(help="Utility profile JSON path, or 'synthetic' (documented stand-in).")
-    ] = "synthetic",
+        str,
+        typer.Option(
+            help="Utility profile: 'shipped' (profiles/smollm2-135m-instruct.json), a JSON path, or "
+            "'synthetic' (documented stand-in)."
+        ),
+    ] = "shipped",
     authenticate: Annotated[bool, typer.Option(help="AEAD-protect every simulated datagram.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
     from common.channel import parse_loss_spec
-    from common.sim import SimConfig, simulate
+    from common.sim import SHIPPED_PROFILE, SimConfig, simulate
     from common.utility import UtilityProfile
 
+    profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
     names = [s.strip() for s in scheme.split(",") if s.strip()]
     if not names:
         raise _fail("--scheme is empty; give at least one scheme name")
@@ -113,7 +122,7 @@ def sim(
         rho = 0.8
     try:
         loss_model = parse_loss_spec(loss)
-        prof = None if profile == "synthetic" else UtilityProfile.load(profile)
+        prof = None if profile == "synthetic" else UtilityProfile.load(profile_path)
         config = SimConfig(
             loss=loss_model,
             rate_mbps=rate_mbps,
@@ -131,6 +140,7 @@ def sim(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     result["inputs"]["loss"] = loss  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
+    result["inputs"]["profile_path"] = None if profile == "synthetic" else profile_path
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -147,18 +157,23 @@ def format_sim_table(result: dict[str, Any]) -> str:
         f"{inp['repair_budget']:.0%}, window {inp['window_cap']}, profile {inp['profile']}, "
         f"{inp['realizations']} paired realizations",
         "",
-        f"{'scheme':<16}{'utility':>9}{'  95% CI':<18}{'symbols':>9}{'source':>9}{'repair':>8}"
+        f"{'scheme':<16}{'utility':>9}{'  95% CI':<18}{'effic.':>8}{'symbols':>9}{'source':>9}{'repair':>8}"
         f"{'stalls':>8}{'ms/run':>9}",
     ]
     for name, s in result["schemes"].items():
         lo, hi = s["recovered_utility_ci95"]
         lines.append(
             f"{name:<16}{s['recovered_utility_mean']:>9.2%}  [{lo:.2%}, {hi:.2%}]".ljust(43)
+            + f"{s.get('efficiency_mean', float('nan')):>8.2%}"
             + f"{s['recovered_symbol_fraction_mean']:>9.2%}{s['source_sent_mean']:>9.0f}"
             f"{s['repair_sent_mean']:>8.0f}{s['stalls_mean']:>8.0f}{s['wall_s_mean'] * 1000:>9.0f}"
         )
     lines.append("")
     lines.append("utility = share of the profile's KV utility in blocks fully decoded by the deadline")
+    lines.append("effic. = utility / the clairvoyant oracle's on the same realization")
+    for name, s in result["schemes"].items():
+        if "note" in s:
+            lines.append(f"{name}: {s['note']}")
     return "\n".join(lines)
 
 
@@ -178,6 +193,27 @@ def bench_codec(
         typer.echo(json.dumps(result, indent=2))
     else:
         typer.echo((out_dir / "codec.md").read_text())
+
+
+@bench_app.command("scheduler")
+def bench_scheduler(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    out_dir: Annotated[Path, typer.Option(help="Where scheduler.json and .md are written.")] = DOCS_BENCH,
+    realizations: Annotated[int, typer.Option(help="Simulated handoffs whose states are timed.")] = 2,
+    passes: Annotated[int, typer.Option(help="Timed passes over the recorded states.")] = 20,
+) -> None:
+    """DDQN decision latency (features + network + mask) over states recorded from simulated handoffs."""
+    from common.sched_bench import run_scheduler_bench, write_scheduler_bench
+
+    if realizations < 1 or passes < 1:
+        raise _fail(f"--realizations {realizations} and --passes {passes} must both be >= 1")
+    try:
+        result = run_scheduler_bench(realizations, passes, progress=_progress("bench scheduler"))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    result["machine"] = machine_info()
+    write_scheduler_bench(result, out_dir)
+    typer.echo(json.dumps(result, indent=2) if as_json else (out_dir / "scheduler.md").read_text())
 
 
 # --------------------------------------------------------------------------- daemons (issue 4)
@@ -382,6 +418,88 @@ def bench_transport(
     result["machine"] = machine_info()
     write_transport_bench(result, out_dir)
     typer.echo(json.dumps(result, indent=2) if as_json else (out_dir / "transport.md").read_text())
+
+
+@app.command()
+def train(
+    episodes: Annotated[int, typer.Option(help="Learning episodes (after the heuristic seeding).")] = 600,
+    heuristic_episodes: Annotated[int, typer.Option(help="Heuristic episodes seeding the replay.")] = 40,
+    pretrain_updates: Annotated[
+        int, typer.Option(help="Updates on the heuristic's transitions before the first own episode.")
+    ] = 5000,
+    validate_every: Annotated[
+        int, typer.Option(help="Episodes between validations; the best validated weights are kept (0: last).")
+    ] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of episodes, exploration and network init.")] = 0,
+    init: Annotated[Path | None, typer.Option(help="Start from these weights (npz).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Weights (default common/sched/ddqn_weights.npz).")] = None,
+    log: Annotated[Path | None, typer.Option(help="JSON-lines log (default next to the weights).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Train the Double-DQN repair scheduler on simulated handoffs (torch; run under nice)."""
+    from common.sched.ddqn import WEIGHTS_PATH
+    from common.train import LOG_PATH, TrainConfig
+    from common.train import train as run_training
+
+    if init is not None and not init.exists():
+        raise _fail(f"--init {str(init)!r} does not exist; give a weights file written by `pfec train`")
+    try:
+        cfg = TrainConfig(episodes=episodes, heuristic_episodes=heuristic_episodes, seed=seed,
+                          pretrain_updates=pretrain_updates, validate_every=validate_every,
+                          init=str(init) if init is not None else None)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    summary = run_training(cfg, out or WEIGHTS_PATH, log or LOG_PATH, progress=_progress("train"))
+    typer.echo(json.dumps(summary, indent=2) if as_json else
+               "\n".join(f"{k}: {v}" for k, v in summary.items()))
+
+
+@app.command()
+def reliable(
+    proto: Annotated[str, typer.Option(help="tcp (kernel TCP, netns; root) | quic (aioquic).")] = "tcp",
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")] = 0.8,
+    loss: Annotated[str, typer.Option(help="Forward loss: none | ge:EG,EB,PGB,PBG | bernoulli:P")] = (
+        "ge:0.001,0.5,0.02,0.1"
+    ),
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate, each direction.")] = 100.0,
+    rtt_ms: Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")] = 20.0,
+    tokens: Annotated[int, typer.Option(help="Context tokens handed off.")] = 1536,
+    realizations: Annotated[int, typer.Option(help="Loss realizations (paired with `pfec sim`).")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the loss realizations.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
+    from common.channel import Bernoulli, parse_loss_spec
+    from common.reliable import run_reliable
+    from common.sim import SimConfig
+
+    if proto not in ("tcp", "quic"):
+        raise _fail(f"--proto {proto!r}: use 'tcp' or 'quic'")
+    try:
+        loss_model = Bernoulli(0.0) if loss.strip().lower() == "none" else parse_loss_spec(loss)
+        config = SimConfig(loss=loss_model, rate_mbps=rate_mbps, rtt_ms=rtt_ms, rho=rho, tokens=tokens,
+                           seed=seed)
+        if seed < 0 or realizations < 1:
+            raise ValueError(f"--seed must be >= 0 and --realizations >= 1, got {seed} and {realizations}")
+        result = run_reliable(proto, config, realizations, progress=_progress(f"reliable {proto}"))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        hint = "; run as root or use --proto quic" if proto == "tcp" else ""
+        raise _fail(f"{exc}{hint}") from None
+    result["inputs"]["loss"] = loss
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    s = result["schemes"][proto]
+    lo, hi = s["recovered_utility_ci95"]
+    typer.echo(
+        f"{proto} ({', '.join(s['congestion_control'])}, emulator {s['emulator_mode']}), "
+        f"deadline {result['inputs']['deadline_ms']:.1f} ms, {s['realizations']} realizations\n"
+        f"utility {s['recovered_utility_mean']:.2%} [{lo:.2%}, {hi:.2%}], in-order bytes "
+        f"{s['in_order_bytes_mean'] / s['payload_bytes']:.1%} of {s['payload_bytes']}, link rate achieved "
+        f"{s['link_rate_achieved_mbps']:.1f} of {s['link_rate_mbps']:g} Mbit/s"
+    )
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,211 @@
+"""``pfec eval`` and ``pfec eval-trace``, registered in ``common/cli.py`` (heavy imports stay inside)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise _fail(
+            f"--{name} {text!r} is not a comma-separated list of numbers (e.g. 0.6,0.8,1.0)"
+        ) from None
+    if not values:
+        raise _fail(f"--{name} is empty; give e.g. 0.8,1.0")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+@contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Any]:
+    """One rich progress bar per stage on stderr; ``update(stage, done, total)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
+
+
+def eval_cmd(
+    realizations: Annotated[
+        int | None, typer.Option(help="Paired loss realizations per cell [20; small 2].")
+    ] = None,
+    headline_realizations: Annotated[
+        int | None, typer.Option(help="Realizations of the headline cell (main, rho 0.8) [100; small 2].")
+    ] = None,
+    rhos: Annotated[
+        str | None, typer.Option(help="Deadlines rho of the utility sweep [0.6,0.8,1.0,1.2; small 0.8].")
+    ] = None,
+    configs: Annotated[
+        str | None,
+        typer.Option(
+            help="Loss configs: main,milder,burstier,trace and/or NAME=SPEC (e.g. cap=trace:PATH) [all four]."
+        ),
+    ] = None,
+    schemes: Annotated[
+        str | None, typer.Option(help="Schemes [every known one; unregistered ones are reported].")
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Profile JSON, or 'synthetic' [profiles/smollm2-135m-instruct.json; small synthetic]."
+        ),
+    ] = None,
+    tokens: Annotated[int | None, typer.Option(help="Context tokens of the sweep [1536; small 384].")] = None,
+    task_prompts: Annotated[
+        int | None,
+        typer.Option(
+            help="Needle-QA prompts for the task score (loads the default model; 0 skips) [4; small 0]."
+        ),
+    ] = None,
+    task_rhos: Annotated[str | None, typer.Option(help="Deadlines of the task score [0.6,0.8,1.0].")] = None,
+    task_schemes: Annotated[
+        str | None, typer.Option(help="Schemes of the task score [udp,priority,heuristic,priorityfec].")
+    ] = None,
+    overhead_realizations: Annotated[
+        int | None, typer.Option(help="Realizations per overhead row (0 skips) [3; small 1].")
+    ] = None,
+    reliable_realizations: Annotated[
+        int | None,
+        typer.Option(
+            help="Real tcp/quic handoffs per cell of the main config (real time, slow; 0 skips) [5; small 0]."
+        ),
+    ] = None,
+    jobs: Annotated[int, typer.Option(help="Worker processes for the utility sweep.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the loss realizations and the workload.")] = 1,
+    small: Annotated[
+        bool, typer.Option("--small", help="CI size: 2 realizations, rho 0.8, main, synthetic, no model.")
+    ] = False,
+    out_dir: Annotated[Path, typer.Option(help="CSV + JSON go here.")] = Path("docs/results"),
+    figures_dir: Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")] = Path("docs/figures"),
+    results_md: Annotated[
+        str, typer.Option(help="RESULTS file whose generated section is replaced ('none': skip).")
+    ] = "docs/RESULTS.md",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole result as one JSON object.")
+    ] = False,
+) -> None:
+    """The paper's experiments on this code: utility, task score, ablation, overhead -> docs/RESULTS.md."""
+    # first statement, so locals() holds only the options
+    given = {k: v for k, v in locals().items() if v is not None and k not in ("small", "as_json", "jobs")}
+    from common.evaluate import SMALL, EvalConfig, parse_configs, run_eval, write_outputs
+
+    base = SMALL if small else EvalConfig()
+    overrides: dict[str, Any] = {"jobs": jobs, "seed": seed, "command": _command_line(small, given)}
+    for key, value in (
+        ("realizations", realizations),
+        ("headline_realizations", headline_realizations),
+        ("profile", profile),
+        ("tokens", tokens),
+        ("task_prompts", task_prompts),
+        ("overhead_realizations", overhead_realizations),
+        ("reliable_realizations", reliable_realizations),
+    ):
+        if value is not None:
+            overrides[key] = value
+    if rhos is not None:
+        overrides["rhos"] = _floats(rhos, "rhos")
+    if task_rhos is not None:
+        overrides["task_rhos"] = _floats(task_rhos, "task-rhos")
+    if schemes is not None:
+        overrides["schemes"] = _names(schemes)
+    if task_schemes is not None:
+        overrides["task_schemes"] = _names(task_schemes)
+    if profile not in (None, "synthetic") and not Path(str(profile)).is_file():
+        raise _fail(f"--profile {profile!r} is not a file; give a profile JSON or 'synthetic'")
+    try:
+        if configs is not None:
+            overrides["configs"] = parse_configs(configs)
+        cfg = replace(base, **overrides)
+        with _progress_bar(enabled=sys.stderr.isatty()) as progress:
+            result = run_eval(cfg, progress)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    md = None if results_md.lower() == "none" else Path(results_md)
+    result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    else:
+        typer.echo(_summary(result))
+
+
+def _command_line(small: bool, given: dict[str, Any]) -> str:
+    """The command that reproduces this run (options as given; paths as typed), for docs/RESULTS.md."""
+    defaults = {"seed": 1, "out_dir": Path("docs/results"), "figures_dir": Path("docs/figures"),
+                "results_md": "docs/RESULTS.md"}  # fmt: skip
+    words = ["pfec eval"] + (["--small"] if small else [])
+    for key, value in given.items():
+        if defaults.get(key, object()) != value:
+            words.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join(words)
+
+
+def _summary(result: dict[str, Any]) -> str:
+    lines = [f"{'config':<10}{'rho':>5}  {'scheme':<16}{'utility':>9}  {'95% CI':<18}{'efficiency':>10}"]
+    for cell in result["cells"]:
+        for name, s in cell["schemes"].items():
+            lo, hi = s.get("recovered_utility_ci95") or (float("nan"), float("nan"))
+            eff = s.get("efficiency_mean")
+            lines.append(
+                f"{cell['config']:<10}{cell['rho']:>5g}  {name:<16}{s['recovered_utility_mean']:>9.2%}  "
+                f"[{lo:.2%}, {hi:.2%}]".ljust(60)
+                + (f"{eff:>10.2%}" if eff is not None else f"{'n/a':>10}")
+            )
+    for name, why in result["schemes_missing"].items():
+        lines.append(f"missing: {name} ({why})")
+    lines += [f"wrote {path}" for path in result["outputs"].values()]
+    return "\n".join(lines)
+
+
+def eval_trace_cmd(
+    out: Annotated[Path, typer.Option(help="Trace file to write.")] = Path("profiles/example-loss.trace"),
+    seconds: Annotated[float, typer.Option(help="Trace length.")] = 60.0,
+    probe_ms: Annotated[float, typer.Option(help="Probe spacing (one loss state per probe).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the GE phases.")] = 7,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+) -> None:
+    """Write the synthetic example loss trace (pfec-loss-trace v1) that `pfec eval`'s trace config replays."""
+    from common.evaluate import write_example_trace
+
+    try:
+        info = write_example_trace(out, seconds, probe_ms, seed)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(
+        json.dumps(info, indent=2)
+        if as_json
+        else f"wrote {info['path']}: {info['entries']} entries, {info['probes']} probes, "
+        f"mean loss {info['mean_loss']:.2%}"
+    )

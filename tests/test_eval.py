@@ -1,0 +1,108 @@
+"""`pfec eval`: the --small run's outputs, paired realizations, and honest reporting of missing schemes."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from common import evaluate
+from common.cli import app
+from common.evalreport import update_results_md
+from common.evaluate import RESULTS_BEGIN, RESULTS_END, SMALL, check_pairing, run_eval
+from common.sched import policies
+from common.sim import prepare, run_scheme
+
+KV_SECTION = "## KV side: real model\n\nhand-written numbers that must survive\n"
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("eval")
+    (out / "RESULTS.md").write_text("# Results\n\n## Transport: old table\n\nstale\n\n" + KV_SECTION)
+    args = ["eval", "--small", "--json", "--out-dir", str(out), "--figures-dir", str(out / "fig"),
+            "--results-md", str(out / "RESULTS.md")]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def test_small_run_writes_csv_plot_and_marked_section(small_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = small_run
+    with (out / "eval_utility.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["scheme"] for r in rows} >= {"udp", "priority", "heuristic"}
+    assert all(r["config"] == "main" and float(r["rho"]) == 0.8 and r["n"] == "2" for r in rows)
+    assert all(0.0 <= float(r["recovered_utility_mean"]) <= 1.0 for r in rows)
+    assert (out / "fig" / "eval_utility.png").stat().st_size > 10_000
+    text = (out / "RESULTS.md").read_text()
+    assert text.count(RESULTS_BEGIN) == 1 and text.count(RESULTS_END) == 1
+    assert "stale" not in text and KV_SECTION in text  # old transport table replaced, KV section kept
+    generated = text.split(RESULTS_BEGIN)[1].split(RESULTS_END)[0]
+    assert "pfec eval --small" in generated and "| heuristic |" in generated
+    assert data["cells"][0]["inputs"]["realizations"] == 2
+
+
+def test_realizations_are_paired(small_run: tuple[Path, dict[str, Any]]) -> None:
+    _out, data = small_run
+    cell = data["cells"][0]
+    assert cell["pairing"]["runs_checked"] >= 6 and cell["pairing"]["violations"] == 0
+    udp, priority = cell["schemes"]["udp"], cell["schemes"]["priority"]
+    # Both send only sources in every slot: same datagram count, so the shared pattern costs both the same.
+    assert udp["data_sent_runs"] == priority["data_sent_runs"]
+    assert udp["forward_lost_runs"] == priority["forward_lost_runs"]
+    assert len(set(udp["forward_lost_runs"])) == 2  # the two realizations differ from each other
+
+
+def test_pairing_check_catches_an_unpaired_run() -> None:
+    main = evaluate.parse_loss_spec(evaluate.NAMED_CONFIGS["main"])
+    sim = SMALL.sim_config(main, 0.8, SMALL.load_profile())
+    handoff = prepare(replace(sim, tokens=64))
+    runs = {"udp": [run_scheme(handoff, "udp", 0)], "priority": [run_scheme(handoff, "priority", 0)]}
+    assert check_pairing(handoff, runs) == {"runs_checked": 2, "violations": 0}
+    runs["priority"][0].forward_lost += 1  # as if it had met another realization's losses
+    assert check_pairing(handoff, runs)["violations"] == 1
+
+
+def test_missing_scheme_is_reported_not_invented(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(policies.SCHEMES, "flec-rt")
+    monkeypatch.delitem(policies.SCHEMES, "priorityfec", raising=False)
+    cfg = replace(SMALL, realizations=1, tokens=64, jobs=1, overhead_realizations=0,
+                  schemes=("udp", "heuristic", "flec-rt", "priorityfec"))  # fmt: skip
+    result = run_eval(cfg)
+    assert "flec-rt" in result["schemes_missing"] and "priorityfec" in result["schemes_missing"]
+    assert set(result["cells"][0]["schemes"]) == {"udp", "heuristic"}
+    assert result["substitutes"] == {"priorityfec": "heuristic"}  # said out loud, used only in the ablation
+    row = next(r for r in result["ablation"] if r["scheme"] == "priorityfec" and r["rho"] == 0.8)
+    assert row["runs"] == "heuristic"
+    assert row["utility_mean"] == result["cells"][0]["schemes"]["heuristic"]["recovered_utility_mean"]
+
+
+def test_results_md_rerun_replaces_only_the_marked_part(tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\nintro\n\n" + KV_SECTION)
+    update_results_md(path, f"{RESULTS_BEGIN}\nfirst\n{RESULTS_END}\n")
+    update_results_md(path, f"{RESULTS_BEGIN}\nsecond\n{RESULTS_END}\n")
+    text = path.read_text()
+    assert "second" in text and "first" not in text and "intro" in text and KV_SECTION in text
+    assert text.index(RESULTS_END) < text.index("## KV side")
+
+
+def test_bad_values_name_the_fix() -> None:
+    runner = CliRunner()
+    bad_rho = runner.invoke(app, ["eval", "--small", "--rhos", "0.8,x", "--results-md", "none"])
+    assert bad_rho.exit_code == 2 and "0.8,x" in bad_rho.output
+    bad_config = runner.invoke(app, ["eval", "--small", "--configs", "nosuch", "--results-md", "none"])
+    assert bad_config.exit_code == 2 and "NAME=SPEC" in bad_config.output
+
+
+def test_example_trace_is_replayable(tmp_path: Path) -> None:
+    info = evaluate.write_example_trace(tmp_path / "t.trace", seconds=3, probe_ms=1, seed=3)
+    model = evaluate.parse_loss_spec(f"trace:{tmp_path / 't.trace'}")
+    assert info["entries"] < info["probes"] and 0.01 < info["mean_loss"] < 0.3
+    assert abs(model.mean_loss - info["mean_loss"]) < 0.01  # type: ignore[attr-defined]

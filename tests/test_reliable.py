@@ -1,0 +1,121 @@
+"""Reliable baselines: prefix scoring; real kernel TCP and aioquic handoffs through the link emulator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from common.channel import Bernoulli
+from common.cli import app
+from common.emulator import netns_available
+from common.reliable import bytes_by, run_reliable, score_prefix, stream_bytes
+from common.sim import SimConfig, prepare
+
+_NETNS_OK, _NETNS_WHY = netns_available()
+needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"kernel TCP between namespaces: {_NETNS_WHY}")
+
+
+def _small(loss: float = 0.0, **kw: object) -> SimConfig:
+    if "deadline_ms" in kw:
+        kw.setdefault("rho", None)
+    return SimConfig(loss=Bernoulli(loss), tokens=32, **kw)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- scoring (no network)
+
+
+def _oracle_utility(config: SimConfig, prefix: int) -> float:
+    """Block by block: a block counts when every one of its fragments ends inside the prefix."""
+    h = prepare(config)
+    queue = list(h.queue("utility"))
+    size = h.plan.symbol_size
+    total = 0.0
+    for block in range(h.plan.n_blocks):
+        ends = [(queue.index(f) + 1) * size for f in h.plan.block_fragments(block)]
+        if max(ends) <= prefix:
+            total += float(h.block_utility[block])
+    return total
+
+
+def test_score_prefix_matches_a_block_by_block_oracle() -> None:
+    cfg = _small(rho=2.0)
+    h = prepare(cfg)
+    size, n = h.plan.symbol_size, h.plan.n_fragments
+    assert score_prefix(h, 0).utility == 0.0
+    full = score_prefix(h, n * size)
+    assert full.fragments == n and full.blocks == h.plan.n_blocks and full.utility == pytest.approx(1.0)
+    for prefix in (size - 1, size, 7 * size + 3, n * size // 3, n * size - 1):
+        got = score_prefix(h, prefix)
+        assert got.fragments == prefix // size
+        assert got.utility == pytest.approx(_oracle_utility(cfg, prefix))
+    # Utility order: the first third of the stream holds well over a third of the utility.
+    assert score_prefix(h, n * size // 3).utility > 0.4
+    with pytest.raises(ValueError, match="prefix_bytes"):
+        score_prefix(h, -1)
+
+
+def test_stream_is_the_simulators_fragments_in_utility_order() -> None:
+    h = prepare(_small(rho=2.0))
+    data = stream_bytes(h)
+    size = h.plan.symbol_size
+    queue = h.queue("utility")
+    assert len(data) == h.plan.n_fragments * size
+    for pos in (0, 5, len(queue) - 1):  # each fragment starts with its big-endian fragment id
+        assert int.from_bytes(data[pos * size : pos * size + 4], "big") == queue[pos]
+    assert bytes_by([[1.0, 10], [2.0, 30], [3.0, 50]], 2.5) == 30
+    assert bytes_by([[1.0, 10]], 0.5) == 0
+
+
+# --------------------------------------------------------------------------- real transports
+
+
+@needs_netns
+def test_tcp_small_handoff_without_loss_delivers_everything() -> None:
+    out = run_reliable("tcp", _small(deadline_ms=3000.0), 1)
+    s = out["schemes"]["tcp"]
+    assert s["recovered_utility_mean"] == pytest.approx(1.0)
+    assert s["in_order_bytes_mean"] == s["payload_bytes"] and s["payload_intact"]
+    assert s["completed_runs"] == 1 and s["forward_lost_mean"] == 0
+    default_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    assert s["congestion_control"] == [default_cc] and s["emulator_mode"] == "netns"
+    # The handshake (one RTT of 20 ms) is paid inside the budget.
+    assert 18.0 <= s["handshake_ms_mean"] < 500.0
+
+
+def test_quic_small_handoff_without_loss_delivers_everything_via_cli() -> None:
+    args = ["reliable", "--proto", "quic", "--loss", "none", "--tokens", "32", "--rho", "40",
+            "--realizations", "1", "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{") :])
+    s = out["schemes"]["quic"]
+    assert s["recovered_utility_mean"] == pytest.approx(1.0), s["runs"]
+    assert s["in_order_bytes_mean"] == s["payload_bytes"] and s["payload_intact"]
+    assert s["congestion_control"] == ["aioquic reno"] and s["emulator_mode"] == "relay"
+    assert s["handshake_ms_mean"] >= 18.0  # at least one emulated RTT
+
+
+def test_loss_and_a_tight_deadline_shorten_the_in_order_prefix() -> None:
+    proto = "tcp" if _NETNS_OK else "quic"
+    lossless = run_reliable(proto, _small(deadline_ms=150.0), 1)["schemes"][proto]
+    lossy = run_reliable(proto, _small(0.1, deadline_ms=150.0), 1)["schemes"][proto]
+    assert lossless["payload_intact"] and lossy["payload_intact"]
+    assert lossy["forward_lost_mean"] > 0
+    assert lossy["in_order_bytes_mean"] < lossless["in_order_bytes_mean"] <= lossless["payload_bytes"]
+    assert lossy["recovered_utility_mean"] < 1.0
+    assert np.isfinite(lossy["recovered_utility_mean"])
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="'udp'"):
+        run_reliable("udp", _small(rho=1.0), 1)
+    with pytest.raises(ValueError, match="realizations"):
+        run_reliable("quic", _small(rho=1.0), 0)
+    res = CliRunner().invoke(app, ["reliable", "--proto", "sctp"])
+    assert res.exit_code == 2 and "use 'tcp' or 'quic'" in res.output
+    res = CliRunner().invoke(app, ["reliable", "--proto", "quic", "--rho", "-1"])
+    assert res.exit_code == 2 and "rho must be positive" in res.output
