@@ -289,3 +289,29 @@ def test_bench_scheduler_cli_json(tmp_path: Path) -> None:
     assert {"decision_us_mean", "decision_us_p99", "machine"} <= set(data)
     assert data["states"] > 0 and 0 < data["decision_us_mean"] < 10_000
     assert (tmp_path / "scheduler.json").exists() and (tmp_path / "scheduler.md").exists()
+
+
+def test_compiled_decision_equals_python_features_and_network(recorded: Recorder) -> None:
+    """The deployed decision computes the features inside the compiled call: they must equal
+    features.write_features bit for bit (training uses that one), and so must the chosen action."""
+    from common.sched.ddqn import DDQNPolicy, greedy_action, load_weights, write_features_compiled
+
+    rng = np.random.default_rng(11)
+    views = [row[2] for row in recorded.rows] + [_random_view(rng) for _ in range(3000)]
+    params = load_weights()
+    policy = DDQNPolicy(params)
+    scratch = np.zeros(SCRATCH_SIZE, dtype=np.float32)
+    compiled = np.zeros(SCRATCH_SIZE, dtype=np.float32)
+    for view in views:
+        if not any(view.mask):
+            continue
+        write_features(view, scratch)
+        write_features_compiled(
+            compiled, view.repairs_left, view.repair_budget, view.slots_left, view.slots_total, view.n_source,
+            view.sources_sent, view.deficit_estimate, view.loss_estimate, view.burst_estimate,
+            view.window_size, view.window_at_feedback, view.ack_staleness, view.rtt_estimate,
+            view.block_progress, view.block_utility, view.upcoming_utility, view.repair_effectiveness,
+        )
+        np.testing.assert_array_equal(compiled[:N_FEATURES], scratch[:N_FEATURES])
+        scratch[MASK_AT:MASK_AT + N_ACTIONS] = view.mask
+        assert int(policy.decide(view)) == greedy_action(params, scratch)

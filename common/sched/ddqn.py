@@ -9,15 +9,19 @@ allowed action; masked actions are never chosen.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any
 
 import numba
 import numpy as np
 import numpy.typing as npt
 
 from common.sched.actions import N_ACTIONS, Action, SchedulerView
-from common.sched.features import N_FEATURES, FeatureSink, write_features
+from common.sched.features import N_FEATURES, WINDOW_SCALE
+
+_LOG_WINDOW = math.log1p(WINDOW_SCALE)
 
 HIDDEN = 64
 LAYER_SHAPES: tuple[tuple[int, int], ...] = ((HIDDEN, N_FEATURES), (HIDDEN, HIDDEN), (N_ACTIONS, HIDDEN))
@@ -99,6 +103,102 @@ def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
     return best
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _clip01(x: float) -> float:
+    return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def write_features_compiled(
+    scratch: Float32Array,
+    repairs_left: int,
+    repair_budget: int,
+    slots_left: int,
+    slots_total: int,
+    n_source: int,
+    sources_sent: int,
+    deficit: float,
+    loss: float,
+    burst: float,
+    window: int,
+    window_fb: int,
+    staleness: float,
+    rtt: float,
+    progress: float,
+    utility: float,
+    upcoming: float,
+    effectiveness: float,
+) -> None:
+    """common.sched.features.write_features, compiled (same float64 arithmetic, no fastmath, float32 store):
+    the decision path computes the features here instead of fifteen Python stores."""
+    total = max(1, slots_total)
+    sources_left = n_source - sources_sent
+    stale_rtts = staleness / rtt if rtt > 0.0 else 0.0
+    scratch[0] = _clip01(repairs_left / max(1, repair_budget))
+    scratch[1] = _clip01(slots_left / total)
+    scratch[2] = sources_left / max(1, sources_left + slots_left)
+    slack = (slots_left - sources_left - deficit) / total
+    scratch[3] = -1.0 if slack < -1.0 else (1.0 if slack > 1.0 else slack)
+    scratch[4] = _clip01(loss)
+    scratch[5] = _clip01(1.0 - 1.0 / max(1.0, burst))
+    scratch[6] = _clip01(math.log1p(deficit) / _LOG_WINDOW)
+    scratch[7] = deficit / max(1.0, deficit + repairs_left)
+    scratch[8] = _clip01(window / WINDOW_SCALE)
+    scratch[9] = _clip01(window_fb / WINDOW_SCALE)
+    scratch[10] = stale_rtts / (1.0 + stale_rtts)
+    scratch[11] = _clip01(progress)
+    scratch[12] = _clip01(utility)
+    scratch[13] = _clip01(upcoming)
+    scratch[14] = _clip01(effectiveness)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def decide_compiled(
+    params: Float32Array,
+    scratch: Float32Array,
+    repairs_left: int,
+    repair_budget: int,
+    slots_left: int,
+    slots_total: int,
+    n_source: int,
+    sources_sent: int,
+    deficit: float,
+    loss: float,
+    burst: float,
+    window: int,
+    window_fb: int,
+    staleness: float,
+    rtt: float,
+    progress: float,
+    utility: float,
+    upcoming: float,
+    effectiveness: float,
+    m0: bool,
+    m1: bool,
+    m2: bool,
+    m3: bool,
+) -> int:
+    """The whole decision in one call: features, masks, network, greedy allowed action (-1: none)."""
+    write_features_compiled(
+        scratch, repairs_left, repair_budget, slots_left, slots_total, n_source, sources_sent, deficit,
+        loss, burst, window, window_fb, staleness, rtt, progress, utility, upcoming, effectiveness,
+    )
+    scratch[MASK_AT] = 1.0 if m0 else 0.0
+    scratch[MASK_AT + 1] = 1.0 if m1 else 0.0
+    scratch[MASK_AT + 2] = 1.0 if m2 else 0.0
+    scratch[MASK_AT + 3] = 1.0 if m3 else 0.0
+    return greedy_action(params, scratch)
+
+
+def _bind_decide(params: Float32Array, scratch: Float32Array) -> Callable[..., int]:
+    """decide_compiled through its bound entry point (numba's dispatch would cost as much as the net)."""
+    from common.gf256 import entry_point
+
+    example: tuple[Any, ...] = (params, scratch, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 1.0, 0, 0, 0.0, 0.0, 0.0,
+                                0.0, 0.0, 0.0, True, True, True, True)
+    return entry_point(decide_compiled, *example)
+
+
 class DDQNPolicy:
     """The greedy policy of a trained Q-network (schemes ``rl-fec`` and ``priorityfec``)."""
 
@@ -110,18 +210,38 @@ class DDQNPolicy:
         if self.params.shape != (N_PARAMS,) or self.params.dtype != np.float32:
             got = f"{self.params.dtype}{self.params.shape}"
             raise ValueError(f"DDQN params must be float32[{N_PARAMS}], got {got}")
+        self.params = np.ascontiguousarray(self.params)
         self.scratch = np.zeros(SCRATCH_SIZE, dtype=np.float32)
-        self._cells = cast(FeatureSink, self.scratch.data)  # cheaper scalar stores than numpy's
+        self._decide = _bind_decide(self.params, self.scratch)
 
     def decide(self, view: SchedulerView) -> Action:
-        cells = self._cells
-        write_features(view, cells)
+        # The view's fields have the kernel's types (ints, floats, bools): no conversions on this path.
         mask = view.mask
-        cells[MASK_AT] = mask[0]
-        cells[MASK_AT + 1] = mask[1]
-        cells[MASK_AT + 2] = mask[2]
-        cells[MASK_AT + 3] = mask[3]
-        action = greedy_action(self.params, self.scratch)
+        action = self._decide(
+            self.params,
+            self.scratch,
+            view.repairs_left,
+            view.repair_budget,
+            view.slots_left,
+            view.slots_total,
+            view.n_source,
+            view.sources_sent,
+            view.deficit_estimate,
+            view.loss_estimate,
+            view.burst_estimate,
+            view.window_size,
+            view.window_at_feedback,
+            view.ack_staleness,
+            view.rtt_estimate,
+            view.block_progress,
+            view.block_utility,
+            view.upcoming_utility,
+            view.repair_effectiveness,
+            mask[0],
+            mask[1],
+            mask[2],
+            mask[3],
+        )
         if action < 0:
             raise ValueError("no action is allowed; the session must not ask the policy")
         return _ACTIONS[action]
@@ -143,3 +263,4 @@ def _default_params() -> Float32Array:
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels before a timed run."""
     greedy_action(np.zeros(N_PARAMS, dtype=np.float32), np.zeros(SCRATCH_SIZE, dtype=np.float32))
+    _bind_decide(np.zeros(N_PARAMS, dtype=np.float32), np.zeros(SCRATCH_SIZE, dtype=np.float32))
