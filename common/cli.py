@@ -34,10 +34,11 @@ def _register_external_commands() -> None:
     app.command("retention", help="Teacher-forced agreement under partial KV retention.")(retention_cmd)
     app.command("kvcheck", help="Fragments -> rebuild: receiver answer vs sender's.")(kvcheck_cmd)
     app.command("kvloss", help="Needle-QA F1 of mask vs zero reconstruction under block loss.")(kvloss_cmd)
-    from common.evalcli import eval_cmd, eval_trace_cmd
+    from common.evalcli import eval_cmd, eval_render_cmd, eval_trace_cmd
 
     app.command("eval", help="The paper's experiments on this code; regenerates docs/RESULTS.md.")(eval_cmd)
     app.command("eval-trace", help="Write the synthetic example loss trace for trace replay.")(eval_trace_cmd)
+    app.command("eval-render", help="Rewrite the eval docs from a saved `pfec eval` result.")(eval_render_cmd)
 
 
 _register_external_commands()

@@ -155,6 +155,37 @@ def eval_cmd(
         raise _fail(str(exc)) from None
     md = None if results_md.lower() == "none" else Path(results_md)
     result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
+    _print(result, as_json)
+
+
+def eval_render_cmd(
+    result_json: Annotated[
+        Path, typer.Argument(help="A result written by `pfec eval` (docs/results/eval.json).")
+    ],
+    out_dir: Annotated[Path, typer.Option(help="CSV + JSON go here.")] = Path("docs/results"),
+    figures_dir: Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")] = Path("docs/figures"),
+    results_md: Annotated[
+        str, typer.Option(help="RESULTS file whose generated section is replaced ('none': skip).")
+    ] = "docs/RESULTS.md",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole result as one JSON object.")
+    ] = False,
+) -> None:
+    """Rewrite the CSV, figures and RESULTS section from a saved `pfec eval` result, without rerunning it."""
+    try:
+        result = json.loads(result_json.read_text())
+    except (OSError, ValueError) as exc:
+        raise _fail(f"cannot read {str(result_json)!r} as a `pfec eval` result: {exc}") from None
+    if not isinstance(result, dict) or "cells" not in result or "config" not in result:
+        raise _fail(f"{str(result_json)!r} is not a `pfec eval` result (no 'cells'/'config')")
+    from common.evaluate import write_outputs
+
+    md = None if results_md.lower() == "none" else Path(results_md)
+    result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
+    _print(result, as_json)
+
+
+def _print(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:

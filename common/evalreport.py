@@ -11,7 +11,9 @@ from typing import Any
 from common.evaluate import ABLATION_RHOS, FALLBACK, PAPER, RESULTS_BEGIN, RESULTS_END
 from common.sim import mean_ci95
 
-NON_BASELINES = ("priorityfec", "heuristic", "oracle", "arq")  # ours, its stand-in, and idealised bounds
+# The paper's compared transports (V-A): the "best baseline" of the comparison is the best of these. The
+# ablation variants (priority, priority-fixed, rl-fec), our heuristic and the idealised bounds are not.
+PAPER_BASELINES = ("tcp", "quic", "udp", "uniform-fec", "flec-rt")
 CLAIM_BASELINES = ("udp", "uniform-fec", "flec-rt", "arq")  # the issue's "main baselines"
 CLAIM_GAIN_POINTS = 5.0
 CLAIM_EFFICIENCY = 0.97
@@ -32,28 +34,40 @@ def _pyplot() -> Any:
 
 
 def plot_utility(result: dict[str, Any], path: Path) -> Path:
-    """Recovered utility vs rho per scheme with 95% CIs, one panel per loss config."""
+    """Recovered utility vs rho per scheme with 95% CIs, one panel per loss config; one colour and marker
+    per scheme across panels, one legend for all of them."""
     plt = _pyplot()
     configs = list(dict.fromkeys(c["config"] for c in result["cells"]))
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 3.8), squeeze=False, sharey=True)
+    everyone = list(dict.fromkeys(name for c in result["cells"] for name in c["schemes"]))
+    colours = plt.get_cmap("tab20")
+    markers = "osD^vP*Xh<>p"
+    style = {name: (colours(k % 20), markers[k % len(markers)]) for k, name in enumerate(everyone)}
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs), 4.4), squeeze=False, sharey=True)
     for ax, config in zip(axes[0], configs, strict=True):
         cells = sorted((c for c in result["cells"] if c["config"] == config), key=lambda c: c["rho"])
-        schemes = list(dict.fromkeys(name for c in cells for name in c["schemes"]))
-        for k, name in enumerate(schemes):
+        for k, name in enumerate(everyone):
             pts = [(c["rho"], c["schemes"][name]) for c in cells if name in c["schemes"]]
-            x = [p[0] + 0.006 * (k - len(schemes) / 2) for p in pts]  # dodge: overlapping error bars
+            if not pts:
+                continue
+            x = [p[0] + 0.006 * (k - len(everyone) / 2) for p in pts]  # dodge: overlapping error bars
             y = [100 * p[1]["recovered_utility_mean"] for p in pts]
             err = [
                 [100 * (p[1]["recovered_utility_mean"] - p[1]["recovered_utility_ci95"][0]) for p in pts],
                 [100 * (p[1]["recovered_utility_ci95"][1] - p[1]["recovered_utility_mean"]) for p in pts],
             ]
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+            colour, marker = style[name]
+            ax.errorbar(x, y, yerr=err, marker=marker, color=colour, capsize=3, markersize=4, label=name)
         ax.set_title(f"{config}: {_spec(result, config)}", fontsize=8)
         ax.set_xlabel("rho = (D - T_ow) / T_ser")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recovered utility (%)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    ncol = min(len(handles), 7)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=7)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
@@ -219,7 +233,7 @@ def _paired(cell: dict[str, Any], a: str, b: str) -> tuple[float, tuple[float, f
 
 
 def _fmt_diff(d: tuple[float, tuple[float, float]] | None) -> str:
-    return "-" if d is None else f"{d[0]:+.1f} pts [{d[1][0]:+.1f}, {d[1][1]:+.1f}]"
+    return "-" if d is None else f"{d[0]:+.2f} pts [{d[1][0]:+.2f}, {d[1][1]:+.2f}]"
 
 
 def _holds(ok: bool | None) -> str:
@@ -290,7 +304,7 @@ def _paper_comparison(result: dict[str, Any]) -> list[str]:
         return [*out, "Not measured: this run has no main-config cell at rho 0.8.", ""]
     ours_name = "priorityfec" if "priorityfec" in cell["schemes"] else FALLBACK["priorityfec"]
     ours = cell["schemes"].get(ours_name)
-    baselines = {n: s for n, s in cell["schemes"].items() if n not in NON_BASELINES}
+    baselines = {n: s for n, s in cell["schemes"].items() if n in PAPER_BASELINES}
     if ours is None or not baselines:
         return [*out, "Not measured: neither priorityfec nor its stand-in, or no baseline, ran.", ""]
     best = max(baselines, key=lambda n: baselines[n]["recovered_utility_mean"])
@@ -307,11 +321,12 @@ def _paper_comparison(result: dict[str, Any]) -> list[str]:
         f" ({best}) |",
         f"| gain (points) | {PAPER['gain_points']:.1f} | {gain:.1f} |",
         "",
+        *_oracle_sentence(cell, ours),
         "Why the numbers differ: the paper averages six model-workload cases of 7B/8B models (48 examples x "
         "5 realizations each) with per-case profiles, a C codec and its own FlEC-RT/TCP/QUIC adapters; here "
         "one 135M model's geometry and profile, a numba codec, and the baselines listed above "
-        f"(best baseline = best of {', '.join(baselines)}; our `heuristic`, the oracle and the idealised ARQ "
-        "bound are excluded). The "
+        f"(best baseline = best of the paper's compared transports that ran: {', '.join(baselines)}; the "
+        "ablation variants, our `heuristic`, the oracle and the idealised ARQ bound are not baselines). The "
         "shipped profile concentrates half its utility in layers 0-2, so utility order alone already "
         "protects much of the value; the gap to the best baseline depends on which baselines are present "
         "(FlEC-RT and RL-FEC are the paper's strongest). The paper's figures are descriptive averages over "
@@ -319,6 +334,23 @@ def _paper_comparison(result: dict[str, Any]) -> list[str]:
         "",
     ]
     return out
+
+
+def _oracle_sentence(cell: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """Why the absolute utility is below the paper's: the oracle's bound on this profile and link."""
+    oracle = cell["schemes"].get("oracle")
+    if oracle is None:
+        return []
+    bound = _pct(oracle["recovered_utility_mean"])
+    text = (
+        f"The absolute level is bounded by the oracle: {bound} here. At rho 0.8 only about "
+        "0.8 x (1 - 8.4%) = 73% of the KV bytes can arrive before the deadline, and under the shipped "
+        "profile the most useful 73% of blocks hold that share of the utility; priorityfec reaches "
+        f"{_pct(ours.get('efficiency_mean'))} of the bound. The paper's 99.1% means its profiles put more "
+        "than 99% of the utility into the blocks that fit: the absolute number measures how concentrated "
+        "the model's profile is as much as the transport."
+    )
+    return [text, ""]
 
 
 def _task_tables(result: dict[str, Any], paths: dict[str, str], md_dir: Path) -> list[str]:

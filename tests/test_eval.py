@@ -106,3 +106,23 @@ def test_example_trace_is_replayable(tmp_path: Path) -> None:
     model = evaluate.parse_loss_spec(f"trace:{tmp_path / 't.trace'}")
     assert info["entries"] < info["probes"] and 0.01 < info["mean_loss"] < 0.3
     assert abs(model.mean_loss - info["mean_loss"]) < 0.01  # type: ignore[attr-defined]
+
+
+def test_render_rewrites_the_docs_from_a_saved_result(
+    small_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, _data = small_run
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Results\n\n" + KV_SECTION)
+    args = ["eval-render", str(out / "eval.json"), "--out-dir", str(tmp_path), "--figures-dir",
+            str(tmp_path / "fig"), "--results-md", str(md)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = md.read_text()
+    generated = text.split(RESULTS_BEGIN)[1].split(RESULTS_END)[0]
+    original = (out / "RESULTS.md").read_text().split(RESULTS_BEGIN)[1].split(RESULTS_END)[0]
+    assert generated == original and KV_SECTION in text  # same result, same section
+    assert "### Claims checked on this run" in generated
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    bad = CliRunner().invoke(app, ["eval-render", str(tmp_path / "bad.json"), "--results-md", "none"])
+    assert bad.exit_code == 2 and "is not a `pfec eval` result" in bad.output
