@@ -15,7 +15,6 @@ Deadline metrics (all in the receiver's own monotonic clock):
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
@@ -26,7 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from common.metrics_http import MetricsEndpoint
+from common.metrics_http import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
 from common.wire import PARSE_REASONS
 
 if TYPE_CHECKING:
@@ -41,7 +40,6 @@ __all__ = [
     "ReceiverMetrics",
 ]
 
-DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close")
 #: done: RESULT delivered; refused: OFFER refused (never active); cancelled: sender's CLOSE;
 #: timeout: the sender went silent; failed: anything else (rebuild or generation error, ...).
 SESSION_OUTCOMES: Final = ("done", "refused", "cancelled", "timeout", "failed")
@@ -76,15 +74,7 @@ _TTFT_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
 _UTILITY_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
-def type_label(kind: str | enum.Enum) -> str:
-    """``MsgType.ACK`` or ``"ack"`` -> ``"ack"``; ValueError for anything else."""
-    name = kind.name.lower() if isinstance(kind, enum.Enum) else str(kind).lower()
-    if name not in DATAGRAM_TYPES:
-        raise ValueError(f"unknown datagram type {kind!r}; expected one of {', '.join(DATAGRAM_TYPES)}")
-    return name
-
-
-class ReceiverMetrics(MetricsEndpoint):
+class ReceiverMetrics(MetricsEndpoint, DatagramCounters):
     """All ``pfec_receiver_*`` series, in a registry of their own (``self.registry``)."""
 
     def __init__(
@@ -180,22 +170,6 @@ class ReceiverMetrics(MetricsEndpoint):
             self._sessions.labels(outcome)
 
     # ------------------------------------------------------------------ datagrams
-
-    def datagram_received(self, kind: str | enum.Enum, size: int) -> None:
-        label = kind if kind in self._received_by_type else type_label(kind)
-        self._received_by_type[label].inc()
-        self._bytes_received.inc(size)
-
-    def datagrams_received(self, kind: str | enum.Enum, count: int, nbytes: int) -> None:
-        """``count`` datagrams of ``nbytes`` in total (what one loop iteration read)."""
-        label = kind if kind in self._received_by_type else type_label(kind)
-        self._received_by_type[label].inc(count)
-        self._bytes_received.inc(nbytes)
-
-    def datagram_sent(self, kind: str | enum.Enum, size: int) -> None:
-        label = kind if kind in self._sent_by_type else type_label(kind)
-        self._sent_by_type[label].inc()
-        self._bytes_sent.inc(size)
 
     def dropped(self, reason: str, count: int = 1) -> None:
         """Count ``count`` dropped datagrams; reasons outside ``RECEIVER_DROP_REASONS`` count as ``other``."""

@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from common.metrics_http import MetricsEndpoint
+from common.metrics_http import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
 from common.wire import PARSE_REASONS
 
 if TYPE_CHECKING:
@@ -34,8 +34,6 @@ __all__ = [
     "SenderMetrics",
 ]
 
-#: Every wire message type, as the lower-case ``MsgType`` name.
-DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close")
 HANDOFF_OUTCOMES: Final = ("done", "failed", "refused", "cancelled")
 #: ``common.wire.PARSE_REASONS`` plus what the sender session and daemon drop for (see ``sender/session.py``).
 SENDER_DROP_REASONS: Final = (
@@ -53,14 +51,6 @@ _HANDOFF_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _PREFILL_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
-def type_label(kind: str | enum.Enum) -> str:
-    """``MsgType.SOURCE`` or ``"source"`` -> ``"source"``; ValueError for anything else."""
-    name = kind.name.lower() if isinstance(kind, enum.Enum) else str(kind).lower()
-    if name not in DATAGRAM_TYPES:
-        raise ValueError(f"unknown datagram type {kind!r}; expected one of {', '.join(DATAGRAM_TYPES)}")
-    return name
-
-
 def _check_in(value: str, allowed: Iterable[str], what: str) -> str:
     allowed = tuple(allowed)
     if value not in allowed:
@@ -68,7 +58,7 @@ def _check_in(value: str, allowed: Iterable[str], what: str) -> str:
     return value
 
 
-class SenderMetrics(MetricsEndpoint):
+class SenderMetrics(MetricsEndpoint, DatagramCounters):
     """All ``pfec_sender_*`` series, in a registry of their own (``self.registry``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
@@ -146,26 +136,12 @@ class SenderMetrics(MetricsEndpoint):
 
     # ------------------------------------------------------------------ datagrams
 
-    def datagram_sent(self, kind: str | enum.Enum, size: int) -> None:
-        """One datagram of ``size`` bytes handed to the socket; REPAIRs also count in repairs_total."""
-        label = kind if kind in self._sent_by_type else type_label(kind)
-        self._sent_by_type[label].inc()
-        self._bytes_sent.inc(size)
-        if label == "repair":
-            self._repairs.inc()
-
-    def datagrams_sent(self, kind: str | enum.Enum, count: int, nbytes: int) -> None:
-        """``count`` datagrams of ``nbytes`` in total handed to the socket at once (one pacer wake-up)."""
-        label = kind if kind in self._sent_by_type else type_label(kind)
-        self._sent_by_type[label].inc(count)
-        self._bytes_sent.inc(nbytes)
+    def datagrams_sent(self, kind: str | enum.Enum, count: int, nbytes: int) -> str:
+        """As DatagramCounters; REPAIRs also count in repairs_total."""
+        label = super().datagrams_sent(kind, count, nbytes)
         if label == "repair":
             self._repairs.inc(count)
-
-    def datagram_received(self, kind: str | enum.Enum, size: int) -> None:
-        label = kind if kind in self._received_by_type else type_label(kind)
-        self._received_by_type[label].inc()
-        self._bytes_received.inc(size)
+        return label
 
     def dropped(self, reason: str, count: int = 1) -> None:
         """Count ``count`` dropped datagrams; reasons outside ``SENDER_DROP_REASONS`` count as ``other``."""
