@@ -118,6 +118,8 @@ def coding_coefficients(repair_key: int, dt: int, nss: int) -> U8:
 
 
 def _as_u8(payload: Payload, size: int) -> U8:
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        payload = np.array(payload)  # strided view: its bytes in order (frombuffer refuses it)
     if isinstance(payload, np.ndarray):
         arr = payload
         if arr.dtype != np.uint8 or arr.ndim != 1:
@@ -136,21 +138,17 @@ def _as_u8(payload: Payload, size: int) -> U8:
     return arr
 
 
-def _kernel_payload(payload: Payload, size: int) -> U8:
-    """What the decoder kernels take: the receive path's read-only byte views go in as they are (numba
-    reads buffers directly; np.frombuffer alone costs about a microsecond per datagram), anything else
-    through :func:`_as_u8`."""
-    if (
-        type(payload) is memoryview
-        and payload.readonly
-        and payload.format == "B"
-        and payload.ndim == 1
-        and payload.c_contiguous
-    ):
-        if payload.nbytes != size:
-            raise FecError("bad_symbol_size", f"got {payload.nbytes} bytes, want {size}")
-        return cast(U8, payload)  # numba types it as a read-only uint8 buffer: same kernels
-    return _as_u8(payload, size)
+def _nbytes(payload: Payload) -> int:
+    return payload.nbytes if isinstance(payload, (np.ndarray, memoryview)) else len(payload)
+
+
+def _fast_view(payload: Payload) -> bool:
+    """Whether ``payload`` can go to the decoder kernels as it is: a 1-D contiguous memoryview of 1-byte
+    items (what the receive path's parser hands over). numba reads such a buffer directly, where
+    ``np.frombuffer`` alone would cost about a microsecond per datagram; the kernels check the length."""
+    return (
+        type(payload) is memoryview and payload.ndim == 1 and payload.itemsize == 1 and payload.c_contiguous
+    )
 
 
 class Encoder:
@@ -321,12 +319,20 @@ class Decoder:
         self._ist = np.zeros(gf256.decoder_state_len(cap), dtype=np.int64)
         self._bscr = np.zeros(2 * cap, dtype=np.uint8)
         self._acc = np.zeros((8, symbol_size), dtype=np.uint8)
-        # Kernels bound per payload type (read-only memoryview or read-only array, see _kernel_payload):
-        # one insert per datagram, where numba's type dispatch would cost as much as the insert.
-        self._add_source: dict[type, Callable[..., int]] = {}
-        self._add_repair: dict[type, Callable[..., int]] = {}
         self._source_args = (self.store, self.have, self._coef, self._pay, self._ist)
         self._repair_args = (*self._source_args, self._bscr, self._acc)
+        # Kernels bound per payload type (byte memoryview, read-only array: see _fast_view): one insert per
+        # datagram, where numba's type dispatch would cost as much as the insert.
+        view = memoryview(bytes(symbol_size))
+        array = _as_u8(np.zeros(symbol_size, dtype=np.uint8), symbol_size)
+        self._add_source_view = gf256.entry_point(gf256.decoder_add_source, 0, view, *self._source_args)
+        self._add_source_array = gf256.entry_point(gf256.decoder_add_source, 0, array, *self._source_args)
+        self._add_repair_view = gf256.entry_point(
+            gf256.decoder_add_repair, 0, 0, 1, 0, view, *self._repair_args
+        )
+        self._add_repair_array = gf256.entry_point(
+            gf256.decoder_add_repair, 0, 0, 1, 0, array, *self._repair_args
+        )
         self._ack_snapshot: Callable[..., tuple[int, int, int, int, int, int]] | None = None
 
     # --- state ---------------------------------------------------------------------------
@@ -400,41 +406,50 @@ class Decoder:
 
     def add_source(self, esi: int, payload: Payload) -> int:
         """Insert a source symbol; returns the number of newly decoded symbols (0 if duplicate)."""
-        if not 0 <= esi < self.n_source:
-            raise FecError("esi_out_of_range", f"esi={esi} n_source={self.n_source}")
-        arr = _kernel_payload(payload, self.symbol_size)
-        args = self._source_args
-        kernel = self._add_source.get(type(arr))
-        if kernel is None:
-            kernel = self._add_source[type(arr)] = gf256.entry_point(
-                gf256.decoder_add_source, esi, arr, *args
+        if _fast_view(payload):
+            n = self._add_source_view(esi, payload, *self._source_args)
+        else:
+            n = self._add_source_array(esi, _as_u8(payload, self.symbol_size), *self._source_args)
+        if n < 0:  # the kernel checked the input and changed nothing
+            if n == gf256.INSERT_BAD_ESI:
+                raise FecError("esi_out_of_range", f"esi={esi} n_source={self.n_source}")
+            raise FecError(
+                "bad_symbol_size", f"got {_nbytes(payload)} bytes, want {self.symbol_size}"
             )
-        return int(kernel(esi, arr, *args))
+        return int(n)
 
     def add_repair(self, rid: RepairId, payload: Payload) -> int:
         """Insert a repair symbol; returns the number of newly decoded symbols."""
-        key, dt, nss, fss = rid.repair_key, rid.dt, rid.nss, rid.fss_esi
+        return self.add_repair_fields(rid.repair_key, rid.dt, rid.nss, rid.fss_esi, payload)
+
+    def add_repair_fields(self, repair_key: int, dt: int, nss: int, fss_esi: int, payload: Payload) -> int:
+        """:meth:`add_repair` with the Repair FEC Payload ID as plain fields (the receive path's form)."""
+        if _fast_view(payload):
+            n = self._add_repair_view(repair_key, dt, nss, fss_esi, payload, *self._repair_args)
+        else:
+            arr = _as_u8(payload, self.symbol_size)
+            n = self._add_repair_array(repair_key, dt, nss, fss_esi, arr, *self._repair_args)
+        if n < 0:
+            raise self._repair_error(repair_key, dt, nss, fss_esi, payload)
+        return int(n)
+
+    def _repair_error(self, key: int, dt: int, nss: int, fss: int, payload: Payload) -> FecError:
+        """The reason the kernel refused a repair, named after its first bad field."""
         if not 0 <= key <= MAX_REPAIR_KEY:
-            raise FecError("bad_repair_key", f"repair_key={key}")
+            return FecError("bad_repair_key", f"repair_key={key}")
         if not 0 <= dt <= MAX_DT:
-            raise FecError("bad_dt", f"dt={dt}")
+            return FecError("bad_dt", f"dt={dt}")
         if not 1 <= nss <= self.window_cap:
-            raise FecError("bad_nss", f"nss={nss} window_cap={self.window_cap}")
+            return FecError("bad_nss", f"nss={nss} window_cap={self.window_cap}")
         if fss < 0 or fss + nss > self.n_source:
-            raise FecError("esi_out_of_range", f"fss_esi={fss} nss={nss} n_source={self.n_source}")
-        if fss + nss > int(self._ist[gf256.ST_PREFIX]) + self.window_cap:
-            raise FecError(
-                "window_overflow",
-                f"fss_esi={fss} nss={nss} decoded_prefix={self.decoded_prefix} cap={self.window_cap}",
-            )
-        arr = _kernel_payload(payload, self.symbol_size)
-        args = self._repair_args
-        kernel = self._add_repair.get(type(arr))
-        if kernel is None:
-            kernel = self._add_repair[type(arr)] = gf256.entry_point(
-                gf256.decoder_add_repair, key, dt, nss, fss, arr, *args
-            )
-        return int(kernel(key, dt, nss, fss, arr, *args))
+            return FecError("esi_out_of_range", f"fss_esi={fss} nss={nss} n_source={self.n_source}")
+        size = _nbytes(payload)
+        if size != self.symbol_size:
+            return FecError("bad_symbol_size", f"got {size} bytes, want {self.symbol_size}")
+        return FecError(
+            "window_overflow",
+            f"fss_esi={fss} nss={nss} decoded_prefix={self.decoded_prefix} cap={self.window_cap}",
+        )
 
 
 def warm_up() -> None:

@@ -9,7 +9,7 @@ Layout of this module:
   ``EXP[LOG[a] + LOG[b]]`` needs no modulo), ``LOG`` (``LOG[0]`` is a
   placeholder 0; 0 has no logarithm), ``MUL`` (full 256x256 product table) and
   ``INV`` (``INV[0] = 0`` placeholder).
-* Compiled (numba, ``cache=True, nogil=True``) kernels: region operations,
+* Compiled (numba, ``cache=True``) kernels: region operations,
   repair encoding, TinyMT32 and RFC 8681 coefficient generation, the encoder
   "make one repair" step and the whole decoder insert (one compiled call per
   received symbol).
@@ -75,8 +75,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _jit(fn: _F) -> _F:
-    """``numba.njit(cache=True, nogil=True)`` that keeps the Python signature for mypy."""
-    return cast(_F, numba.njit(cache=True, nogil=True)(fn))
+    """``numba.njit(cache=True)`` that keeps the Python signature for mypy.
+
+    Not ``nogil``: these kernels run once or more per datagram on the event loop's thread, and releasing
+    and retaking the GIL costs about 0.3 us per call, as much as a source insert's own work."""
+    return cast(_F, numba.njit(cache=True)(fn))
 
 
 _entry_points: dict[tuple[int, tuple[Any, ...]], Callable[..., Any]] = {}
@@ -511,7 +514,8 @@ def encoder_make_repair(
 #
 # ist (int64) layout: [0] prefix, [1] seen_end, [2] rank, [3] unknowns, [4] redundant,
 # [5] decoded_count, [6] n_new, [7] spare, [8 : 8+cap+1] ESIs decoded by the last call,
-# then 4*cap scratch slots. bscr (uint8, 2*cap): coefficient scratch; acc (uint8, (8, S)):
+# then 4*cap scratch slots, then the pivot rows in no order (rank of them) and each pivot row's
+# index in that list (cap each): inserts walk the rank pivot rows, not all cap slots. bscr (uint8, 2*cap): coefficient scratch; acc (uint8, (8, S)):
 # bit-plane accumulators for the payload linear combination.
 # --------------------------------------------------------------------------------------------
 
@@ -526,8 +530,43 @@ ST_HEADER = 8
 
 
 def decoder_state_len(cap: int) -> int:
-    """Length of the decoder's int64 state array for window ``cap``."""
-    return ST_HEADER + (cap + 1) + 4 * cap
+    """Length of the decoder's int64 state array for window ``cap``: header, newly decoded ESIs
+    (cap + 1), four scratch lists (cap each), then the pivot row list and each row's place in it."""
+    return ST_HEADER + (cap + 1) + 6 * cap
+
+
+#: Negative returns of the decoder inserts: the input was out of range (the caller names the field).
+INSERT_BAD_ESI = -1
+INSERT_BAD_SIZE = -2
+INSERT_BAD_PARAMS = -3
+INSERT_WINDOW_OVERFLOW = -4
+
+
+@_jit
+def _rows_base(cap: int) -> int:
+    return ST_HEADER + cap + 1 + 4 * cap
+
+
+@_jit
+def _row_on(ist: I64, cap: int, p: int) -> None:
+    """Row ``p`` became a pivot row: append it to the pivot list (its length is the rank)."""
+    base = _rows_base(cap)
+    n = ist[ST_RANK]
+    ist[base + n] = p
+    ist[base + cap + p] = n
+    ist[ST_RANK] = n + 1
+
+
+@_jit
+def _row_off(ist: I64, cap: int, p: int) -> None:
+    """Row ``p`` is a pivot row no more: swap the list's last row into its place."""
+    base = _rows_base(cap)
+    n = ist[ST_RANK] - 1
+    i = ist[base + cap + p]
+    last = ist[base + n]
+    ist[base + i] = last
+    ist[base + cap + last] = i
+    ist[ST_RANK] = n
 
 
 @_jit
@@ -580,7 +619,7 @@ def _emit(row: int, store: U8, have: B1, coef: U8, pay: U8, ist: I64) -> None:
     _copy(store[esi], pay[row])
     have[esi] = True
     coef[row, row] = 0
-    ist[ST_RANK] -= 1
+    _row_off(ist, cap, row)
     ist[ST_UNKNOWNS] -= 1
     ist[ST_DECODED] += 1
     n = ist[ST_NNEW]
@@ -605,15 +644,16 @@ def _install(p: int, store: U8, have: B1, coef: U8, pay: U8, ist: I64, mod: I64)
             rowp[j] = m[rowp[j]]
         region_scale(pay[p], int(inv))
     nmod = 0
-    for q in range(cap):
-        if q != p:
-            f = coef[q, p]
-            if f != 0:
-                _rowop(coef[q], rowp, int(f))
-                region_muladd(pay[q], pay[p], int(f))
-                mod[nmod] = q
-                nmod += 1
-    ist[ST_RANK] += 1
+    rows = _rows_base(cap)
+    for k in range(ist[ST_RANK]):  # only pivot rows can hold column p (p is not one of them yet)
+        q = ist[rows + k]
+        f = coef[q, p]
+        if f != 0:
+            _rowop(coef[q], rowp, int(f))
+            region_muladd(pay[q], pay[p], int(f))
+            mod[nmod] = q
+            nmod += 1
+    _row_on(ist, cap, p)
     if _is_singleton(rowp):
         _emit(p, store, have, coef, pay, ist)
     for k in range(nmod):
@@ -633,9 +673,14 @@ def _advance_prefix(have: B1, ist: I64) -> None:
 
 @_jit
 def decoder_add_source(esi: int, payload: U8, store: U8, have: B1, coef: U8, pay: U8, ist: I64) -> int:
-    """Insert source symbol ``esi`` (validated by the caller). Returns newly decoded count."""
+    """Insert source symbol ``esi``. Returns the newly decoded count, or a negative ``INSERT_*`` code
+    (nothing changed) when ``esi`` or the payload's length is out of range."""
     cap = coef.shape[0]
     ist[ST_NNEW] = 0
+    if esi < 0 or esi >= have.shape[0]:
+        return INSERT_BAD_ESI
+    if payload.shape[0] != store.shape[1]:
+        return INSERT_BAD_SIZE
     if have[esi]:
         return 0
     seen = ist[ST_SEEN]
@@ -657,7 +702,9 @@ def decoder_add_source(esi: int, payload: U8, store: U8, have: B1, coef: U8, pay
         mod2 = ist[scr + cap : scr + 2 * cap]
         src = store[esi]
         nmod = 0
-        for q in range(cap):
+        rows = _rows_base(cap)
+        for k in range(ist[ST_RANK]):  # only pivot rows hold equations
+            q = ist[rows + k]
             if q != col:
                 f = coef[q, col]
                 if f != 0:
@@ -670,7 +717,7 @@ def decoder_add_source(esi: int, payload: U8, store: U8, have: B1, coef: U8, pay
             # RREF: it is already reduced against every other pivot, so re-insert it as is.
             _xor_into(pay[col], src)
             coef[col, col] = 0
-            ist[ST_RANK] -= 1
+            _row_off(ist, cap, col)
             lead = _first_nonzero(coef[col], prefix, cap)
             if lead >= 0:
                 coef[lead, :] = coef[col]
@@ -700,13 +747,23 @@ def decoder_add_repair(
     bscr: U8,
     acc: U8,
 ) -> int:
-    """Insert one repair symbol (validated by the caller). Returns newly decoded count.
+    """Insert one repair symbol. Returns the newly decoded count, or a negative ``INSERT_*`` code
+    (nothing changed) when a field or the payload's length is out of range or the window reaches
+    past ``decoded prefix + cap``.
 
     The coefficient row is reduced first; payload work is only done when the row is
     innovative, so redundant repairs cost almost nothing. ``acc`` is (8, S) scratch.
     """
     cap = coef.shape[0]
     ist[ST_NNEW] = 0
+    if not (0 <= repair_key <= 0xFFFF and 0 <= dt <= 15 and 1 <= nss <= cap):
+        return INSERT_BAD_PARAMS
+    if fss_esi < 0 or fss_esi + nss > have.shape[0]:
+        return INSERT_BAD_ESI
+    if payload.shape[0] != store.shape[1]:
+        return INSERT_BAD_SIZE
+    if fss_esi + nss > ist[ST_PREFIX] + cap:
+        return INSERT_WINDOW_OVERFLOW
     cc = bscr[:cap]
     r = bscr[cap : 2 * cap]
     generate_coefficients(repair_key, dt, nss, cc)

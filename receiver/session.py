@@ -26,7 +26,7 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from common.fec import Decoder, FecError, RepairId
+from common.fec import Decoder, FecError
 from common.session_events import CpuMeter, DatagramDropped, Event
 from common.wire import (
     MAX_HOLE_BITS,
@@ -259,23 +259,27 @@ class ReceiverSession:
             stats.first_data_at = now
         decoder = self.decoder
         cpu = self.cpu
+        is_source = isinstance(message, Source)
+        stats.received["source" if is_source else "repair"] += 1
         t0 = cpu.clock() if cpu is not None else 0
         try:
             if isinstance(message, Source):
-                stats.received["source"] += 1
-                if decoder.add_source(message.esi, message.symbol) == 0:
-                    stats.duplicates += 1
+                decoded = decoder.add_source(message.esi, message.symbol)
             else:
-                stats.received["repair"] += 1
-                rid = RepairId(message.repair_key, message.dt, message.nss, message.fss_esi)
-                decoder.add_repair(rid, message.symbol)
-                stats.redundant_repairs = decoder.redundant
+                decoded = decoder.add_repair_fields(
+                    message.repair_key, message.dt, message.nss, message.fss_esi, message.symbol
+                )
         except FecError as exc:
             self._drop(f"fec_{exc.reason}")
             return
         finally:
             if cpu is not None:
                 cpu.decode_ns += cpu.clock() - t0
+        if is_source:
+            if decoded == 0:
+                stats.duplicates += 1
+        else:
+            stats.redundant_repairs = decoder.redundant
         self._track_stall(now)
         self._unacked += 1
         if self._unacked >= self.config.ack_every:

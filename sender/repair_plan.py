@@ -55,7 +55,7 @@ class Plan(NamedTuple):
     effectiveness: float  # P(the next repair has a nonzero coefficient on a reported hole)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def _density(nss: int, target: int) -> int:
     # fec.density_for, compiled: clamp(ceil(16 * target / nss) - 1, 0, 15)
     if target <= 0:
@@ -64,7 +64,7 @@ def _density(nss: int, target: int) -> int:
     return max(0, min(_MAX_DT, dt))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def _dt_for(count: int, holes: int, target: int, fixed_dt: int) -> int:
     """DT for a repair over ``count`` symbols aimed at ``holes`` of them (target < 0: dense)."""
     if fixed_dt >= 0:
@@ -77,7 +77,7 @@ def _dt_for(count: int, holes: int, target: int, fixed_dt: int) -> int:
     return _density(max(1, count), wanted)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def _group_holes(
     packed: npt.NDArray[np.uint8],
     bits: int,
@@ -135,7 +135,7 @@ def _group_holes(
     return n_holes, n, unassigned
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def _plan(
     reg_i: npt.NDArray[np.int64],
     reg_f: npt.NDArray[np.float64],
@@ -183,7 +183,7 @@ def _plan(
     return best, first, count, dt, need_total, effectiveness
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def count_upto(sorted_values: npt.NDArray[np.int64], n: int, value: int) -> int:
     """How many of ``sorted_values[:n]`` are <= ``value`` (binary search)."""
     lo, hi = 0, n

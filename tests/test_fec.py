@@ -289,6 +289,24 @@ def test_decoder_accepts_payload_types_and_duplicates() -> None:
     assert dec.decoded_prefix == 3 and dec.complete
 
 
+def test_decoder_reads_unusual_memoryviews_by_their_bytes() -> None:
+    """The inserts hand byte memoryviews to the kernels as they are; views of other shapes, item sizes
+    or strides must still be read as their bytes (or refused), never mis-read."""
+    syms = make_symbols(4, 8, seed=3)
+    words = syms[0].view(np.int32)  # 2 items of 4 bytes: same 8 bytes
+    dec = Decoder(4, 8, window_cap=4)
+    assert dec.add_source(0, memoryview(words)) == 1
+    assert dec.add_source(1, memoryview(syms[1].reshape(2, 4))) == 1
+    wide = np.zeros(16, dtype=np.uint8)
+    wide[::2] = syms[2]
+    assert dec.add_source(2, memoryview(wide)[::2]) == 1  # strided
+    assert dec.add_source(3, memoryview(bytearray(syms[3].tobytes()))) == 1  # writable
+    np.testing.assert_array_equal(dec.store, syms)
+    with pytest.raises(FecError) as ei:
+        Decoder(4, 8, window_cap=4).add_source(0, memoryview(syms[0].view(np.int32)[:1]))
+    assert ei.value.reason == "bad_symbol_size"
+
+
 # --- decoder: bookkeeping and partial delivery ------------------------------------------------
 
 

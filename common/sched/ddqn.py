@@ -65,7 +65,7 @@ def load_weights(path: str | Path = WEIGHTS_PATH) -> Float32Array:
         return flatten_weights({k: data[k] for k in WEIGHT_KEYS})
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True, inline="always")
+@numba.njit(cache=True, boundscheck=False, fastmath=True, inline="always")
 def _dense(params: Float32Array, at: int, src: Float32Array, src_at: int, n_in: int,
            dst: Float32Array, dst_at: int, n_out: int, relu: bool) -> int:
     """dst[dst_at:+n_out] = (relu of) W @ src[src_at:+n_in] + b; returns the offset past this layer."""
@@ -80,7 +80,7 @@ def _dense(params: Float32Array, at: int, src: Float32Array, src_at: int, n_in: 
     return bias_at + n_out
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True)
+@numba.njit(cache=True, boundscheck=False, fastmath=True)
 def q_values(params: Float32Array, scratch: Float32Array, q: Float32Array) -> None:
     """Q(x, .) of the features in scratch[:N_FEATURES] into q (float32[N_ACTIONS])."""
     at = _dense(params, 0, scratch, 0, N_FEATURES, scratch, H1_AT, HIDDEN, True)
@@ -88,7 +88,7 @@ def q_values(params: Float32Array, scratch: Float32Array, q: Float32Array) -> No
     _dense(params, at, scratch, H2_AT, HIDDEN, q, 0, N_ACTIONS, False)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=True)
+@numba.njit(cache=True, boundscheck=False, fastmath=True)
 def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
     """argmax of Q over the allowed actions (scratch[MASK_AT + a] > 0); -1 when none is allowed.
 
@@ -103,12 +103,12 @@ def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
     return best
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@numba.njit(cache=True, boundscheck=False, inline="always")
 def _clip01(x: float) -> float:
     return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, boundscheck=False)
 def write_features_compiled(
     scratch: Float32Array,
     repairs_left: int,
@@ -152,7 +152,7 @@ def write_features_compiled(
     scratch[14] = _clip01(effectiveness)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, boundscheck=False)
 def decide_compiled(
     params: Float32Array,
     scratch: Float32Array,
