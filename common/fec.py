@@ -334,6 +334,8 @@ class Decoder:
             gf256.decoder_add_repair, 0, 0, 1, 0, array, *self._repair_args
         )
         self._ack_snapshot: Callable[..., tuple[int, int, int, int, int, int]] | None = None
+        self._checked_holes_out: U8 | None = None  # the buffer (and span) ack_snapshot last validated
+        self._checked_span = -1
 
     # --- state ---------------------------------------------------------------------------
 
@@ -389,13 +391,15 @@ class Decoder:
         """(decoded prefix, seen end, decoded count, unknowns, deficit, hole bits) for an ACK, with the map
         of undecoded ESIs over [prefix, min(prefix + span, seen end)) packed MSB first into ``holes_out``
         (uint8, C-contiguous, at least ceil(span / 8) bytes). One compiled call: it runs for every ACK."""
-        if (
-            holes_out.dtype != np.uint8
-            or holes_out.ndim != 1
-            or len(holes_out) * 8 < span
-            or not (holes_out.flags.c_contiguous and holes_out.flags.writeable)
-        ):
-            raise ValueError(f"holes_out must be a writable C-contiguous uint8[>= {(span + 7) // 8}]")
+        if holes_out is not self._checked_holes_out or span != self._checked_span:  # same buffer each ACK
+            if (
+                holes_out.dtype != np.uint8
+                or holes_out.ndim != 1
+                or len(holes_out) * 8 < span
+                or not (holes_out.flags.c_contiguous and holes_out.flags.writeable)
+            ):
+                raise ValueError(f"holes_out must be a writable C-contiguous uint8[>= {(span + 7) // 8}]")
+            self._checked_holes_out, self._checked_span = holes_out, span
         kernel = self._ack_snapshot
         if kernel is None:
             kernel = gf256.entry_point(gf256.decoder_ack_snapshot, self.have, self._ist, span, holes_out)

@@ -515,7 +515,8 @@ def encoder_make_repair(
 # ist (int64) layout: [0] prefix, [1] seen_end, [2] rank, [3] unknowns, [4] redundant,
 # [5] decoded_count, [6] n_new, [7] spare, [8 : 8+cap+1] ESIs decoded by the last call,
 # then 4*cap scratch slots, then the pivot rows in no order (rank of them) and each pivot row's
-# index in that list (cap each): inserts walk the rank pivot rows, not all cap slots. bscr (uint8, 2*cap): coefficient scratch; acc (uint8, (8, S)):
+# index in that list (cap each): inserts walk the rank pivot rows, not all cap slots.
+# bscr (uint8, 2*cap): coefficient scratch; acc (uint8, (8, S)):
 # bit-plane accumulators for the payload linear combination.
 # --------------------------------------------------------------------------------------------
 

@@ -210,6 +210,10 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         _bound["group"] = entry_point(
             _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, ints, reg_i, reg_f
         )
+        # ... and as the bytes object the parser made (numba reads it in place: no array per ACK).
+        _bound["group_bytes"] = entry_point(
+            _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, ints, reg_i, reg_f
+        )
         _bound["plan"] = entry_point(_plan, reg_i, reg_f, 0, 0.0, False, 0, 0, 0, 0, 0, 0, 0)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
     return _bound
@@ -252,7 +256,9 @@ class RepairPlanner:
         self._hole_buf = np.zeros(MAX_HOLE_BITS, dtype=np.int64)
         kernels = _kernels()
         self._group = kernels["group"]
+        self._group_bytes = kernels["group_bytes"]
         self._plan = kernels["plan"]
+        self._checked_windows: npt.NDArray[np.int64] | None = None  # the array on_ack last validated
 
     @property
     def regions(self) -> int:
@@ -274,16 +280,23 @@ class RepairPlanner:
         ACK had not seen: each still counts against the oldest region it overlaps. Holes at or beyond
         ``next_esi`` (a forged or confused map) are ignored."""
         windows = repair_windows
-        if windows.dtype != np.int64 or windows.ndim != 2 or not windows.flags.c_contiguous:
-            raise ValueError("repair_windows must be a C-contiguous (n, 2) int64 array")
+        if windows is not self._checked_windows:  # the session passes the same array every time
+            if windows.dtype != np.int64 or windows.ndim != 2 or not windows.flags.c_contiguous:
+                raise ValueError("repair_windows must be a C-contiguous (n, 2) int64 array")
+            self._checked_windows = windows
         stop = len(repair_windows) if in_flight_to is None else in_flight_to
         if not 0 <= in_flight_from <= stop <= len(repair_windows):
             raise ValueError(f"in-flight rows {in_flight_from}:{stop} outside {len(repair_windows)} windows")
         if hole_bits > 8 * len(packed_holes) or hole_bits > MAX_HOLE_BITS:
             raise ValueError(f"hole map of {len(packed_holes)} bytes cannot hold {hole_bits} bits")
         self.prefix = prefix
-        packed = np.frombuffer(packed_holes, dtype=np.uint8) if packed_holes else _NO_HOLES
-        self.unknowns, self._n, self._proactive_sent = self._group(
+        packed: bytes | npt.NDArray[np.uint8]
+        if type(packed_holes) is bytes:
+            group, packed = self._group_bytes, packed_holes
+        else:
+            group = self._group
+            packed = np.frombuffer(packed_holes, dtype=np.uint8) if packed_holes else _NO_HOLES
+        self.unknowns, self._n, self._proactive_sent = group(
             packed,
             hole_bits,
             prefix,

@@ -50,7 +50,7 @@ from common.wire import (
     clip_text,
     max_app_chunk,
 )
-from sender.repair_plan import RepairPlanner, count_upto_kernel
+from sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 
@@ -215,6 +215,9 @@ class SenderSession:
         self._repairs_acked = 0
         self._acked_source_end = 0  # every source ESI below this was sent before the newest ACKed packet
         self._proactive = False  # near the deadline: repairs may also protect the newest sources
+        # The decision's repair plan, until an ACK or a sent repair changes the planner's state: the first
+        # repair of a burst uses it rather than planning again.
+        self._fresh_plan: Plan | None = None
         self._start = 0.0
         self._send_deadline = 0.0
         self._deadline = 0.0
@@ -341,7 +344,7 @@ class SenderSession:
         rtt = view.rtt_estimate
         proactive = rtt > 0 and slots_left * self.config.slot_s < 1.5 * rtt
         self._proactive = proactive
-        plan = self.planner.plan(next_esi, loss, proactive)
+        plan = self._fresh_plan = self.planner.plan(next_esi, loss, proactive)
         view.window_size = plan.nss
         view.repair_effectiveness = plan.effectiveness
         view.deficit_estimate = plan.reactive_need
@@ -377,7 +380,10 @@ class SenderSession:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         planner = self.planner
-        plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
+        plan = self._fresh_plan
+        if plan is None:
+            plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
+        self._fresh_plan = None  # planner.sent() below changes what the next repair serves
         first, count, region = plan.first, plan.nss, plan.region
         rid = self.encoder.make_repair(
             self._repair_buf,
@@ -443,6 +449,7 @@ class SenderSession:
             self._offer_timer = None
             # ACCEPT carries the receiver's decoder span: how far past its prefix repairs may reach.
             self.planner.span = max(self.config.window_cap, min(message.window_cap, MAX_SPAN))
+            self._fresh_plan = None
             self._events.append(Accepted(message.window_cap))
         elif isinstance(message, Refuse):
             self._fail_refused(message)
@@ -460,6 +467,7 @@ class SenderSession:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         self._offer_confirmed = True
+        self._fresh_plan = None  # the ACK moves the planner and the loss estimate
         enc = self.encoder
         if ack.decoded_prefix > enc.ack_prefix:
             self._last_prefix_change = now

@@ -129,6 +129,12 @@ def test_compiled_planner_matches_reference(
     rows = np.array(in_flight, dtype=np.int64).reshape(-1, 2)
     planner.on_ack(prefix, packed, bits, deficit, next_esi, np.vstack([np.zeros((3, 2), np.int64), rows]), 3)
     assert planner.unknowns == ref.unknowns
+    twin = RepairPlanner(cap, span, target, fixed_dt)  # hole map as another buffer than bytes
+    twin.on_ack(
+        prefix, bytearray(packed), bits, deficit, next_esi, np.vstack([np.zeros((3, 2), np.int64), rows]), 3
+    )  # type: ignore[arg-type]
+    assert (twin.unknowns, twin.regions) == (planner.unknowns, planner.regions)
+    assert twin.plan(next_esi, loss, proactive) == planner.plan(next_esi, loss, proactive)
     assert planner.regions == len(ref.regions)
     for region in sends:  # repairs sent since the ACK move the needs
         got, want = planner.plan(next_esi, loss, proactive), ref.plan(next_esi, loss, proactive)

@@ -91,14 +91,17 @@ class DeficitHeuristic:
 
     name = "heuristic"
     sends_repairs = True
-    # A burst of k is chosen once the need reaches 3/4 of k (a single repair from half a symbol).
-    THRESHOLDS = ((Action.REPAIR_16, 12.0), (Action.REPAIR_4, 3.0), (Action.REPAIR_1, 0.5))
 
     def decide(self, view: SchedulerView) -> Action:
+        # A burst of k once the need reaches 3/4 of k (a single repair from half a symbol), largest first.
         need = view.deficit_estimate / max(0.05, 1.0 - view.loss_estimate)
-        for action, threshold in self.THRESHOLDS:
-            if view.mask[action] and need >= threshold:
-                return action
+        mask = view.mask
+        if need >= 12.0 and mask[Action.REPAIR_16]:
+            return Action.REPAIR_16
+        if need >= 3.0 and mask[Action.REPAIR_4]:
+            return Action.REPAIR_4
+        if need >= 0.5 and mask[Action.REPAIR_1]:
+            return Action.REPAIR_1
         return _first_allowed(view, (Action.SOURCE, Action.REPAIR_1))
 
     def reset(self) -> None:
