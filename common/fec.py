@@ -21,8 +21,7 @@ this are rejected with :class:`FecError` (``window_overflow``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -77,9 +76,8 @@ class FecError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class RepairId:
-    """RFC 8681 repair FEC Payload ID fields."""
+class RepairId(NamedTuple):
+    """RFC 8681 repair FEC Payload ID fields (a tuple: one is made per repair on each side)."""
 
     repair_key: int  # 16 bits
     dt: int  # 4 bits
@@ -200,6 +198,7 @@ class Encoder:
         self._make_repair = gf256.entry_point(
             gf256.encoder_make_repair, symbols, 0, 1, 0, 0, self._cc, out, self._acc, True, False
         )
+        self._bound_out: U8 | None = None  # the output buffer make_repair last checked for the bound kernel
 
     @property
     def next_repair_key(self) -> int:
@@ -263,16 +262,19 @@ class Encoder:
             raise FecError("empty_window", f"ack_prefix={self.ack_prefix} next_esi={self.next_esi}")
         if count > self.window_cap:
             raise ValueError(f"repair window of {count} symbols exceeds window_cap {self.window_cap}")
-        if out.dtype != np.uint8 or out.shape != (self.symbol_size,):
-            raise ValueError(f"out must be uint8[{self.symbol_size}]")
+        kernel = self._make_repair
+        if out is not self._bound_out:  # a sender passes the same buffer every time: check it once
+            if out.dtype != np.uint8 or out.shape != (self.symbol_size,):
+                raise ValueError(f"out must be uint8[{self.symbol_size}]")
+            # The bound kernel takes exactly a writable C-contiguous ``out``; anything else is dispatched.
+            if out.flags.c_contiguous and out.flags.writeable:
+                self._bound_out = out
+            else:
+                kernel = gf256.encoder_make_repair
         if dt is None:
             dt = self.dt_for(count)
         elif not 0 <= dt <= MAX_DT:
             raise ValueError(f"dt must be in 0..{MAX_DT}, got {dt!r}")
-        # The bound kernel takes exactly a writable C-contiguous ``out``; anything else is dispatched.
-        kernel = (
-            self._make_repair if out.flags.c_contiguous and out.flags.writeable else gf256.encoder_make_repair
-        )
         key, skipped = kernel(
             self._symbols,
             first,

@@ -42,6 +42,8 @@ _MAX_DT = 15
 # Region table rows (int64 table / float64 table).
 _FIRST, _END, _HOLES = 0, 1, 2
 _NEED, _SENT = 0, 1
+# The planner's scalars, kept in one int64 array so that a plan is a six-argument call.
+_P_REGIONS, _P_PREFIX, _P_SPAN, _P_CAP, _P_TARGET, _P_FIXED_DT, _P_UNKNOWNS = range(7)
 
 
 class Plan(NamedTuple):
@@ -139,20 +141,21 @@ def _group_holes(
 def _plan(
     reg_i: npt.NDArray[np.int64],
     reg_f: npt.NDArray[np.float64],
-    n: int,
+    params: npt.NDArray[np.int64],
     loss: float,
     proactive: bool,
     next_esi: int,
-    prefix: int,
-    span: int,
-    cap: int,
-    target: int,
-    fixed_dt: int,
-    unknowns: int,
 ) -> tuple[int, int, int, int, float, float]:
     """(region, first, count, dt, reactive need, effectiveness): the region with the largest outstanding
     need (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region
-    needs as much as half a repair."""
+    needs as much as half a repair. ``params`` holds the planner's scalars (``_P_*``)."""
+    n = params[_P_REGIONS]
+    prefix = params[_P_PREFIX]
+    span = params[_P_SPAN]
+    cap = params[_P_CAP]
+    target = params[_P_TARGET]
+    fixed_dt = params[_P_FIXED_DT]
+    unknowns = params[_P_UNKNOWNS]
     arrive = 1.0 - loss
     best = -1
     best_rem = 0.0
@@ -214,7 +217,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         _bound["group_bytes"] = entry_point(
             _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, ints, reg_i, reg_f
         )
-        _bound["plan"] = entry_point(_plan, reg_i, reg_f, 0, 0.0, False, 0, 0, 0, 0, 0, 0, 0)
+        _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
     return _bound
 
@@ -240,17 +243,15 @@ class RepairPlanner:
         if window_cap < 1 or span < window_cap:
             raise ValueError(f"need 1 <= window_cap <= span, got window_cap={window_cap} span={span}")
         self.window_cap = window_cap
-        self.span = span
         self.target_nonzeros = target_nonzeros
         self.fixed_dt = fixed_dt
-        self._target = -1 if target_nonzeros is None else int(target_nonzeros)  # kernels: -1 = dense
-        self._fixed_dt = -1 if fixed_dt is None else int(fixed_dt)
-        self.prefix = 0
-        self.unknowns = 0
+        target = -1 if target_nonzeros is None else int(target_nonzeros)  # kernels: -1 = dense
+        self._params = np.array(
+            [0, 0, span, window_cap, target, -1 if fixed_dt is None else int(fixed_dt), 0], dtype=np.int64
+        )
         self._proactive_sent = 0
         # Region table (regions <= holes in one ACK map): first ESI, end past its last hole, holes;
         # deficit share and repairs sent since the ACK.
-        self._n = 0
         self._reg_i = np.zeros((3, MAX_HOLE_BITS), dtype=np.int64)
         self._reg_f = np.zeros((2, MAX_HOLE_BITS), dtype=np.float64)
         self._hole_buf = np.zeros(MAX_HOLE_BITS, dtype=np.int64)
@@ -262,7 +263,28 @@ class RepairPlanner:
 
     @property
     def regions(self) -> int:
-        return self._n
+        return int(self._params[_P_REGIONS])
+
+    @property
+    def prefix(self) -> int:
+        """Decoded prefix of the newest ACK."""
+        return int(self._params[_P_PREFIX])
+
+    @property
+    def unknowns(self) -> int:
+        """Undecoded symbols the newest ACK reported within the span."""
+        return int(self._params[_P_UNKNOWNS])
+
+    @property
+    def span(self) -> int:
+        """How far past the receiver's prefix repairs may reach (its decoder span)."""
+        return int(self._params[_P_SPAN])
+
+    @span.setter
+    def span(self, span: int) -> None:
+        if span < self.window_cap:
+            raise ValueError(f"span {span} must be at least window_cap {self.window_cap}")
+        self._params[_P_SPAN] = span
 
     def on_ack(
         self,
@@ -289,14 +311,13 @@ class RepairPlanner:
             raise ValueError(f"in-flight rows {in_flight_from}:{stop} outside {len(repair_windows)} windows")
         if hole_bits > 8 * len(packed_holes) or hole_bits > MAX_HOLE_BITS:
             raise ValueError(f"hole map of {len(packed_holes)} bytes cannot hold {hole_bits} bits")
-        self.prefix = prefix
         packed: bytes | npt.NDArray[np.uint8]
         if type(packed_holes) is bytes:
             group, packed = self._group_bytes, packed_holes
         else:
             group = self._group
             packed = np.frombuffer(packed_holes, dtype=np.uint8) if packed_holes else _NO_HOLES
-        self.unknowns, self._n, self._proactive_sent = group(
+        unknowns, regions, self._proactive_sent = group(
             packed,
             hole_bits,
             prefix,
@@ -310,27 +331,18 @@ class RepairPlanner:
             self._reg_i,
             self._reg_f,
         )
+        params = self._params
+        params[_P_REGIONS] = regions
+        params[_P_PREFIX] = prefix
+        params[_P_UNKNOWNS] = unknowns
 
     def plan(self, next_esi: int, loss: float, proactive: bool = False) -> Plan:
         """Where the next repair goes, how much reactive repair is still owed, and how likely the next
         repair is to hit a reported hole. A region starts and ends on a hole, so with one or two holes
         the encoder is told to cover both ends (see ``covers_both_ends``) and the repair stays sparse."""
-        return Plan(
-            *self._plan(
-                self._reg_i,
-                self._reg_f,
-                self._n,
-                loss,
-                proactive,
-                next_esi,
-                self.prefix,
-                self.span,
-                self.window_cap,
-                self._target,
-                self._fixed_dt,
-                self.unknowns,
-            )
-        )
+        # tuple.__new__ wraps the kernel's tuple as a Plan at half the cost of Plan._make (every decision).
+        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi)
+        return tuple.__new__(Plan, fields)
 
     def reactive_need(self, loss: float) -> float:
         """Repairs still needed for the reported holes, after those already in flight."""
