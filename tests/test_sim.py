@@ -124,3 +124,19 @@ def test_a_handoff_whose_offer_never_arrives_fails_with_zero_utility() -> None:
     assert result.recovered_utility == 0.0 and result.decoded_symbols == 0
     assert result.failure is not None and "never got the OFFER" in result.failure
     assert not result.recovered_blocks.any() and len(result.recovered_blocks) == handoff.plan.n_blocks
+
+
+def test_overhead_benchmark_reports_the_median_handoff() -> None:
+    from common.bench import OVERHEAD_PARTS, measure_overhead
+
+    seen: list[tuple[int, int]] = []
+    result = measure_overhead(3, lambda done, total: seen.append((done, total)))
+    totals = result["overhead_per_handoff_ms_per_1k_packets"]
+    assert len(totals) == 3 and all(t > 0 for t in totals)
+    assert result["overhead_ms_per_1k_packets"] == sorted(totals)[1]
+    breakdown = result["overhead_breakdown_ms_per_1k_packets"]
+    assert set(breakdown) == set(OVERHEAD_PARTS) and all(v > 0 for v in breakdown.values())
+    assert sum(breakdown.values()) == pytest.approx(result["overhead_ms_per_1k_packets"])
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    with pytest.raises(ValueError, match="realizations"):
+        measure_overhead(0)
