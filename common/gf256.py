@@ -721,9 +721,9 @@ def decoder_add_source(esi: int, payload: U8, store: U8, have: B1, coef: U8, pay
             _row_off(ist, cap, col)
             lead = _first_nonzero(coef[col], prefix, cap)
             if lead >= 0:
-                coef[lead, :] = coef[col]
+                _copy(coef[lead], coef[col])
                 _copy(pay[lead], pay[col])
-                coef[col, :] = 0
+                _zero(coef[col])
                 _install(lead, store, have, coef, pay, ist, mod2)
         for k in range(nmod):
             q = mod[k]
@@ -773,7 +773,7 @@ def decoder_add_repair(
     if end > seen:
         ist[ST_UNKNOWNS] += end - seen
         ist[ST_SEEN] = end
-    r[:] = 0
+    _zero(r)
     any_unknown = False
     for i in range(nss):
         c = cc[i]
@@ -801,7 +801,7 @@ def decoder_add_repair(
         ist[ST_REDUNDANT] += 1
         return 0
     # Innovative: payload = payload - known symbols - reductions, normalised by 1/lead.
-    coef[lead, :] = r
+    _copy(coef[lead], r)
     dst = pay[lead]
     nterms = 1 + nf
     for i in range(nss):
