@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from common.channel import MAIN_GE, realization_rng
 from common.codec_bench import bench_decode_insert, bench_encode
@@ -49,29 +46,14 @@ def measure_overhead(
     }
 
 
-def speed_probe_ms(repeats: int = 5) -> float:
-    """Median ms of a fixed pure-Python loop. On a VM whose speed drifts from minute to minute, it tells
-    which phase a benchmark ran in: compare figures only at similar probe times."""
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        acc = 0
-        for i in range(200_000):
-            acc += i & 7
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples))
-
-
 def run_codec_bench(
     realizations: int = 5, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
-    probe_before = speed_probe_ms()
     encode = bench_encode()
     lost = MAIN_GE.realize(60_000, 1.0, realization_rng(7, 0, "forward"))
     decode = bench_decode_insert(lost)
     overhead = measure_overhead(realizations, progress)
     return {
-        "speed_probe_ms": {"before": probe_before, "after": speed_probe_ms()},
         "encode_us": encode,
         "decode_insert_us_mean": decode["decode_insert_us_mean"],
         "decode_insert_us_p99": decode["decode_insert_us_p99"],
@@ -97,7 +79,6 @@ def write_codec_bench(result: dict[str, Any], out_dir: Path) -> None:
     enc = result["encode_us"]
     m = result.get("machine", {})
     brk = result["overhead_breakdown_ms_per_1k_packets"]
-    probe = result["speed_probe_ms"]
     lines = [
         "# Codec benchmark (`pfec bench codec`)",
         "",
@@ -114,9 +95,6 @@ def write_codec_bench(result: dict[str, Any], out_dir: Path) -> None:
         "",
         "Every simulated handoff (GE main, rho 0.8, `heuristic`, after one untimed warm-up handoff), ms per "
         f"1000 packets: {', '.join(f'{v:.2f}' for v in result['overhead_per_handoff_ms_per_1k_packets'])}.",
-        "",
-        "Speed probe (a fixed pure-Python loop; lower is a faster machine phase): "
-        f"{probe['before']:.2f} ms before, {probe['after']:.2f} ms after.",
         "",
         "Paper's native C codec for comparison: 30-33 ms per 1000 packets, control 76 us mean.",
         "",
