@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from common.handoff import (
+from pfec.common.events import CpuMeter
+from pfec.common.plan.handoff import (
     ModelIdentity,
     OfferApp,
     ResultApp,
@@ -39,17 +40,16 @@ from common.handoff import (
     pack_bits,
     recovered_utility,
 )
-from common.session_events import CpuMeter
-from common.wire import MsgType, RefuseCode, peek_header
-from receiver.metrics import ReceiverMetrics
-from receiver.session import (
+from pfec.common.wire.frames import MsgType, RefuseCode, peek_header
+from pfec.receiver.metrics import ReceiverMetrics
+from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
     ReceiverConfig,
     ReceiverEndpoint,
     SessionClosed,
 )
-from sender.repair_plan import warm_up as transport_warm_up
+from pfec.sender.repair_plan import warm_up as transport_warm_up
 
 log = logging.getLogger("pfec.receiver")
 RESULTS_KEPT = 256
@@ -130,7 +130,7 @@ def reconstruct(runtime: Any, identity: ModelIdentity, app: OfferApp, profile: A
         utility = recovered_utility(profile.block_utilities(plan), received.complete_blocks)
     if not app.generate or runtime is None:
         return Reconstructed(received.complete_blocks, utility, Rebuilt(None, None, None))
-    from common import llm
+    from pfec.common.model import llm
 
     kv = llm.rebuild_from_symbols(runtime, plan, received.store, received.have, app.mode)
     gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
@@ -554,9 +554,9 @@ async def serve(config: Any, psk: bytes, token: str | None = None,
                 ready: Callable[[ReceiverDaemon], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a receiver from a ``ReceiverDaemonConfig`` until SIGINT/SIGTERM (or ``stop``)."""
-    from common.control import ControlServer, receiver_routes
-    from common.fec import warm_up
-    from common.handoff import load_runtime
+    from pfec.common.codec.fec import warm_up
+    from pfec.common.node.control import ControlServer, receiver_routes
+    from pfec.common.plan.handoff import load_runtime
 
     warm_up()
     runtime, identity = await asyncio.get_running_loop().run_in_executor(

@@ -25,8 +25,8 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from common.metrics_http import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
-from common.wire import PARSE_REASONS
+from pfec.common.node.metrics import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
+from pfec.common.wire.frames import PARSE_REASONS
 
 if TYPE_CHECKING:
     pass

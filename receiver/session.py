@@ -26,9 +26,9 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from common.fec import Decoder, FecError
-from common.session_events import CpuMeter, DatagramDropped, Event
-from common.wire import (
+from pfec.common.codec.fec import Decoder, FecError
+from pfec.common.events import CpuMeter, DatagramDropped, Event
+from pfec.common.wire.frames import (
     MAX_HOLE_BITS,
     Accept,
     Ack,

@@ -31,23 +31,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.handoff import (
+from pfec.common.events import CpuMeter
+from pfec.common.plan.deadline import (
+    DEFAULT_RATE_MBPS,
+    DEFAULT_REPAIR_BUDGET,
+    DEFAULT_RHO,
+    budget_seconds,
+    rho_of,
+    serialisation_s,
+    slot_seconds,
+)
+from pfec.common.plan.handoff import (
     ModelIdentity,
     OfferApp,
     ResultApp,
     default_profile_name,
     recovered_utility,
-    slot_seconds,
     unpack_bits,
 )
-from common.sched.policies import get_scheme
-from common.session_events import CpuMeter
-from common.wire import MsgType, PacketProtector, Role
-from receiver.daemon import set_buffers
-from sender.kv import ContextInput, Prepared, full_kv_answer, prepare_model, prepare_synthetic
-from sender.metrics import SenderMetrics
-from sender.repair_plan import warm_up as transport_warm_up
-from sender.session import (
+from pfec.common.sched.policies import get_scheme
+from pfec.common.wire.frames import MsgType, PacketProtector, Role
+from pfec.receiver.daemon import set_buffers
+from pfec.sender.kv import ContextInput, Prepared, full_kv_answer, prepare_model, prepare_synthetic
+from pfec.sender.metrics import SenderMetrics
+from pfec.sender.repair_plan import warm_up as transport_warm_up
+from pfec.sender.session import (
     Accepted,
     Failed,
     Refused,
@@ -78,7 +86,7 @@ class HandoffSpec:
     inputs: ContextInput
     receiver: tuple[str, int]
     deadline_ms: float | None = None
-    rho: float | None = 0.8
+    rho: float | None = DEFAULT_RHO
     scheme: str | None = None
     mode: Literal["mask", "zero"] = "mask"
     rate_mbps: float | None = None
@@ -392,11 +400,11 @@ class SenderDaemon:
         psk: bytes,
         *,
         runtime: Any = None,
-        rate_mbps: float = 100.0,
+        rate_mbps: float = DEFAULT_RATE_MBPS,
         owd_ms: float = 10.0,
         scheme: str = "heuristic",
         window_cap: int = 64,
-        repair_budget: float = 0.15,
+        repair_budget: float = DEFAULT_REPAIR_BUDGET,
         sndbuf: int = 8 << 20,
         metrics: SenderMetrics | None = None,
         result_wait_s: float = 2.0,
@@ -530,15 +538,8 @@ class SenderDaemon:
         spec = handoff.spec
         plan = prepared.plan
         rate_bps = (spec.rate_mbps or self.rate_mbps) * 1e6
-        t_ser = plan.kv_bytes * 8 / rate_bps
-        if spec.deadline_ms is not None:
-            budget = spec.deadline_ms / 1000.0
-        else:
-            assert spec.rho is not None
-            budget = self.owd_s + spec.rho * t_ser
-        if budget <= self.owd_s:
-            raise ValueError(f"deadline {budget * 1000:.1f} ms must exceed the one-way delay "
-                             f"{self.owd_s * 1000:.1f} ms")
+        t_ser = serialisation_s(plan.kv_bytes, rate_bps)
+        budget = budget_seconds(t_ser, self.owd_s, spec.rho, spec.deadline_ms)
         n_source = plan.n_fragments
         app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile,
                        get_scheme(scheme_name).order, spec.max_new_tokens, self.identity.model_id,
@@ -576,7 +577,7 @@ class SenderDaemon:
             "rate_mbps": rate_bps / 1e6,
             "t_ser_ms": round(t_ser * 1000, 3),
             "deadline_ms": round(budget * 1000, 3),
-            "rho": round((budget - self.owd_s) / t_ser, 4),
+            "rho": round(rho_of(budget, self.owd_s, t_ser), 4),
             "prefill_s": round(prepared.prefill_s, 4),
         })
         link = self._links.setdefault(rate_bps, LinkClock(rate_bps))
@@ -637,10 +638,10 @@ async def serve(config: Any, psk: bytes, token: str | None = None,
                 ready: Callable[[SenderDaemon], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a sender from a ``SenderDaemonConfig`` until SIGINT/SIGTERM (or ``stop``)."""
-    from common.control import ControlServer, sender_routes
-    from common.fec import warm_up
-    from common.handoff import load_runtime
-    from receiver.daemon import wait_for_signal
+    from pfec.common.codec.fec import warm_up
+    from pfec.common.node.control import ControlServer, sender_routes
+    from pfec.common.plan.handoff import load_runtime
+    from pfec.receiver.daemon import wait_for_signal
 
     warm_up()
     runtime, identity = await asyncio.get_running_loop().run_in_executor(

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from common.handoff import ModelIdentity, load_profile
-from common.kvlayout import BlockPlan
-from common.utility import fifo_order, utility_order
+from pfec.common.plan.handoff import ModelIdentity, load_profile
+from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.plan.utility import fifo_order, utility_order
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def prompt_ids(runtime: Any, inp: ContextInput) -> tuple[tuple[int, ...], tuple[
     """(context ids, question ids): given directly, or rendered with the model's chat template."""
     if inp.context_ids is not None and inp.question_ids is not None:
         return tuple(inp.context_ids), tuple(inp.question_ids)
-    from common import llm
+    from pfec.common.model import llm
 
     if inp.context is None or inp.question is None:
         raise ValueError("give context and question as text, or context_ids and question_ids")
@@ -68,7 +68,7 @@ def prepare_model(
     runtime: Any, identity: ModelIdentity, inp: ContextInput, order: str, profile: str, keep_cache: bool,
     max_new_tokens: int = 24,
 ) -> Prepared:
-    from common import llm
+    from pfec.common.model import llm
 
     context_ids, question_ids = prompt_ids(runtime, inp)
     llm.check_length(runtime, len(context_ids), len(question_ids) + max_new_tokens)
@@ -98,7 +98,7 @@ def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profil
 
 def full_kv_answer(runtime: Any, prepared: Prepared, max_new_tokens: int) -> str:
     """The sender's own answer from its intact cache (the reference the handoff is compared with)."""
-    from common import llm
+    from pfec.common.model import llm
 
     if prepared.cache is None:
         raise ValueError("the intact cache was not kept for this handoff")

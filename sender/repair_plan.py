@@ -27,9 +27,9 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from common import fec
-from common.gf256 import entry_point
-from common.wire import MAX_HOLE_BITS
+from pfec.common.codec import fec
+from pfec.common.codec.gf256 import entry_point
+from pfec.common.wire.frames import MAX_HOLE_BITS
 
 # Expected nonzero coefficients on the holes of a region: ln(holes) + REPAIR_HITS_MARGIN. Sparser repairs
 # miss holes (2 holes in 64 symbols at 8 nonzeros: one is hit only 23% of the time) and leave the holes'

@@ -30,11 +30,11 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from common.fec import DEFAULT_WINDOW, Encoder
-from common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
-from common.sched.policies import Policy
-from common.session_events import CpuMeter, DatagramDropped, Event
-from common.wire import (
+from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder
+from pfec.common.events import CpuMeter, DatagramDropped, Event
+from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
+from pfec.common.sched.policies import Policy
+from pfec.common.wire.frames import (
     Accept,
     Ack,
     Close,
@@ -50,7 +50,7 @@ from common.wire import (
     clip_text,
     max_app_chunk,
 )
-from sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
+from pfec.sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 

@@ -11,13 +11,14 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from common.arq_sim import simulate_arq
-from common.channel import MAIN_GE, Bernoulli
-from common.oracle import DataTiming
-from common.sched.actions import Action, SchedulerView
-from common.sched.flec import FlecRT
-from common.sched.policies import Scheme, get_scheme
-from common.sim import (
+from pfec.common.plan.utility import UtilityProfile
+from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.flec import FlecRT
+from pfec.common.sched.policies import Scheme, get_scheme
+from pfec.lab.arq_sim import simulate_arq
+from pfec.lab.channel import MAIN_GE, Bernoulli
+from pfec.lab.oracle import DataTiming
+from pfec.lab.sim import (
     Handoff,
     RunResult,
     SimConfig,
@@ -29,7 +30,6 @@ from common.sim import (
     run_scheme,
     simulate_runs,
 )
-from common.utility import UtilityProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = UtilityProfile.load(ROOT / "profiles" / "smollm2-135m-instruct.json")
@@ -196,7 +196,7 @@ def test_flec_rt_repairs_only_after_feedback_or_near_the_deadline() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "pfec.cli.app", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from common import channel
-from common.channel import (
+from pfec.lab import channel
+from pfec.lab.channel import (
     MAIN_GE,
     Bernoulli,
     GilbertElliott,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from common.config import (
+from pfec.common.node.config import (
     ConfigError,
     ReceiverDaemonConfig,
     SenderDaemonConfig,
@@ -249,7 +249,7 @@ def test_keygen_cmd(tmp_path: Path) -> None:
     import typer
     from typer.testing import CliRunner
 
-    from common.config import keygen_cmd
+    from pfec.common.node.config import keygen_cmd
 
     app = typer.Typer()
     app.command()(keygen_cmd)

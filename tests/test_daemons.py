@@ -24,11 +24,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from common import fec, llm
-from common.channel import Bernoulli
-from common.control import ControlClient, ControlServer, sender_routes
-from common.demo import Child
-from common.emulator import (
+from pfec.common.codec import fec
+from pfec.common.model import llm
+from pfec.common.node.control import ControlClient, ControlServer, sender_routes
+from pfec.common.plan.handoff import runtime_identity, synthetic_identity
+from pfec.common.plan.kvlayout import KVGeometry
+from pfec.common.wire.frames import PacketProtector, Role, Source, peek_header
+from pfec.lab.channel import Bernoulli
+from pfec.lab.demo import Child
+from pfec.lab.emulator import (
     DirectionSpec,
     EmulatorConfig,
     NetnsSpec,
@@ -39,12 +43,9 @@ from common.emulator import (
     setup_namespaces,
     teardown_namespaces,
 )
-from common.handoff import runtime_identity, synthetic_identity
-from common.kvlayout import KVGeometry
-from common.wire import PacketProtector, Role, Source, peek_header
-from receiver.daemon import ReceiverDaemon
-from sender.daemon import Handoff, HandoffSpec, SenderDaemon
-from sender.kv import ContextInput
+from pfec.receiver.daemon import ReceiverDaemon
+from pfec.sender.daemon import Handoff, HandoffSpec, SenderDaemon
+from pfec.sender.kv import ContextInput
 
 T = TypeVar("T")
 PSK = bytes(range(100, 132))
@@ -262,7 +263,7 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
     identity = synthetic_identity(SMALL)
 
     async def main() -> list[dict[str, Any]]:
-        from receiver.session import ReceiverConfig
+        from pfec.receiver.session import ReceiverConfig
 
         rx = ReceiverDaemon(identity, PSK, session_config=ReceiverConfig(max_sessions=3))
         await rx.start("127.0.0.1", 0)
@@ -284,7 +285,7 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
 
 
 def test_a_bug_in_one_handoff_fails_it_and_spares_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sender.session import SenderSession
+    from pfec.sender.session import SenderSession
 
     identity = synthetic_identity(SMALL)
     real = SenderSession.next_datagram
@@ -463,7 +464,7 @@ class _LoopThread:
 def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from common.cli import app
+    from pfec.cli.app import app
 
     identity = synthetic_identity(SMALL)
     sock = tmp_path / "sender.sock"
@@ -534,7 +535,7 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
 def test_serve_with_a_bad_config_prints_the_value_and_exits_2(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from common.cli import app
+    from pfec.cli.app import app
 
     cfg = tmp_path / "r.toml"
     cfg.write_text("[udp]\nport = 70000\n")
@@ -614,7 +615,7 @@ def test_daemons_in_two_namespaces_over_tun(tmp_path: Path) -> None:
 
 
 def test_udp_socket_gets_a_large_receive_buffer() -> None:
-    from receiver.daemon import open_udp_socket
+    from pfec.receiver.daemon import open_udp_socket
 
     rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
     want = 2 * rmem_max + (1 << 20)
@@ -631,7 +632,7 @@ def test_udp_socket_gets_a_large_receive_buffer() -> None:
 
 
 def _gso_supported() -> bool:
-    from sender.daemon import UDP_SEGMENT
+    from pfec.sender.daemon import UDP_SEGMENT
 
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -647,7 +648,7 @@ def _gso_supported() -> bool:
 def test_a_gso_batch_is_split_back_into_its_datagrams() -> None:
     """One GSO send of seven equal datagrams and a shorter last one: the receiver (GRO on, or the kernel
     segmenting) sees eight datagrams, each dropped and counted as the garbage it is."""
-    from sender.daemon import UDP_SEGMENT
+    from pfec.sender.daemon import UDP_SEGMENT
 
     identity = synthetic_identity(SMALL)
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from common.channel import MAIN_GE
-from common.cli import app
-from common.sched.actions import N_ACTIONS, Action, SchedulerView
-from common.sched.ddqn import (
+from pfec.cli.app import app
+from pfec.common.sched.actions import N_ACTIONS, Action, SchedulerView
+from pfec.common.sched.ddqn import (
     MASK_AT,
     N_PARAMS,
     SCRATCH_SIZE,
@@ -26,10 +25,17 @@ from common.sched.ddqn import (
     greedy_action,
     load_weights,
 )
-from common.sched.features import FEATURE_HIGH, FEATURE_LOW, N_FEATURES, new_feature_buffer, write_features
-from common.sched.policies import SCHEMES, Scheme
-from common.sim import SimConfig, prepare, run_once, simulate
-from common.train import Agent, QNet, TrainConfig, TrainingPolicy, _run_episode, draw_episode, train
+from pfec.common.sched.features import (
+    FEATURE_HIGH,
+    FEATURE_LOW,
+    N_FEATURES,
+    new_feature_buffer,
+    write_features,
+)
+from pfec.common.sched.policies import SCHEMES, Scheme
+from pfec.lab.channel import MAIN_GE
+from pfec.lab.sim import SimConfig, prepare, run_once, simulate
+from pfec.lab.train import Agent, QNet, TrainConfig, TrainingPolicy, _run_episode, draw_episode, train
 
 
 class Recorder:
@@ -294,7 +300,7 @@ def test_bench_scheduler_cli_json(tmp_path: Path) -> None:
 def test_compiled_decision_equals_python_features_and_network(recorded: Recorder) -> None:
     """The deployed decision computes the features inside the compiled call: they must equal
     features.write_features bit for bit (training uses that one), and so must the chosen action."""
-    from common.sched.ddqn import DDQNPolicy, greedy_action, load_weights, write_features_compiled
+    from pfec.common.sched.ddqn import DDQNPolicy, greedy_action, load_weights, write_features_compiled
 
     rng = np.random.default_rng(11)
     views = [row[2] for row in recorded.rows] + [_random_view(rng) for _ in range(3000)]

@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from common.cli import app
+from pfec.cli.app import app
 
 
 def _default_model_available() -> tuple[bool, str]:
     try:
-        from common import llm
+        from pfec.common.model import llm
 
         llm.default_model_dir()
     except (ImportError, ValueError) as exc:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import load_config
-from receiver.metrics import ReceiverMetrics
-from sender.metrics import SenderMetrics
+from pfec.common.node.config import load_config
+from pfec.receiver.metrics import ReceiverMetrics
+from pfec.sender.metrics import SenderMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PROMTOOL = shutil.which("promtool")

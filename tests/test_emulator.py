@@ -16,8 +16,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from common.channel import MAIN_GE, Bernoulli, LossModel, realization_rng
-from common.emulator import (
+from pfec.lab.channel import MAIN_GE, Bernoulli, LossModel, realization_rng
+from pfec.lab.emulator import (
     LOSS_CHUNK,
     DirectionSpec,
     EmulatorConfig,
@@ -274,7 +274,7 @@ def test_emulate_cmd_runs_and_reports(tmp_path: Any) -> None:
     import typer
     from typer.testing import CliRunner
 
-    from common.emulator import emulate_cmd
+    from pfec.lab.emulator import emulate_cmd
 
     app = typer.Typer()
     app.command()(emulate_cmd)
@@ -398,7 +398,7 @@ def test_emulate_cmd_netns_creates_and_removes_its_namespaces() -> None:
     import typer
     from typer.testing import CliRunner
 
-    from common.emulator import emulate_cmd
+    from pfec.lab.emulator import emulate_cmd
 
     tag = uuid.uuid4().hex[:6]
     a, b = f"pfec-ca-{tag}", f"pfec-cb-{tag}"

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from common import evaluate
-from common.cli import app
-from common.evalreport import update_results_md
-from common.evaluate import RESULTS_BEGIN, RESULTS_END, SMALL, check_pairing, run_eval
-from common.sched import policies
-from common.sim import prepare, run_scheme
+from pfec.cli.app import app
+from pfec.common.sched import policies
+from pfec.lab import evaluate
+from pfec.lab.evalreport import update_results_md
+from pfec.lab.evaluate import RESULTS_BEGIN, RESULTS_END, SMALL, check_pairing, run_eval
+from pfec.lab.sim import prepare, run_scheme
 
 KV_SECTION = "## KV side: real model\n\nhand-written numbers that must survive\n"
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common import codec_bench, gf256
-from common.fec import (
+from pfec.common.codec import gf256
+from pfec.common.codec.fec import (
     DEFAULT_TARGET_NONZEROS,
     DEFAULT_WINDOW,
     FEC_ERROR_REASONS,
@@ -25,6 +25,7 @@ from common.fec import (
     density_for,
     warm_up,
 )
+from pfec.lab import codec_bench
 
 U8 = npt.NDArray[np.uint8]
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -48,7 +49,7 @@ def check_bookkeeping(dec: Decoder) -> None:
 
 
 def test_fec_is_sans_io() -> None:
-    tree = ast.parse(Path(__file__).parents[1].joinpath("common", "fec.py").read_text())
+    tree = ast.parse(Path(__file__).parents[1].joinpath("common", "codec", "fec.py").read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

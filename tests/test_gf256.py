@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import gf256
-from common.gf256 import EXP, INV, LOG, MUL
+from pfec.common.codec import gf256
+from pfec.common.codec.gf256 import EXP, INV, LOG, MUL
 
 GF = galois.GF(2**8, irreducible_poly=0x11D)
 

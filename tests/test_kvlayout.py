@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kvlayout import (
+from pfec.common.plan.kvlayout import (
     DEFAULT_GEOMETRY,
     FRAGMENT_ID_SIZE,
     BlockPlan,
@@ -128,7 +128,7 @@ def test_inconsistent_have_mask_or_store_is_a_clear_error() -> None:
 
 
 def test_request_and_blended_utilities() -> None:
-    from common.utility import handoff_utilities, synthetic_profile
+    from pfec.common.plan.utility import handoff_utilities, synthetic_profile
 
     plan = BlockPlan(KVGeometry(4, 2, 8), 40, 52)  # 3 token blocks per layer
     mass = np.zeros((4, 2, 40))
@@ -151,6 +151,6 @@ def test_request_and_blended_utilities() -> None:
 
 
 def utility_order_of(utilities: np.ndarray) -> np.ndarray:
-    from common.utility import utility_order
+    from pfec.common.plan.utility import utility_order
 
     return utility_order(utilities)

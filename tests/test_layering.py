@@ -1,56 +1,188 @@
-"""The sans-IO core must not reach for clocks, sockets, event loops or torch (DESIGN.md layering rules)."""
+"""The house plan (docs/ARCHITECTURE.md), enforced: every module of the tree is walked, no list to forget.
+
+Each module belongs to one group; a group has a set of groups and third-party roots it must never import.
+Imports are read with ``ast`` (top-level and function-local alike), so a rule holds however an import is
+written. The import graph over the whole tree must have no cycle.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SANS_IO = [
-    "common/fec.py",
-    "common/gf256.py",
-    "common/wire.py",
-    "common/channel.py",
-    "common/kvlayout.py",
-    "common/utility.py",
-    "common/session_events.py",
-    "common/handoff.py",
-    "sender/session.py",
-    "receiver/session.py",
-    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "common" / "sched").glob("*.py")),
-]
-FORBIDDEN = {"asyncio", "socket", "time", "torch", "uvloop", "selectors", "threading"}
+FOLDERS = ("common", "sender", "receiver", "lab", "cli")  # installed as pfec.<folder>
+
+# The sans-IO core: bytes and `now` in, datagrams, timers and events out. Prefixes of module names.
+SANS_IO = (
+    "pfec.common.codec", "pfec.common.wire", "pfec.common.sched", "pfec.common.plan", "pfec.common.events",
+    "pfec.sender.session", "pfec.sender.repair_plan", "pfec.sender.transfer",
+    "pfec.receiver.session", "pfec.receiver.endpoint",
+)
+IO = {"asyncio", "socket", "time", "threading", "selectors", "uvloop", "aiohttp", "prometheus_client"}
+TORCH = {"torch", "transformers", "safetensors", "accelerate", "gguf"}
+
+# group -> (pfec groups it must never import, third-party/stdlib roots it must never import)
+RULES: dict[str, tuple[set[str], set[str]]] = {
+    "sans-io": ({"model", "node", "sender", "receiver", "lab", "cli"}, IO | TORCH),
+    "model": ({"node", "sender", "receiver", "lab", "cli"}, set()),
+    "node": ({"sender", "receiver", "lab", "cli"}, TORCH),
+    "sender": ({"receiver", "lab", "cli"}, TORCH),
+    "receiver": ({"sender", "lab", "cli"}, TORCH),
+    "lab": ({"cli"}, set()),
+    "cli": (set(), set()),
+}
+
+# folder -> folders it must never import, whatever the groups (sender and receiver never import each other)
+FOLDER_RULES: dict[str, set[str]] = {
+    "common": {"sender", "receiver", "lab", "cli"},
+    "sender": {"receiver", "lab", "cli"},
+    "receiver": {"sender", "lab", "cli"},
+    "lab": {"cli"},
+    "cli": set(),
+}
 
 
-def imported_roots(path: Path) -> set[str]:
+def group_of(module: str) -> str:
+    """The layering group of a dotted ``pfec.*`` module name."""
+    if module.startswith(SANS_IO) and any(module == p or module.startswith(p + ".") for p in SANS_IO):
+        return "sans-io"
+    parts = module.split(".")
+    if parts[1] == "common":
+        return {"model": "model", "node": "node"}.get(parts[2] if len(parts) > 2 else "", "sans-io")
+    return parts[1]
+
+
+def all_modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            found["pfec." + ".".join(parts)] = path
+    return found
+
+
+def imports_of(path: Path) -> Iterator[tuple[str, int]]:
+    """(imported dotted name, line) for every import statement; ``from a import b`` also yields ``a.b``
+    (b may be a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    roots: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
+            for alias in node.names:
+                yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+            yield node.module, node.lineno
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", node.lineno
 
 
-@pytest.mark.parametrize("module", SANS_IO)
-def test_sans_io_module_imports_no_io(module: str) -> None:
-    bad = imported_roots(ROOT / module) & FORBIDDEN
-    assert not bad, f"{module} imports {sorted(bad)}; pass `now` and bytes in instead"
+def internal_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for name, _ in imports_of(path):
+            if name in modules and name != module:
+                edges[module].add(name)
+    return edges
 
 
-def test_checker_sees_forbidden_imports(tmp_path: Path) -> None:
-    probe = tmp_path / "probe.py"
-    probe.write_text("import time\nfrom asyncio import sleep\nimport numpy as np\n")
-    assert imported_roots(probe) & FORBIDDEN == {"time", "asyncio"}
+def violations(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    group = group_of(module)
+    banned_groups, banned_roots = RULES[group]
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for name, line in imports_of(path):
+        root = name.split(".")[0]
+        if root in banned_roots:
+            out.append(f"{where}:{line} ({group}) imports {name}")
+        elif root == "pfec" and name in modules and (
+            group_of(name) in banned_groups or name.split(".")[1] in FOLDER_RULES[module.split(".")[1]]
+        ):
+            out.append(f"{where}:{line} ({group}) imports {name} ({group_of(name)})")
+    return out
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+MODULES = all_modules()
+
+
+def test_every_folder_is_walked() -> None:
+    assert {m.split(".")[1] for m in MODULES} == set(FOLDERS)
+    assert "pfec.sender.session" in MODULES and "pfec.common.codec.fec" in MODULES
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_follows_the_layering_table(module: str) -> None:
+    bad = violations(module, MODULES[module], MODULES)
+    assert not bad, "layering broken (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle(internal_edges(MODULES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# --- the checker itself must be able to fail -------------------------------------------------------
+
+
+def _probe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "probe.py"
+    path.write_text(text)
+    return path
+
+
+def test_checker_catches_a_forbidden_import_in_each_group(tmp_path: Path) -> None:
+    cases = {
+        "pfec.common.codec.probe": "import time\n",
+        "pfec.receiver.session": "def f():\n    from pfec.common.node import config\n",
+        "pfec.sender.daemon": "from pfec.receiver import daemon\n",
+        "pfec.receiver.daemon": "import pfec.sender.session\n",
+        "pfec.common.node.probe": "from pfec.lab.sim import simulate\n",
+        "pfec.common.plan.probe": "import torch\n",
+        "pfec.lab.probe": "from pfec.cli import app\n",
+    }
+    for module, text in cases.items():
+        assert violations(module, _probe(tmp_path, text), MODULES), (module, text)
+    assert not violations("pfec.lab.probe", _probe(tmp_path, "import torch\nimport pfec.sender.daemon\n"),
+                          MODULES)
+
+
+def test_checker_names_a_cycle() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_transport_core_does_not_pull_in_torch() -> None:
-    modules = [m.removesuffix(".py").replace("/", ".") for m in SANS_IO] + ["common.sim"]
+    """Importing every sans-IO module and the simulator loads no torch, transformers or asyncio."""
+    modules = [m for m in MODULES if group_of(m) == "sans-io"] + ["pfec.lab.sim"]
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in modules)

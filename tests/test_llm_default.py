@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from common import llm
-from common.kvcli import SHIPPED_PROFILE
-from common.profiler import check_profile, needle_prompts, perturbation_scores
-from common.retention import blocks_available, needle_examples, retention_check, roundtrip_check
-from common.utility import UtilityProfile, utility_order
-from common.workloads import contains_answer, first_line
+from pfec.common.model import llm
+from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, utility_order
+from pfec.lab.profiler import check_profile, needle_prompts, perturbation_scores
+from pfec.lab.retention import blocks_available, needle_examples, retention_check, roundtrip_check
+from pfec.lab.workloads import contains_answer, first_line
 
 pytestmark = pytest.mark.slow
 

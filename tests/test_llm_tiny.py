@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common import llm
-from common.kvlayout import BlockPlan
-from common.utility import request_block_utilities
+from pfec.common.model import llm
+from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.plan.utility import request_block_utilities
 
 ARCHS = ["llama", "qwen2"]
 VOCAB = 96

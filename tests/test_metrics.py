@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.wire import PARSE_REASONS, MsgType
-from receiver.metrics import FEC_DROP_REASONS, RECEIVER_DROP_REASONS, ReceiverMetrics
-from sender.metrics import DATAGRAM_TYPES, SENDER_DROP_REASONS, SenderMetrics
+from pfec.common.wire.frames import PARSE_REASONS, MsgType
+from pfec.receiver.metrics import FEC_DROP_REASONS, RECEIVER_DROP_REASONS, ReceiverMetrics
+from pfec.sender.metrics import DATAGRAM_TYPES, SENDER_DROP_REASONS, SenderMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMTOOL = shutil.which("promtool")
@@ -141,7 +141,7 @@ def test_two_instances_do_not_share_state() -> None:
 
 def test_drop_reason_sets_cover_the_code() -> None:
     """Every literal reason the sessions drop for is a label value (otherwise it would read 'other')."""
-    from common.fec import FEC_ERROR_REASONS
+    from pfec.common.codec.fec import FEC_ERROR_REASONS
 
     assert set(FEC_DROP_REASONS) == {f"fec_{r}" for r in FEC_ERROR_REASONS}
     assert set(SENDER_DROP_REASONS) >= PARSE_REASONS and set(RECEIVER_DROP_REASONS) >= PARSE_REASONS

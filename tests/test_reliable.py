@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from common.channel import Bernoulli
-from common.cli import app
-from common.emulator import netns_available
-from common.reliable import bytes_by, run_reliable, score_prefix, stream_bytes
-from common.sim import SimConfig, prepare
+from pfec.cli.app import app
+from pfec.lab.channel import Bernoulli
+from pfec.lab.emulator import netns_available
+from pfec.lab.reliable import bytes_by, run_reliable, score_prefix, stream_bytes
+from pfec.lab.sim import SimConfig, prepare
 
 _NETNS_OK, _NETNS_WHY = netns_available()
 needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"kernel TCP between namespaces: {_NETNS_WHY}")

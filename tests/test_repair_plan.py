@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.fec import density_for
-from sender.repair_plan import PROACTIVE, REPAIR_HITS_MARGIN, RepairPlanner
+from pfec.common.codec.fec import density_for
+from pfec.sender.repair_plan import PROACTIVE, REPAIR_HITS_MARGIN, RepairPlanner
 
 
 class ReferencePlanner:

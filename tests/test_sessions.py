@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from common.sched.actions import Action, SchedulerView
-from common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
-from common.wire import MsgType, PacketProtector, RefuseCode, Role, Source
-from receiver.session import (
+from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
+from pfec.common.wire.frames import MsgType, PacketProtector, RefuseCode, Role, Source
+from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
     ReceiverConfig,
     ReceiverEndpoint,
     SessionClosed,
 )
-from sender.session import (
+from pfec.sender.session import (
     Failed,
     Refused,
     ResultReceived,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from common.channel import MAIN_GE, Bernoulli
-from common.sched.policies import get_scheme
-from common.sim import SimConfig, mean_ci95, prepare, run_once, simulate
+from pfec.common.sched.policies import get_scheme
+from pfec.lab.channel import MAIN_GE, Bernoulli
+from pfec.lab.sim import SimConfig, mean_ci95, prepare, run_once, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +74,7 @@ def test_mean_ci95() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "pfec.cli.app", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
 
 
@@ -127,7 +127,7 @@ def test_a_handoff_whose_offer_never_arrives_fails_with_zero_utility() -> None:
 
 
 def test_overhead_benchmark_reports_the_median_handoff() -> None:
-    from common.bench import OVERHEAD_PARTS, measure_overhead
+    from pfec.lab.bench import OVERHEAD_PARTS, measure_overhead
 
     seen: list[tuple[int, int]] = []
     result = measure_overhead(3, lambda done, total: seen.append((done, total)))

@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import wire
-from common.wire import (
+from pfec.common.wire import frames as wire
+from pfec.common.wire.frames import (
     DEFAULT_SYMBOL_SIZE,
     HEADER_SIZE,
     MAX_DATAGRAM,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.workloads import (
+from pfec.lab.workloads import (
     NEEDLE_KINDS,
     best_f1,
     contains_answer,

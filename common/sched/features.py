@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from common.sched.actions import SchedulerView
+from pfec.common.sched.actions import SchedulerView
 
 N_FEATURES = 15
 FEATURE_NAMES: tuple[str, ...] = (

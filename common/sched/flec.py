@@ -36,7 +36,7 @@ here: what it loses to the utility-ordered schemes is the FIFO order, not the re
 
 from __future__ import annotations
 
-from common.sched.actions import REPAIR_SIZES, Action, SchedulerView
+from pfec.common.sched.actions import REPAIR_SIZES, Action, SchedulerView
 
 _BURSTS = (Action.REPAIR_16, Action.REPAIR_4, Action.REPAIR_1)
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from common.sched.actions import Action, SchedulerView
-from common.sched.flec import FlecRT
+from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.flec import FlecRT
 
 SourceOrder = Literal["fifo", "utility"]
 
@@ -110,7 +110,7 @@ class DeficitHeuristic:
 
 def ddqn_policy() -> Policy:
     """The trained Double-DQN scheduler (imported lazily: it loads numba kernels and the weights)."""
-    from common.sched.ddqn import DDQNPolicy
+    from pfec.common.sched.ddqn import DDQNPolicy
 
     return DDQNPolicy()
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
+from pfec.common.plan.utility import SHIPPED_PROFILE
+
 ModelOpt = Annotated[
     str, typer.Option(help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir.")
 ]
@@ -20,7 +22,6 @@ DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 ProfileOpt = Annotated[
     Path | None, typer.Option(help="Utility profile JSON (default: the shipped one of the default model).")
 ]
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
 
 
 def _fail(message: str) -> typer.Exit:
@@ -51,14 +52,14 @@ def _emit(result: dict[str, Any], out: Path | None, as_json: bool, summary: str)
 
 
 def _load(model: str, device: str, transfer_dtype: str = "bf16") -> Any:
-    from common import llm
+    from pfec.common.model import llm
 
     return llm.load_model(model, device=device, transfer_dtype=transfer_dtype)
 
 
 def _profile_for(runtime: Any, profile: Path | None) -> Any:
-    from common.profiler import check_profile
-    from common.utility import UtilityProfile
+    from pfec.common.plan.utility import UtilityProfile
+    from pfec.lab.profiler import check_profile
 
     path = profile or SHIPPED_PROFILE
     loaded = UtilityProfile.load(path)
@@ -82,7 +83,7 @@ def profile_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Measure a model's KV utility profile (paper III-A) and write it as JSON."""
-    from common.profiler import plot_profile, profile_model
+    from pfec.lab.profiler import plot_profile, profile_model
 
     if perturbation not in ("zero", "mask"):
         raise _fail(f"--perturbation {perturbation!r} is not one of zero, mask")
@@ -104,8 +105,8 @@ def profile_plot_cmd(
     out: Annotated[Path, typer.Option(help="PNG to write.")] = Path("docs/figures/kv_profile.png"),
 ) -> None:
     """Draw a utility profile (layer groups, position bins, cells) without loading a model."""
-    from common.profiler import plot_profile
-    from common.utility import UtilityProfile
+    from pfec.common.plan.utility import UtilityProfile
+    from pfec.lab.profiler import plot_profile
 
     try:
         loaded = UtilityProfile.load(profile)
@@ -129,7 +130,7 @@ def retention_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Teacher-forced top-1 agreement under partial KV retention: profile-ranked vs per-request vs random."""
-    from common.retention import plot_retention, retention_check
+    from pfec.lab.retention import plot_retention, retention_check
 
     if mode not in ("zero", "mask"):
         raise _fail(f"--mode {mode!r} is not one of zero, mask")
@@ -161,7 +162,7 @@ def kvcheck_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Full-delivery round trip: serialise -> symbols -> rebuild -> answer, vs the sender's own answer."""
-    from common.retention import needle_examples, roundtrip_check
+    from pfec.lab.retention import needle_examples, roundtrip_check
 
     try:
         runtime = _load(model, device, transfer_dtype)
@@ -190,7 +191,7 @@ def kvloss_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Needle-QA F1 of mask vs zero reconstruction under random and profile-ranked block loss."""
-    from common.retention import needle_examples, reconstruction_table
+    from pfec.lab.retention import needle_examples, reconstruction_table
 
     fractions = _floats(losses, "losses")
     loss_kinds = [k.strip() for k in kinds.split(",") if k.strip()]

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from common.emulator import EmulatorConfig
-    from common.sim import Handoff, SimConfig
+    from pfec.lab.emulator import EmulatorConfig
+    from pfec.lab.sim import Handoff, SimConfig
 
 __all__ = [
     "PROTOCOLS",
@@ -348,7 +348,7 @@ class _Endpoint:
     async def start(cls, prefix: list[str], role: str, params: dict[str, Any]) -> _Endpoint:
         env = dict(os.environ, PYTHONPATH=str(_REPO_ROOT))
         proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "common.reliable", role, json.dumps(params),
+            *prefix, sys.executable, "-m", "pfec.lab.reliable", role, json.dumps(params),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             cwd=str(_REPO_ROOT), env=env, limit=_LINE_LIMIT,
         )  # fmt: skip
@@ -408,7 +408,7 @@ async def _exchange(
 
 
 def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
-    from common.emulator import DirectionSpec, EmulatorConfig
+    from pfec.lab.emulator import DirectionSpec, EmulatorConfig
 
     return EmulatorConfig(
         forward=DirectionSpec(config.rate_bps, config.owd_s, config.loss),
@@ -421,7 +421,7 @@ def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
 async def _tcp_once(
     handoff: Handoff, payload_path: str, realization: int
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from common.emulator import NetnsSpec, TunBridge, setup_namespaces, teardown_namespaces
+    from pfec.lab.emulator import NetnsSpec, TunBridge, setup_namespaces, teardown_namespaces
 
     tag = uuid.uuid4().hex[:6]
     spec = NetnsSpec(ns_a=f"pfr-a-{tag}", ns_b=f"pfr-b-{tag}")
@@ -452,7 +452,7 @@ async def _tcp_once(
 async def _quic_once(
     handoff: Handoff, payload_path: str, realization: int, cert: tuple[str, str]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from common.emulator import UdpRelay
+    from pfec.lab.emulator import UdpRelay
 
     params = {
         "host": "127.0.0.1",
@@ -567,7 +567,7 @@ def _self_signed(directory: str) -> tuple[str, str]:
 
 def _check_protocol(protocol: str) -> Proto:
     if protocol == "tcp":
-        from common.emulator import netns_available
+        from pfec.lab.emulator import netns_available
 
         ok, why = netns_available()
         if not ok:
@@ -588,8 +588,8 @@ def run_reliable(
 
     Raises ValueError for a bad protocol or count, OSError when ``tcp`` cannot create namespaces (not root).
     """
-    from common.emulator import run_event_loop
-    from common.sim import prepare, report
+    from pfec.lab.emulator import run_event_loop
+    from pfec.lab.sim import prepare, report
 
     proto = _check_protocol(protocol)
     if isinstance(realizations, bool) or not isinstance(realizations, int) or realizations < 1:
@@ -619,7 +619,7 @@ def run_reliable(
 
 
 def _aggregate(handoff: Handoff, proto: Proto, runs: list[ReliableRun]) -> dict[str, Any]:
-    from common.sim import mean_ci95
+    from pfec.lab.sim import mean_ci95
 
     n_source = handoff.plan.n_fragments
     util_mean, util_ci = mean_ci95([r.utility for r in runs])

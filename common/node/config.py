@@ -35,6 +35,8 @@ from typing import Annotated, Any, Final, Literal, overload
 import typer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+
 __all__ = [
     "ENV_PREFIX",
     "ConfigError",
@@ -257,7 +259,8 @@ class ModelConfig(_Section):
 
 class LinkConfig(_Section):
     rate_mbps: float = Field(
-        default=100.0, gt=0, le=400_000, description="Bottleneck rate the sender paces at, Mbit/s."
+        default=DEFAULT_RATE_MBPS, gt=0, le=400_000,
+        description="Bottleneck rate the sender paces at, Mbit/s.",
     )
     owd_ms: float = Field(
         default=10.0,
@@ -273,13 +276,14 @@ class SenderFecConfig(_Section):
         default=64, ge=1, le=4095, description="Coding window cap K, symbols (RFC 8681 NSS)."
     )
     repair_budget: float = Field(
-        default=0.15, ge=0, le=10, description="Repair budget B_rep as a fraction of the source symbols."
+        default=DEFAULT_REPAIR_BUDGET, ge=0, le=10,
+        description="Repair budget B_rep as a fraction of the source symbols.",
     )
 
     @field_validator("scheme")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        from common.sched.policies import SCHEMES
+        from pfec.common.sched.policies import SCHEMES
 
         if v not in SCHEMES:
             raise ValueError(f"unknown scheme; choose one of {', '.join(SCHEMES)}")

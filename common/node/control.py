@@ -21,8 +21,9 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from common.config import parse_host_port
-from common.sched.policies import SCHEMES
+from pfec.common.node.config import parse_host_port
+from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.common.sched.policies import SCHEMES
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_WAIT_S = 600.0
@@ -204,8 +205,8 @@ class ControlServer:
 
 
 def sender_routes(daemon: Any) -> list[web.RouteDef]:
-    from sender.daemon import HandoffSpec
-    from sender.kv import ContextInput
+    from pfec.sender.daemon import HandoffSpec
+    from pfec.sender.kv import ContextInput
 
     async def post_handoff(request: web.Request) -> web.Response:
         parsed = await read_model(request, HandoffRequest)
@@ -239,7 +240,7 @@ def sender_routes(daemon: Any) -> list[web.RouteDef]:
             repair_budget=parsed.repair_budget,
         )
         if spec.deadline_ms is None and spec.rho is None:
-            spec = HandoffSpec(**{**spec.__dict__, "rho": 0.8})
+            spec = HandoffSpec(**{**spec.__dict__, "rho": DEFAULT_RHO})
         handoff = daemon.submit(spec)
         return web.json_response({"id": handoff.id, "state": handoff.state}, status=202)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import llm
-from common.utility import UtilityProfile
-from common.workloads import needle_qa
+from pfec.common.model import llm
+from pfec.common.plan.utility import UtilityProfile
+from pfec.lab.workloads import needle_qa
 
 
 def _log(message: str) -> None:

@@ -26,32 +26,45 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from common.arq_sim import ARQ_NOTE, simulate_arq
-from common.channel import LossModel, realization_rng
-from common.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
-from common.oracle import DataTiming, oracle_delivered
-from common.sched.policies import SCHEMES, Scheme, get_scheme
-from common.session_events import CpuMeter
-from common.utility import UtilityProfile, fifo_order, synthetic_profile, utility_order
-from common.wire import (
+from pfec.common.events import CpuMeter
+from pfec.common.plan.deadline import (
+    DEFAULT_RATE_MBPS,
+    DEFAULT_REPAIR_BUDGET,
+    DEFAULT_RHO,
+    DEFAULT_RTT_MS,
+    budget_seconds,
+    rho_of,
+    serialisation_s,
+    slot_seconds,
+)
+from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
+from pfec.common.plan.utility import (
+    UtilityProfile,
+    fifo_order,
+    synthetic_profile,
+    utility_order,
+)
+from pfec.common.sched.policies import SCHEMES, Scheme, get_scheme
+from pfec.common.wire.frames import (
     DEFAULT_SYMBOL_SIZE,
     HEADER_SIZE,
     OFFER_FIXED_SIZE,
-    REPAIR_ID_SIZE,
     SOURCE_ID_SIZE,
     TAG_SIZE,
     PacketProtector,
     Role,
 )
-from receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint, ReceiverStats
-from sender.repair_plan import warm_up
-from sender.session import (
+from pfec.lab.arq_sim import ARQ_NOTE, simulate_arq
+from pfec.lab.channel import LossModel, realization_rng
+from pfec.lab.oracle import DataTiming, oracle_delivered
+from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint, ReceiverStats
+from pfec.sender.repair_plan import warm_up
+from pfec.sender.session import (
     Failed,
     ResultReceived,
     SenderConfig,
@@ -60,7 +73,6 @@ from sender.session import (
 )
 
 SIM_PSK = bytes(range(32))
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
 REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
     "arq": ARQ_NOTE,
@@ -71,15 +83,15 @@ REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
 @dataclass(frozen=True)
 class SimConfig:
     loss: LossModel
-    rate_mbps: float = 100.0
-    rtt_ms: float = 20.0  # forward and reverse one-way delays are rtt/2 each
-    rho: float | None = 0.8  # deadline as (D - T_ow) / T_ser ...
+    rate_mbps: float = DEFAULT_RATE_MBPS
+    rtt_ms: float = DEFAULT_RTT_MS  # forward and reverse one-way delays are rtt/2 each
+    rho: float | None = DEFAULT_RHO  # deadline as (D - T_ow) / T_ser ...
     deadline_ms: float | None = None  # ... or directly in ms (exactly one of the two)
     tokens: int = 1536
     geometry: KVGeometry = DEFAULT_GEOMETRY
     max_symbol_size: int = DEFAULT_SYMBOL_SIZE
     fit_symbols: bool = True  # equal fragments per block (kvlayout.fitted_symbol_size)
-    repair_budget: float = 0.15  # B_rep as a fraction of the source symbols
+    repair_budget: float = DEFAULT_REPAIR_BUDGET  # B_rep as a fraction of the source symbols
     window_cap: int = 64
     target_nonzeros: int = 8
     ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
@@ -129,7 +141,7 @@ class Handoff:
 
     @property
     def rho(self) -> float:
-        return (self.deadline_s - self.config.owd_s) / self.t_ser_s
+        return rho_of(self.deadline_s, self.config.owd_s, self.t_ser_s)
 
     def queue(self, order: str) -> npt.NDArray[np.int64]:
         if order not in self.queues:
@@ -153,13 +165,9 @@ def prepare(config: SimConfig) -> Handoff:
     rng = np.random.default_rng([config.seed, 0xC0DEC])
     payload = rng.integers(0, 256, size=(plan.n_fragments, symbol), dtype=np.uint8)
     payload[:, :4] = np.arange(plan.n_fragments, dtype=">u4").view(np.uint8).reshape(-1, 4)
-    t_ser = plan.kv_bytes * 8 / config.rate_bps
-    if config.rho is not None:
-        deadline = config.owd_s + config.rho * t_ser
-    else:
-        assert config.deadline_ms is not None
-        deadline = config.deadline_ms / 1000.0
-    slot = (symbol + HEADER_SIZE + TAG_SIZE + REPAIR_ID_SIZE) * 8 / config.rate_bps
+    t_ser = serialisation_s(plan.kv_bytes, config.rate_bps)
+    deadline = budget_seconds(t_ser, config.owd_s, config.rho, config.deadline_ms)
+    slot = slot_seconds(symbol, config.rate_bps)
     return Handoff(config, plan, utilities, payload, t_ser, deadline, slot)
 
 

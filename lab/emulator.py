@@ -61,7 +61,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import numpy as np
 import typer
 
-from common.channel import LossModel, parse_loss_spec, realization_rng
+from pfec.lab.channel import LossModel, parse_loss_spec, realization_rng
 
 __all__ = [
     "LOSS_CHUNK",
@@ -741,7 +741,7 @@ def emulate_cmd(
     ] = False,
 ) -> None:
     """Emulate a rate-limited, delayed, lossy link between a sender and a receiver (common/emulator.py)."""
-    from common.config import parse_host_port
+    from pfec.common.node.config import parse_host_port
 
     def fail(msg: str) -> typer.Exit:
         typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)

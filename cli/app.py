@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
+
 app = typer.Typer(
     name="pfec",
     help="PriorityFEC: deadline-aware KV-cache handoff over lossy links.",
@@ -23,9 +25,9 @@ app.add_typer(bench_app, name="bench")
 
 def _register_external_commands() -> None:
     """Commands whose modules own their options (imports stay light: typer only reads signatures)."""
-    from common.config import keygen_cmd
-    from common.emulator import emulate_cmd
-    from common.kvcli import kvcheck_cmd, kvloss_cmd, profile_cmd, profile_plot_cmd, retention_cmd
+    from pfec.cli.kv import kvcheck_cmd, kvloss_cmd, profile_cmd, profile_plot_cmd, retention_cmd
+    from pfec.common.node.config import keygen_cmd
+    from pfec.lab.emulator import emulate_cmd
 
     app.command("keygen", help="Generate a pre-shared key file for a node pair.")(keygen_cmd)
     app.command("emulate", help="Link emulator: rate, delay and loss between two nodes.")(emulate_cmd)
@@ -34,7 +36,7 @@ def _register_external_commands() -> None:
     app.command("retention", help="Teacher-forced agreement under partial KV retention.")(retention_cmd)
     app.command("kvcheck", help="Fragments -> rebuild: receiver answer vs sender's.")(kvcheck_cmd)
     app.command("kvloss", help="Needle-QA F1 of mask vs zero reconstruction under block loss.")(kvloss_cmd)
-    from common.evalcli import eval_cmd, eval_render_cmd, eval_trace_cmd
+    from pfec.cli.eval import eval_cmd, eval_render_cmd, eval_trace_cmd
 
     app.command("eval", help="The paper's experiments on this code; regenerates docs/RESULTS.md.")(eval_cmd)
     app.command("eval-trace", help="Write the synthetic example loss trace for trace replay.")(eval_trace_cmd)
@@ -93,12 +95,14 @@ def sim(
     loss: Annotated[str, typer.Option(help="ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH")] = (
         "ge:0.001,0.5,0.02,0.1"
     ),
-    rate_mbps: Annotated[float, typer.Option(help="Bottleneck link rate.")] = 100.0,
-    rtt_ms: Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")] = 20.0,
+    rate_mbps: Annotated[float, typer.Option(help="Bottleneck link rate.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")] = DEFAULT_RTT_MS,
     tokens: Annotated[int, typer.Option(help="Context tokens handed off.")] = 1536,
     realizations: Annotated[int, typer.Option(help="Paired loss realizations per scheme.")] = 10,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations.")] = 1,
-    repair_budget: Annotated[float, typer.Option(help="Repair budget, fraction of source symbols.")] = 0.15,
+    repair_budget: Annotated[
+        float, typer.Option(help="Repair budget, fraction of source symbols.")
+    ] = DEFAULT_REPAIR_BUDGET,
     window: Annotated[int, typer.Option(help="Coding window cap K (symbols).")] = 64,
     profile: Annotated[
         str,
@@ -111,16 +115,16 @@ def sim(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
-    from common.channel import parse_loss_spec
-    from common.sim import SHIPPED_PROFILE, SimConfig, simulate
-    from common.utility import UtilityProfile
+    from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
+    from pfec.lab.channel import parse_loss_spec
+    from pfec.lab.sim import SimConfig, simulate
 
     profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
     names = [s.strip() for s in scheme.split(",") if s.strip()]
     if not names:
         raise _fail("--scheme is empty; give at least one scheme name")
     if rho is None and deadline_ms is None:
-        rho = 0.8
+        rho = DEFAULT_RHO
     try:
         loss_model = parse_loss_spec(loss)
         prof = None if profile == "synthetic" else UtilityProfile.load(profile_path)
@@ -187,7 +191,7 @@ def bench_codec(
     ] = 5,
 ) -> None:
     """Codec speed: repair encode, decoder insert, and sender+receiver CPU per 1000 packets."""
-    from common.bench import run_codec_bench, write_codec_bench
+    from pfec.lab.bench import run_codec_bench, write_codec_bench
 
     result = run_codec_bench(realizations=realizations, progress=_progress("bench codec"))
     result["machine"] = machine_info()
@@ -206,7 +210,7 @@ def bench_scheduler(
     passes: Annotated[int, typer.Option(help="Timed passes over the recorded states.")] = 20,
 ) -> None:
     """DDQN decision latency (features + network + mask) over states recorded from simulated handoffs."""
-    from common.sched_bench import run_scheduler_bench, write_scheduler_bench
+    from pfec.lab.sched_bench import run_scheduler_bench, write_scheduler_bench
 
     if realizations < 1 or passes < 1:
         raise _fail(f"--realizations {realizations} and --passes {passes} must both be >= 1")
@@ -233,7 +237,7 @@ def _daemon_setup(kind: str, config_path: Path | None) -> tuple[Any, bytes, str 
     import logging
     import os
 
-    from common.config import ConfigError, load_config, read_psk, read_token
+    from pfec.common.node.config import ConfigError, load_config, read_psk, read_token
 
     try:
         config = load_config(kind, config_path, os.environ)  # type: ignore[call-overload]
@@ -249,8 +253,8 @@ def _daemon_setup(kind: str, config_path: Path | None) -> tuple[Any, bytes, str 
 @sender_app.command("serve")
 def sender_serve(config: ConfigOpt = None) -> None:
     """Run the sender daemon until SIGTERM."""
-    from common.emulator import run_event_loop
-    from sender.daemon import serve
+    from pfec.lab.emulator import run_event_loop
+    from pfec.sender.daemon import serve
 
     cfg, psk, token = _daemon_setup("sender", config)
     try:
@@ -262,8 +266,8 @@ def sender_serve(config: ConfigOpt = None) -> None:
 @receiver_app.command("serve")
 def receiver_serve(config: ConfigOpt = None) -> None:
     """Run the receiver daemon until SIGTERM."""
-    from common.emulator import run_event_loop
-    from receiver.daemon import serve
+    from pfec.lab.emulator import run_event_loop
+    from pfec.receiver.daemon import serve
 
     cfg, psk, token = _daemon_setup("receiver", config)
     try:
@@ -327,8 +331,8 @@ def handoff(
     """Ask the sender daemon for a handoff, wait for it and print the report."""
     import asyncio
 
-    from common.config import ConfigError, read_token
-    from common.control import ControlClient
+    from pfec.common.node.config import ConfigError, read_token
+    from pfec.common.node.control import ControlClient
 
     if context_file is not None:
         try:
@@ -379,10 +383,10 @@ def handoff(
 @app.command()
 def demo(
     scheme: Annotated[str, typer.Option(help="Scheme.")] = "heuristic",
-    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = 0.8,
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = DEFAULT_RHO,
     loss: Annotated[str, typer.Option(help="Forward loss of the emulated link.")] = "ge:0.001,0.5,0.02,0.1",
-    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate.")] = 100.0,
-    rtt_ms: Annotated[float, typer.Option(help="Emulated round-trip time.")] = 20.0,
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: Annotated[float, typer.Option(help="Emulated round-trip time.")] = DEFAULT_RTT_MS,
     tokens: Annotated[int, typer.Option(help="Approximate context tokens (needle QA over essays).")] = 1500,
     seed: Annotated[int, typer.Option(help="Workload and loss seed.")] = 1,
     reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
@@ -390,7 +394,7 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
-    from common.demo import DemoConfig, format_demo, run_demo
+    from pfec.lab.demo import DemoConfig, format_demo, run_demo
 
     try:
         cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
@@ -411,7 +415,7 @@ def bench_transport(
     out_dir: Annotated[Path, typer.Option(help="Where transport.json and transport.md go.")] = DOCS_BENCH,
 ) -> None:
     """Transport only (synthetic KV, FEC + AEAD on): goodput, pps, CPU per packet, deadline lateness."""
-    from common.bench_transport import run_transport_bench, write_transport_bench
+    from pfec.lab.bench_transport import run_transport_bench, write_transport_bench
 
     try:
         result = run_transport_bench(handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps,
@@ -440,9 +444,9 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Train the Double-DQN repair scheduler on simulated handoffs (torch; run under nice)."""
-    from common.sched.ddqn import WEIGHTS_PATH
-    from common.train import LOG_PATH, TrainConfig
-    from common.train import train as run_training
+    from pfec.common.sched.ddqn import WEIGHTS_PATH
+    from pfec.lab.train import LOG_PATH, TrainConfig
+    from pfec.lab.train import train as run_training
 
     if init is not None and not init.exists():
         raise _fail(f"--init {str(init)!r} does not exist; give a weights file written by `pfec train`")
@@ -460,21 +464,23 @@ def train(
 @app.command()
 def reliable(
     proto: Annotated[str, typer.Option(help="tcp (kernel TCP, netns; root) | quic (aioquic).")] = "tcp",
-    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")] = 0.8,
+    rho: Annotated[
+        float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")
+    ] = DEFAULT_RHO,
     loss: Annotated[str, typer.Option(help="Forward loss: none | ge:EG,EB,PGB,PBG | bernoulli:P")] = (
         "ge:0.001,0.5,0.02,0.1"
     ),
-    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate, each direction.")] = 100.0,
-    rtt_ms: Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")] = 20.0,
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate, each direction.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")] = DEFAULT_RTT_MS,
     tokens: Annotated[int, typer.Option(help="Context tokens handed off.")] = 1536,
     realizations: Annotated[int, typer.Option(help="Loss realizations (paired with `pfec sim`).")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
-    from common.channel import Bernoulli, parse_loss_spec
-    from common.reliable import run_reliable
-    from common.sim import SimConfig
+    from pfec.lab.channel import Bernoulli, parse_loss_spec
+    from pfec.lab.reliable import run_reliable
+    from pfec.lab.sim import SimConfig
 
     if proto not in ("tcp", "quic"):
         raise _fail(f"--proto {proto!r}: use 'tcp' or 'quic'")

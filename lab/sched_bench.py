@@ -18,12 +18,12 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from common.channel import MAIN_GE
-from common.sched.actions import Action, SchedulerView
-from common.sched.ddqn import MASK_AT, DDQNPolicy, greedy_action, warm_up
-from common.sched.features import FeatureSink, write_features
-from common.sched.policies import Scheme
-from common.sim import SimConfig, prepare, run_once
+from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.ddqn import MASK_AT, DDQNPolicy, greedy_action, warm_up
+from pfec.common.sched.features import FeatureSink, write_features
+from pfec.common.sched.policies import Scheme
+from pfec.lab.channel import MAIN_GE
+from pfec.lab.sim import SimConfig, prepare, run_once
 
 
 class RecordingPolicy:

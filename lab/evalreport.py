@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from common.evaluate import ABLATION_RHOS, FALLBACK, PAPER, RESULTS_BEGIN, RESULTS_END
-from common.sim import mean_ci95
+from pfec.lab.evaluate import ABLATION_RHOS, FALLBACK, PAPER, RESULTS_BEGIN, RESULTS_END
+from pfec.lab.sim import mean_ci95
 
 # The paper's compared transports (V-A): the "best baseline" of the comparison is the best of these. The
 # ablation variants (priority, priority-fixed, rl-fec), our heuristic and the idealised bounds are not.

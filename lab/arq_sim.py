@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from common.oracle import DataTiming
+from pfec.lab.oracle import DataTiming
 
 ARQ_NOTE = (
     "idealised upper bound for TCP/QUIC: selective repeat with no congestion control, "

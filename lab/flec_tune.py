@@ -13,18 +13,17 @@ import itertools
 import json
 import sys
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from common.channel import parse_loss_spec
-from common.sched.flec import FlecRT
-from common.sched.policies import Scheme
-from common.sim import SimConfig, mean_ci95, prepare, run_once
-from common.utility import UtilityProfile
+from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
+from pfec.common.sched.flec import FlecRT
+from pfec.common.sched.policies import Scheme
+from pfec.lab.channel import parse_loss_spec
+from pfec.lab.sim import SimConfig, mean_ci95, prepare, run_once
 
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
 GRID: dict[str, tuple[float, ...]] = {
     "burst_weight": (0.0, 1.0, 3.0),
     "fill": (0.5, 0.75, 1.0),
@@ -64,7 +63,7 @@ def _values(name: str, given: str) -> tuple[float, ...]:
 def main(
     realizations: Annotated[int, typer.Option(help="Paired realizations per combination.")] = 4,
     seed: Annotated[int, typer.Option(help="Tuning seed (keep it apart from the evaluation seed 1).")] = 101,
-    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = 0.8,
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = DEFAULT_RHO,
     loss: Annotated[str, typer.Option(help="Loss spec.")] = "ge:0.001,0.5,0.02,0.1",
     burst_weight: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
     fill: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
@@ -72,7 +71,7 @@ def main(
     inflate: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    from common.cli import _progress
+    from pfec.cli.app import _progress
 
     if realizations < 1:
         raise typer.BadParameter(f"--realizations must be >= 1, got {realizations}")

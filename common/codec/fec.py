@@ -26,7 +26,7 @@ from typing import Final, NamedTuple, cast
 import numpy as np
 import numpy.typing as npt
 
-from common import gf256
+from pfec.common.codec import gf256
 
 __all__ = [
     "DEFAULT_TARGET_NONZEROS",

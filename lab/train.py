@@ -1,7 +1,7 @@
 """Offline Double-DQN training of the repair scheduler (paper IV-C, IV-D and V-B).
 
 Reproduce the committed weights (``common/sched/ddqn_weights.npz``) and log
-(``common/sched/ddqn_train_log.jsonl``) with::
+(``docs/training/ddqn_train_log.jsonl``) with::
 
     .venv/bin/pfec train --seed 0    # the defaults below: about 10 minutes on 2 cores
 
@@ -47,10 +47,10 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from common.channel import GilbertElliott
-from common.kvlayout import BlockPlan
-from common.sched.actions import N_ACTIONS, Action, SchedulerView
-from common.sched.ddqn import (
+from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.plan.utility import UtilityProfile, synthetic_profile
+from pfec.common.sched.actions import N_ACTIONS, Action, SchedulerView
+from pfec.common.sched.ddqn import (
     HIDDEN,
     MASK_AT,
     N_PARAMS,
@@ -59,12 +59,12 @@ from common.sched.ddqn import (
     flatten_weights,
     greedy_action,
 )
-from common.sched.features import N_FEATURES, FeatureSink, write_features
-from common.sched.policies import DeficitHeuristic, Scheme
-from common.sim import Handoff, SimConfig, prepare, run_once
-from common.utility import UtilityProfile, synthetic_profile
+from pfec.common.sched.features import N_FEATURES, FeatureSink, write_features
+from pfec.common.sched.policies import DeficitHeuristic, Scheme
+from pfec.lab.channel import GilbertElliott
+from pfec.lab.sim import Handoff, SimConfig, prepare, run_once
 
-LOG_PATH = WEIGHTS_PATH.with_name("ddqn_train_log.jsonl")
+LOG_PATH = Path(__file__).resolve().parent.parent / "docs" / "training" / "ddqn_train_log.jsonl"
 _ACTIONS = tuple(Action)
 
 

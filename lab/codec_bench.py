@@ -11,8 +11,8 @@ import time
 import numpy as np
 import numpy.typing as npt
 
-from common import gf256
-from common.fec import DEFAULT_TARGET_NONZEROS, DEFAULT_WINDOW, Decoder, Encoder, warm_up
+from pfec.common.codec import gf256
+from pfec.common.codec.fec import DEFAULT_TARGET_NONZEROS, DEFAULT_WINDOW, Decoder, Encoder, warm_up
 
 __all__ = ["bench_decode_insert", "bench_encode", "bench_region_muladd", "ge_loss_mask"]
 

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from common.channel import GilbertElliott, LossModel, parse_loss_spec, realization_rng, write_trace
-from common.sched.actions import Action, SchedulerView
-from common.sched.policies import SCHEMES, Policy, Scheme, get_scheme
-from common.sim import (
+from pfec.common.plan.utility import UtilityProfile, synthetic_profile
+from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.policies import SCHEMES, Policy, Scheme, get_scheme
+from pfec.lab.channel import GilbertElliott, LossModel, parse_loss_spec, realization_rng, write_trace
+from pfec.lab.sim import (
     REFERENCE_SCHEMES,
     Handoff,
     RunResult,
@@ -44,7 +45,6 @@ from common.sim import (
     run_once,
     run_scheme,
 )
-from common.utility import UtilityProfile, synthetic_profile
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_PROFILE = REPO / "profiles" / "smollm2-135m-instruct.json"
@@ -193,7 +193,7 @@ def parse_configs(text: str) -> tuple[tuple[str, str], ...]:
 
 def _reliable_runner() -> Callable[..., dict[str, Any]] | None:
     try:
-        from common import reliable
+        from pfec.lab import reliable
     except ImportError:
         return None
     runner = getattr(reliable, "run_reliable", None)
@@ -240,7 +240,7 @@ _WORKER_HANDOFF: dict[int, Handoff] = {}
 
 
 def _worker_init() -> None:
-    from sender.repair_plan import warm_up
+    from pfec.sender.repair_plan import warm_up
 
     warm_up()
 
@@ -432,7 +432,7 @@ def overhead(
     """Main config, ``cfg.overhead_rhos``: CPU ms per 1000 data packets and decide() latency, one process."""
     if cfg.overhead_realizations == 0:
         return []
-    from sender.repair_plan import warm_up
+    from pfec.sender.repair_plan import warm_up
 
     warm_up()
     profile = cfg.load_profile()
@@ -497,10 +497,10 @@ def task_scores(
     """
     if cfg.task_prompts == 0 or not task_schemes:
         return {"skipped": "--task-prompts 0"}
-    from common import llm
-    from common.profiler import check_profile
-    from common.retention import needle_examples
-    from common.workloads import first_line
+    from pfec.common.model import llm
+    from pfec.lab.profiler import check_profile
+    from pfec.lab.retention import needle_examples
+    from pfec.lab.workloads import first_line
 
     runtime = llm.load_model("default", device="cpu")
     llm.warm_up(runtime)
@@ -581,7 +581,7 @@ def task_scores(
 
 
 def _score_answer(answer: str, golds: Sequence[str], reference: str) -> dict[str, Any]:
-    from common.workloads import best_f1, contains_answer, first_line
+    from pfec.lab.workloads import best_f1, contains_answer, first_line
 
     line = first_line(answer)
     return {
@@ -605,8 +605,8 @@ def _answer_from_blocks(
 ) -> dict[str, Any]:
     import torch
 
-    from common import llm
-    from common.retention import blocks_available
+    from pfec.common.model import llm
+    from pfec.lab.retention import blocks_available
 
     available = torch.from_numpy(blocks_available(plan, kept)).to(runtime.device)
     kv = llm.partial_from_cache(cache, available, mode, plan.n_tokens)  # type: ignore[arg-type]
@@ -615,7 +615,7 @@ def _answer_from_blocks(
 
 
 def _task_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from common.retention import bootstrap_ci95
+    from pfec.lab.retention import bootstrap_ci95
 
     groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for row in rows:
@@ -763,7 +763,7 @@ def write_example_trace(
 def write_outputs(
     result: dict[str, Any], out_dir: Path, figures_dir: Path, results_md: Path | None
 ) -> dict[str, str]:
-    from common import evalreport
+    from pfec.lab import evalreport
 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures_dir.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from common.kvlayout import BlockPlan
+from pfec.common.plan.kvlayout import BlockPlan
 
 PROFILE_FORMAT = "pfec-utility-profile/1"
+# The default model's profile, shipped with the repo (data stays outside the Python packages).
+SHIPPED_PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "smollm2-135m-instruct.json"
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def synthetic_profile(n_layers: int = 30, n_groups: int = 10, n_bins: int = 10) 
         position_bins=tuple(float(x) for x in np.linspace(0.0, 1.0, n_bins + 1)),
         layer_scores=tuple(float(x) for x in layer_scores / layer_scores.sum()),
         position_scores=tuple(float(x) for x in position_scores / position_scores.sum()),
-        source={"kind": "synthetic", "doc": "common.utility.synthetic_profile"},
+        source={"kind": "synthetic", "doc": "pfec.common.plan.utility.synthetic_profile"},
     )
 
 

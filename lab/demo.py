@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
+
 DEMO_PSK = bytes(range(1, 33))  # loopback only; the daemons of a real deployment read a key file
 
 
@@ -32,7 +34,7 @@ def _log(message: str) -> None:
 
 def _serve_child(conn: Connection, role: str, kwargs: dict[str, Any]) -> None:
     """Entry point of a spawned child: run ``role``'s coroutine on uvloop until the parent says stop."""
-    from common.emulator import run_event_loop
+    from pfec.lab.emulator import run_event_loop
 
     children: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
         "receiver": _receiver_child,
@@ -70,9 +72,9 @@ async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = 
                           geometry: Any = None) -> None:
     import numpy as np
 
-    from common.fec import warm_up
-    from common.handoff import load_runtime
-    from receiver.daemon import ReceiverDaemon
+    from pfec.common.codec.fec import warm_up
+    from pfec.common.plan.handoff import load_runtime
+    from pfec.receiver.daemon import ReceiverDaemon
 
     warm_up()
     runtime, identity = load_runtime(model, synthetic_geometry=geometry)
@@ -97,7 +99,7 @@ async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = 
 
 async def _relay_child(conn: Connection, forward_to: tuple[str, int], rate_bps: float, owd_s: float,
                        loss: str, seed: int) -> None:
-    from common.emulator import DirectionSpec, EmulatorConfig, UdpRelay, parse_loss
+    from pfec.lab.emulator import DirectionSpec, EmulatorConfig, UdpRelay, parse_loss
 
     config = EmulatorConfig(
         forward=DirectionSpec(rate_bps, owd_s, parse_loss(loss)),
@@ -160,10 +162,10 @@ class Child:
 @dataclass(frozen=True)
 class DemoConfig:
     scheme: str = "heuristic"
-    rho: float = 0.8
+    rho: float = DEFAULT_RHO
     loss: str = "ge:0.001,0.5,0.02,0.1"
-    rate_mbps: float = 100.0
-    rtt_ms: float = 20.0
+    rate_mbps: float = DEFAULT_RATE_MBPS
+    rtt_ms: float = DEFAULT_RTT_MS
     tokens: int = 1500
     seed: int = 1
     reconstruction: str = "mask"
@@ -172,8 +174,8 @@ class DemoConfig:
     model: str = "default"
 
     def __post_init__(self) -> None:
-        from common.channel import parse_loss_spec
-        from common.sched.policies import SCHEMES
+        from pfec.common.sched.policies import SCHEMES
+        from pfec.lab.channel import parse_loss_spec
 
         if self.scheme not in SCHEMES:
             raise ValueError(f"--scheme {self.scheme!r}: choose one of {', '.join(SCHEMES)}")
@@ -196,14 +198,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise_priority()
     if cfg.model == "default":  # convert the embedded model once here, not in two processes at once
-        from common import llm
+        from pfec.common.model import llm
 
         llm.default_model_dir()
     _log("starting the receiver (loads the model) ...")
     receiver = Child("receiver", model=cfg.model, psk=DEMO_PSK)
     relay: Child | None = None
     try:
-        from common.emulator import run_event_loop
+        from pfec.lab.emulator import run_event_loop
 
         result = run_event_loop(_sender_side(cfg, receiver, started))
         relay = result.pop("_relay")
@@ -220,11 +222,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict[str, Any]:
-    from common.fec import warm_up
-    from common.handoff import load_runtime
-    from common.workloads import needle_qa
-    from sender.daemon import HandoffSpec, SenderDaemon
-    from sender.kv import ContextInput
+    from pfec.common.codec.fec import warm_up
+    from pfec.common.plan.handoff import load_runtime
+    from pfec.lab.workloads import needle_qa
+    from pfec.sender.daemon import HandoffSpec, SenderDaemon
+    from pfec.sender.kv import ContextInput
 
     loop = asyncio.get_running_loop()
     warm_up()
@@ -250,7 +252,7 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     await handoff.done.wait()
     await daemon.close()
     report = handoff.view()
-    from common.workloads import best_f1, contains_answer
+    from pfec.lab.workloads import best_f1, contains_answer
 
     gold = list(example.answers)
     out = {
@@ -294,10 +296,10 @@ def _diagnostics(cfg: DemoConfig, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
-    from common.channel import parse_loss_spec
-    from common.handoff import load_profile, synthetic_identity
-    from common.kvlayout import DEFAULT_GEOMETRY
-    from common.sim import SimConfig, simulate
+    from pfec.common.plan.handoff import load_profile, synthetic_identity
+    from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
+    from pfec.lab.channel import parse_loss_spec
+    from pfec.lab.sim import SimConfig, simulate
 
     report = result["report"]
     n_tokens = report.get("n_tokens")
@@ -322,7 +324,7 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_demo(result: dict[str, Any]) -> str:
-    from common.cli import format_report
+    from pfec.cli.app import format_report
 
     inp = result["inputs"]
     lines = [

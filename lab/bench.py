@@ -7,10 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.channel import MAIN_GE, realization_rng
-from common.codec_bench import bench_decode_insert, bench_encode
-from common.sim import RunResult, SimConfig, prepare, run_scheme
-from sender.repair_plan import warm_up
+from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.lab.channel import MAIN_GE, realization_rng
+from pfec.lab.codec_bench import bench_decode_insert, bench_encode
+from pfec.lab.sim import RunResult, SimConfig, prepare, run_scheme
+from pfec.sender.repair_plan import warm_up
 
 OVERHEAD_PARTS = ("encode", "decode", "feedback", "policy")
 
@@ -30,7 +31,7 @@ def measure_overhead(
     if realizations < 1:
         raise ValueError(f"realizations must be >= 1, got {realizations!r}")
     warm_up()
-    handoff = prepare(SimConfig(loss=MAIN_GE, rho=0.8, tokens=1536))
+    handoff = prepare(SimConfig(loss=MAIN_GE, rho=DEFAULT_RHO, tokens=1536))
     run_scheme(handoff, "heuristic", realizations)  # the warm-up handoff (its own loss realization)
     per_run: list[dict[str, float]] = []
     for r in range(realizations):
@@ -62,7 +63,7 @@ def run_codec_bench(
         "overhead_setup": {
             "scheme": "heuristic",
             "loss": "ge:0.001,0.5,0.02,0.1",
-            "rho": 0.8,
+            "rho": DEFAULT_RHO,
             "tokens": 1536,
             "realizations": realizations,
             "statistic": "median over the simulated handoffs (lower median for an even count), after one "

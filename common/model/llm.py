@@ -42,7 +42,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from common.kvlayout import (
+from pfec.common.plan.kvlayout import (
     BlockPlan,
     KVGeometry,
     assemble_rows,

@@ -22,13 +22,12 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from common.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
-from common.utility import UtilityProfile, synthetic_profile
-from common.wire import DEFAULT_SYMBOL_SIZE, HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE, WIRE_VERSION
+from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
+from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, synthetic_profile
+from pfec.common.wire.frames import DEFAULT_SYMBOL_SIZE, WIRE_VERSION
 
 APP_VERSION = 1
 BLOCK_TOKENS = 16
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
 Mode = Literal["mask", "zero"]
 
 
@@ -73,11 +72,6 @@ def synthetic_identity(geometry: KVGeometry, name: str = "synthetic") -> ModelId
 def runtime_identity(runtime: Any) -> ModelIdentity:
     """The identity of an ``llm.ModelRuntime`` (typed loosely so this module never imports torch)."""
     return ModelIdentity(runtime.model_id, runtime.geometry, runtime.fingerprint.to_json())
-
-
-def slot_seconds(symbol_size: int, rate_bps: float) -> float:
-    """Link time of one full-size data datagram (a REPAIR, the largest) at ``rate_bps``."""
-    return (symbol_size + HEADER_SIZE + TAG_SIZE + REPAIR_ID_SIZE) * 8 / rate_bps
 
 
 def load_profile(identity: ModelIdentity, name: str) -> UtilityProfile:
@@ -270,14 +264,14 @@ def load_runtime(path: str, device: str = "auto", cache_dir: Path | None = None,
     The model is warm on return: one forward (llm.load_model) and one short generation.
     """
     if path == SYNTHETIC_MODEL:
-        from common.kvlayout import DEFAULT_GEOMETRY
+        from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 
         return None, synthetic_identity(synthetic_geometry or DEFAULT_GEOMETRY)
     import os
 
     if cache_dir is not None:
         os.environ["PFEC_CACHE_DIR"] = str(cache_dir)
-    from common import llm
+    from pfec.common.model import llm
 
     runtime = llm.load_model(path, device=device)
     warm_generation(runtime)
@@ -286,7 +280,7 @@ def load_runtime(path: str, device: str = "auto", cache_dir: Path | None = None,
 
 def warm_generation(runtime: Any) -> None:
     """Prefill a few tokens and decode two: every code path of a handoff runs once before the first one."""
-    from common import llm
+    from pfec.common.model import llm
 
     cache, _ = llm.prefill(runtime, [1, 2, 3, 4, 5, 6, 7, 8])
     llm.generate(runtime, llm.partial_from_cache(cache, None, "mask"), [9, 10], max_new_tokens=2)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from common.demo import DEMO_PSK, Child, raise_priority
+from pfec.lab.demo import DEMO_PSK, Child, raise_priority
 
 
 def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float = 1000.0,
@@ -37,7 +37,7 @@ def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float 
         raise ValueError(f"--rate-mbps {rate_mbps!r}: must be positive")
     if not 10 <= deadline_ms <= 60_000:
         raise ValueError(f"--deadline-ms {deadline_ms!r}: must be in 10..60000")
-    from common.emulator import run_event_loop
+    from pfec.lab.emulator import run_event_loop
 
     load_before = os.getloadavg()[0]
     receiver = Child("receiver", model="synthetic", psk=DEMO_PSK)
@@ -58,10 +58,10 @@ def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float 
 
 async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rate_mbps: float,
                        deadline_ms: float, profile_sender: bool) -> dict[str, Any]:
-    from common.fec import warm_up
-    from common.handoff import load_runtime
-    from sender.daemon import HandoffSpec, SenderDaemon
-    from sender.kv import ContextInput
+    from pfec.common.codec.fec import warm_up
+    from pfec.common.plan.handoff import load_runtime
+    from pfec.sender.daemon import HandoffSpec, SenderDaemon
+    from pfec.sender.kv import ContextInput
 
     warm_up()
     _, identity = load_runtime("synthetic")

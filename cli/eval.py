@@ -120,7 +120,7 @@ def eval_cmd(
     """The paper's experiments on this code: utility, task score, ablation, overhead -> docs/RESULTS.md."""
     # first statement, so locals() holds only the options
     given = {k: v for k, v in locals().items() if v is not None and k not in ("small", "as_json", "jobs")}
-    from common.evaluate import SMALL, EvalConfig, parse_configs, run_eval, write_outputs
+    from pfec.lab.evaluate import SMALL, EvalConfig, parse_configs, run_eval, write_outputs
 
     base = SMALL if small else EvalConfig()
     overrides: dict[str, Any] = {"jobs": jobs, "seed": seed, "command": _command_line(small, given)}
@@ -178,7 +178,7 @@ def eval_render_cmd(
         raise _fail(f"cannot read {str(result_json)!r} as a `pfec eval` result: {exc}") from None
     if not isinstance(result, dict) or "cells" not in result or "config" not in result:
         raise _fail(f"{str(result_json)!r} is not a `pfec eval` result (no 'cells'/'config')")
-    from common.evaluate import write_outputs
+    from pfec.lab.evaluate import write_outputs
 
     md = None if results_md.lower() == "none" else Path(results_md)
     result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
@@ -228,7 +228,7 @@ def eval_trace_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Write the synthetic example loss trace (pfec-loss-trace v1) that `pfec eval`'s trace config replays."""
-    from common.evaluate import write_example_trace
+    from pfec.lab.evaluate import write_example_trace
 
     try:
         info = write_example_trace(out, seconds, probe_ms, seed)

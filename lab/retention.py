@@ -20,11 +20,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from common import llm
-from common.kvlayout import BlockPlan
-from common.profiler import ScoredPrompt, check_profile, needle_prompts
-from common.utility import UtilityProfile, request_block_utilities, utility_order
-from common.workloads import QAExample, best_f1, contains_answer, first_line, needle_qa
+from pfec.common.model import llm
+from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.plan.utility import UtilityProfile, request_block_utilities, utility_order
+from pfec.lab.profiler import ScoredPrompt, check_profile, needle_prompts
+from pfec.lab.workloads import QAExample, best_f1, contains_answer, first_line, needle_qa
 
 OBSERVE_WINDOW = 32
 

@@ -1,0 +1,56 @@
+"""Deadline arithmetic: the one home of rho, time budgets, link slots and their defaults.
+
+A handoff's deadline D is a time budget counted from the sender's first datagram, in each node's own
+monotonic clock (budgets travel between nodes, wall-clock timestamps never do). The paper states it
+relative to the link: rho = (D - T_ow) / T_ser, where T_ow is the one-way delay and T_ser the time the
+whole KV cache takes to serialise at the link rate. rho = 1 is "just enough time for every byte once".
+
+Every caller (the sender daemon, the simulator, the CLI, the demo, the evaluation) takes its defaults and
+budgets from here, so the simulator and the daemons cannot disagree about what "rho 0.8" means.
+"""
+
+from __future__ import annotations
+
+from pfec.common.wire.frames import HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE
+
+DEFAULT_RHO = 0.8
+DEFAULT_RATE_MBPS = 100.0
+DEFAULT_RTT_MS = 20.0
+DEFAULT_REPAIR_BUDGET = 0.15  # B_rep as a fraction of the source symbols (paper III-C)
+
+
+def serialisation_s(n_bytes: int, rate_bps: float) -> float:
+    """T_ser: seconds ``n_bytes`` take on a link of ``rate_bps``."""
+    if rate_bps <= 0:
+        raise ValueError(f"link rate must be positive, got {rate_bps!r} bit/s")
+    return n_bytes * 8 / rate_bps
+
+
+def slot_seconds(symbol_size: int, rate_bps: float) -> float:
+    """Link time of one full-size data datagram (a REPAIR, the largest) at ``rate_bps``."""
+    return serialisation_s(symbol_size + HEADER_SIZE + TAG_SIZE + REPAIR_ID_SIZE, rate_bps)
+
+
+def budget_seconds(t_ser_s: float, owd_s: float, rho: float | None = None,
+                   deadline_ms: float | None = None) -> float:
+    """The deadline D in seconds from exactly one of ``rho`` (relative to ``t_ser_s``) and
+    ``deadline_ms``; refused unless it leaves time after the one-way delay."""
+    if (rho is None) == (deadline_ms is None):
+        raise ValueError("give exactly one of rho and deadline_ms")
+    if rho is not None:
+        if not rho > 0:
+            raise ValueError(f"rho must be positive, got {rho!r}")
+        budget = owd_s + rho * t_ser_s
+    else:
+        assert deadline_ms is not None
+        budget = deadline_ms / 1000.0
+    if not budget > owd_s:
+        raise ValueError(
+            f"deadline {budget * 1000:.1f} ms must exceed the one-way delay {owd_s * 1000:.1f} ms"
+        )
+    return budget
+
+
+def rho_of(budget_s: float, owd_s: float, t_ser_s: float) -> float:
+    """The rho a budget of ``budget_s`` stands for."""
+    return (budget_s - owd_s) / t_ser_s
