@@ -1,4 +1,8 @@
-"""``pfec eval`` and ``pfec eval-trace``, registered in ``common/cli.py`` (heavy imports stay inside)."""
+"""`pfec eval`, `eval-render` and `eval-trace`: the paper's experiments on this code (lab/evaluate.py).
+
+The evaluation modules pull numba, and the task stage torch: they are imported inside the commands, so
+`pfec --help` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -12,33 +16,32 @@ from typing import Annotated, Any
 
 import typer
 
+from pfec.cli.shared import fail, parse_floats, parse_names
+from pfec.lab.progress import StageProgress
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(2)
-
-
-def _floats(text: str, name: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise _fail(
-            f"--{name} {text!r} is not a comma-separated list of numbers (e.g. 0.6,0.8,1.0)"
-        ) from None
-    if not values:
-        raise _fail(f"--{name} is empty; give e.g. 0.8,1.0")
-    return values
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+OutDirOpt = Annotated[Path, typer.Option(help="CSV + JSON go here.")]
+FiguresDirOpt = Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")]
+ResultsMdOpt = Annotated[
+    str, typer.Option(help="RESULTS file whose generated section is replaced ('none': skip).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")]
+OUT_DIR = Path("docs/results")
+FIGURES_DIR = Path("docs/figures")
+RESULTS_MD = "docs/RESULTS.md"
 
 
 @contextmanager
-def _progress_bar(enabled: bool) -> Iterator[Any]:
+def _progress_bar(enabled: bool) -> Iterator[StageProgress]:
     """One rich progress bar per stage on stderr; ``update(stage, done, total)``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console  # deferred: rich (keeps `pfec --help` fast)
+    from rich.progress import (  # deferred: rich
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     with Progress(
         TextColumn("{task.description}"),
@@ -48,7 +51,7 @@ def _progress_bar(enabled: bool) -> Iterator[Any]:
         console=Console(stderr=True),
         disable=not enabled,
     ) as bar:
-        tasks: dict[str, Any] = {}
+        tasks: dict[str, TaskID] = {}
 
         def update(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
@@ -108,84 +111,76 @@ def eval_cmd(
     small: Annotated[
         bool, typer.Option("--small", help="CI size: 2 realizations, rho 0.8, main, synthetic, no model.")
     ] = False,
-    out_dir: Annotated[Path, typer.Option(help="CSV + JSON go here.")] = Path("docs/results"),
-    figures_dir: Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")] = Path("docs/figures"),
-    results_md: Annotated[
-        str, typer.Option(help="RESULTS file whose generated section is replaced ('none': skip).")
-    ] = "docs/RESULTS.md",
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the whole result as one JSON object.")
-    ] = False,
+    out_dir: OutDirOpt = OUT_DIR,
+    figures_dir: FiguresDirOpt = FIGURES_DIR,
+    results_md: ResultsMdOpt = RESULTS_MD,
+    as_json: JsonOpt = False,
 ) -> None:
     """The paper's experiments on this code: utility, task score, ablation, overhead -> docs/RESULTS.md."""
     # first statement, so locals() holds only the options
     given = {k: v for k, v in locals().items() if v is not None and k not in ("small", "as_json", "jobs")}
-    from pfec.lab.evaluate import SMALL, EvalConfig, parse_configs, run_eval, write_outputs
+    from pfec.lab.eval_config import SMALL, EvalConfig, parse_configs  # deferred: numba
+    from pfec.lab.evaluate import run_eval  # deferred: numba
 
-    base = SMALL if small else EvalConfig()
-    overrides: dict[str, Any] = {"jobs": jobs, "seed": seed, "command": _command_line(small, given)}
-    for key, value in (
-        ("realizations", realizations),
-        ("headline_realizations", headline_realizations),
-        ("profile", profile),
-        ("tokens", tokens),
-        ("task_prompts", task_prompts),
-        ("overhead_realizations", overhead_realizations),
-        ("reliable_realizations", reliable_realizations),
-    ):
-        if value is not None:
-            overrides[key] = value
-    if rhos is not None:
-        overrides["rhos"] = _floats(rhos, "rhos")
-    if task_rhos is not None:
-        overrides["task_rhos"] = _floats(task_rhos, "task-rhos")
-    if schemes is not None:
-        overrides["schemes"] = _names(schemes)
-    if task_schemes is not None:
-        overrides["task_schemes"] = _names(task_schemes)
-    if profile not in (None, "synthetic") and not Path(str(profile)).is_file():
-        raise _fail(f"--profile {profile!r} is not a file; give a profile JSON or 'synthetic'")
+    overrides = {"jobs": jobs, "seed": seed, "command": _command_line(small, given), **_config_fields(given)}
     try:
         if configs is not None:
             overrides["configs"] = parse_configs(configs)
-        cfg = replace(base, **overrides)
+        cfg = replace(SMALL if small else EvalConfig(), **overrides)
         with _progress_bar(enabled=sys.stderr.isatty()) as progress:
             result = run_eval(cfg, progress)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
-    md = None if results_md.lower() == "none" else Path(results_md)
-    result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
-    _print(result, as_json)
+        raise fail(str(exc)) from None
+    _write_and_print(result, out_dir, figures_dir, results_md, as_json)
+
+
+# EvalConfig fields that take an option's value as typed.
+_PLAIN_OPTIONS = ("realizations", "headline_realizations", "profile", "tokens", "task_prompts",
+                  "overhead_realizations", "reliable_realizations")
+
+
+def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """EvalConfig fields from the options given: numbers as typed, lists parsed (a bad one exits 2)."""
+    fields = {key: given[key] for key in _PLAIN_OPTIONS if key in given}
+    for key in ("rhos", "task_rhos"):
+        if key in given:
+            fields[key] = tuple(parse_floats(given[key], key.replace("_", "-"), "0.6,0.8,1.0"))
+    for key in ("schemes", "task_schemes"):
+        if key in given:
+            fields[key] = tuple(parse_names(given[key]))
+    profile = given.get("profile")
+    if profile not in (None, "synthetic") and not Path(str(profile)).is_file():
+        raise fail(f"--profile {profile!r} is not a file; give a profile JSON or 'synthetic'")
+    return fields
 
 
 def eval_render_cmd(
     result_json: Annotated[
         Path, typer.Argument(help="A result written by `pfec eval` (docs/results/eval.json).")
     ],
-    out_dir: Annotated[Path, typer.Option(help="CSV + JSON go here.")] = Path("docs/results"),
-    figures_dir: Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")] = Path("docs/figures"),
-    results_md: Annotated[
-        str, typer.Option(help="RESULTS file whose generated section is replaced ('none': skip).")
-    ] = "docs/RESULTS.md",
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the whole result as one JSON object.")
-    ] = False,
+    out_dir: OutDirOpt = OUT_DIR,
+    figures_dir: FiguresDirOpt = FIGURES_DIR,
+    results_md: ResultsMdOpt = RESULTS_MD,
+    as_json: JsonOpt = False,
 ) -> None:
     """Rewrite the CSV, figures and RESULTS section from a saved `pfec eval` result, without rerunning it."""
     try:
         result = json.loads(result_json.read_text())
     except (OSError, ValueError) as exc:
-        raise _fail(f"cannot read {str(result_json)!r} as a `pfec eval` result: {exc}") from None
+        raise fail(f"cannot read {str(result_json)!r} as a `pfec eval` result: {exc}") from None
     if not isinstance(result, dict) or "cells" not in result or "config" not in result:
-        raise _fail(f"{str(result_json)!r} is not a `pfec eval` result (no 'cells'/'config')")
-    from pfec.lab.evaluate import write_outputs
+        raise fail(f"{str(result_json)!r} is not a `pfec eval` result (no 'cells'/'config')")
+    _write_and_print(result, out_dir, figures_dir, results_md, as_json)
+
+
+def _write_and_print(
+    result: dict[str, Any], out_dir: Path, figures_dir: Path, results_md: str, as_json: bool
+) -> None:
+    """Write the CSV, JSON, figures and (unless 'none') the RESULTS section; print the JSON or a summary."""
+    from pfec.lab.eval_report import write_outputs  # deferred: numba (keeps `pfec --help` fast)
 
     md = None if results_md.lower() == "none" else Path(results_md)
     result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
-    _print(result, as_json)
-
-
-def _print(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:
@@ -194,8 +189,7 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
 
 def _command_line(small: bool, given: dict[str, Any]) -> str:
     """The command that reproduces this run (options as given; paths as typed), for docs/RESULTS.md."""
-    defaults = {"seed": 1, "out_dir": Path("docs/results"), "figures_dir": Path("docs/figures"),
-                "results_md": "docs/RESULTS.md"}  # fmt: skip
+    defaults = {"seed": 1, "out_dir": OUT_DIR, "figures_dir": FIGURES_DIR, "results_md": RESULTS_MD}
     words = ["pfec eval"] + (["--small"] if small else [])
     for key, value in given.items():
         if defaults.get(key, object()) != value:
@@ -228,12 +222,12 @@ def eval_trace_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Write the synthetic example loss trace (pfec-loss-trace v1) that `pfec eval`'s trace config replays."""
-    from pfec.lab.evaluate import write_example_trace
+    from pfec.lab.evaluate import write_example_trace  # deferred: numba (keeps `pfec --help` fast)
 
     try:
         info = write_example_trace(out, seconds, probe_ms, seed)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     typer.echo(
         json.dumps(info, indent=2)
         if as_json

@@ -1,5 +1,5 @@
-"""KV-side commands, registered in ``common/cli.py``: ``pfec profile``, ``pfec retention``, ``pfec kvcheck``,
-``pfec kvloss``. Plain functions with typer-annotated parameters; bad input exits 2 with the message.
+"""KV-side commands: `pfec profile`, `profile-plot`, `retention`, `kvcheck` and `kvloss` (lab/profiler.py,
+lab/retention.py). Plain functions with typer-annotated parameters; bad input exits 2 with the message.
 
 Heavy imports (torch, transformers) happen inside the commands so ``pfec --help`` stays fast.
 """
@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from pfec.common.plan.utility import SHIPPED_PROFILE
+from pfec.cli.shared import fail, parse_floats
+from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
+
+if TYPE_CHECKING:
+    from pfec.common.model.llm import ModelRuntime
 
 ModelOpt = Annotated[
     str, typer.Option(help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir.")
@@ -22,21 +26,6 @@ DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 ProfileOpt = Annotated[
     Path | None, typer.Option(help="Utility profile JSON (default: the shipped one of the default model).")
 ]
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(2)
-
-
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise _fail(f"--{name} {text!r} is not a comma-separated list of numbers") from None
-    if not values:
-        raise _fail(f"--{name} is empty")
-    return values
 
 
 def _emit(result: dict[str, Any], out: Path | None, as_json: bool, summary: str) -> None:
@@ -51,15 +40,14 @@ def _emit(result: dict[str, Any], out: Path | None, as_json: bool, summary: str)
         typer.echo(summary)
 
 
-def _load(model: str, device: str, transfer_dtype: str = "bf16") -> Any:
-    from pfec.common.model import llm
+def _load(model: str, device: str, transfer_dtype: str = "bf16") -> ModelRuntime:
+    from pfec.common.model import llm  # deferred: torch
 
     return llm.load_model(model, device=device, transfer_dtype=transfer_dtype)
 
 
-def _profile_for(runtime: Any, profile: Path | None) -> Any:
-    from pfec.common.plan.utility import UtilityProfile
-    from pfec.lab.profiler import check_profile
+def _profile_for(runtime: ModelRuntime, profile: Path | None) -> UtilityProfile:
+    from pfec.lab.profiler import check_profile  # deferred: torch
 
     path = profile or SHIPPED_PROFILE
     loaded = UtilityProfile.load(path)
@@ -83,16 +71,16 @@ def profile_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Measure a model's KV utility profile (paper III-A) and write it as JSON."""
-    from pfec.lab.profiler import plot_profile, profile_model
+    from pfec.lab.profiler import plot_profile, profile_model  # deferred: torch
 
     if perturbation not in ("zero", "mask"):
-        raise _fail(f"--perturbation {perturbation!r} is not one of zero, mask")
+        raise fail(f"--perturbation {perturbation!r} is not one of zero, mask")
     try:
         runtime = _load(model, device)
         result = profile_model(runtime, prompts, context_tokens, seed, groups, bins, cells=cells,
                                mode=perturbation)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     result.save(out)
     if plot is not None:
@@ -105,13 +93,12 @@ def profile_plot_cmd(
     out: Annotated[Path, typer.Option(help="PNG to write.")] = Path("docs/figures/kv_profile.png"),
 ) -> None:
     """Draw a utility profile (layer groups, position bins, cells) without loading a model."""
-    from pfec.common.plan.utility import UtilityProfile
-    from pfec.lab.profiler import plot_profile
+    from pfec.lab.profiler import plot_profile  # deferred: torch
 
     try:
         loaded = UtilityProfile.load(profile)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     typer.echo(f"wrote {plot_profile(loaded, out)}")
 
 
@@ -130,17 +117,17 @@ def retention_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Teacher-forced top-1 agreement under partial KV retention: profile-ranked vs per-request vs random."""
-    from pfec.lab.retention import plot_retention, retention_check
+    from pfec.lab.retention import plot_retention, retention_check  # deferred: torch
 
     if mode not in ("zero", "mask"):
-        raise _fail(f"--mode {mode!r} is not one of zero, mask")
-    fractions = _floats(retentions, "retentions")
+        raise fail(f"--mode {mode!r} is not one of zero, mask")
+    fractions = parse_floats(retentions, "retentions", "0.2,0.4,0.6,0.8")
     try:
         runtime = _load(model, device)
         result = retention_check(runtime, _profile_for(runtime, profile), fractions, prompts, context_tokens,
                                  seed, random_draws, mode=mode)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     if plot is not None:
         plot_retention(result, plot)
     lines = [f"{'retention':>9}  {'ranked':>7}  {'request':>7}  {'random':>7}"]
@@ -162,14 +149,14 @@ def kvcheck_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Full-delivery round trip: serialise -> symbols -> rebuild -> answer, vs the sender's own answer."""
-    from pfec.lab.retention import needle_examples, roundtrip_check
+    from pfec.lab.retention import needle_examples, roundtrip_check  # deferred: torch
 
     try:
         runtime = _load(model, device, transfer_dtype)
         result = roundtrip_check(runtime, needle_examples(runtime, n, context_tokens, seed),
                                  max_new_tokens, mode=mode)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     result["inputs"] = {"model": runtime.model_id, "n": n, "context_tokens": context_tokens, "seed": seed,
                         "mode": mode, "transfer_dtype": transfer_dtype, "max_new_tokens": max_new_tokens}
     _emit(result, out, as_json,
@@ -191,19 +178,19 @@ def kvloss_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Needle-QA F1 of mask vs zero reconstruction under random and profile-ranked block loss."""
-    from pfec.lab.retention import needle_examples, reconstruction_table
+    from pfec.lab.retention import needle_examples, reconstruction_table  # deferred: torch
 
-    fractions = _floats(losses, "losses")
+    fractions = parse_floats(losses, "losses", "0.1,0.2,0.4")
     loss_kinds = [k.strip() for k in kinds.split(",") if k.strip()]
     if not loss_kinds or any(k not in ("random", "ranked") for k in loss_kinds):
-        raise _fail(f"--kinds {kinds!r} must list random and/or ranked")
+        raise fail(f"--kinds {kinds!r} must list random and/or ranked")
     try:
         runtime = _load(model, device)
         result = reconstruction_table(runtime, _profile_for(runtime, profile),
                                       needle_examples(runtime, n, context_tokens, seed), fractions, seed,
                                       max_new_tokens, loss_kinds)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     lines = [f"full KV: F1 {result['full_kv']['f1_gold']:.3f}, correct {result['full_kv']['correct']}/{n}"]
     lines += [f"{r['loss']:>6} {r['lost_fraction']:>4.0%} {r['mode']:>4}: F1 gold {r['f1_gold']:.3f}  "
               f"F1 vs full {r['f1_full']:.3f}  correct {r['correct']}/{r['n']}" for r in result["table"]]

@@ -3,13 +3,15 @@
 ``CpuMeter`` is how an adapter (the simulator, a daemon, a benchmark) measures the CPU time the sessions
 spend in the codec, feedback and policy: it injects a clock function and reads the sums back. Sessions
 never import ``time`` themselves.
+
+``Event`` is the base of every event a session emits; each side defines its own (``SenderEvent``,
+``ReceiverEvent``) and adapters tell them apart with ``isinstance``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(slots=True)
@@ -27,11 +29,23 @@ class CpuMeter:
         return self.encode_ns + self.decode_ns + self.feedback_ns + self.policy_ns
 
 
+class Event:
+    """Base of the events sessions emit (frozen dataclasses, each side's own)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True)
-class DatagramDropped:
+class DatagramDropped(Event):
     """A datagram was dropped and counted; ``reason`` comes from a bounded set."""
 
     reason: str
 
 
-Event = Any  # each session documents the event dataclasses it emits
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the timers that are set; None when none is."""
+    first: float | None = None
+    for t in times:
+        if t is not None and (first is None or t < first):
+            first = t
+    return first

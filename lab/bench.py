@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,24 @@ from pfec.lab.sim import RunResult, SimConfig, prepare, run_scheme
 from pfec.sender.repair_plan import warm_up
 
 OVERHEAD_PARTS = ("encode", "decode", "feedback", "policy")
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a benchmark ran on (CPU model, cores, Python, platform), recorded with its result."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def overhead_per_1k(run: RunResult) -> dict[str, float]:

@@ -16,15 +16,24 @@ whole context, so how fast it streams is the transport's business:
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import json
 import os
+import pstats
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pfec.lab.demo import DEMO_PSK, Child, raise_priority
+from pfec.common.codec.fec import warm_up
+from pfec.common.model.runtime import load_runtime
+from pfec.lab.emulator import run_event_loop
+from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
+from pfec.sender.daemon import SenderDaemon
+from pfec.sender.handoffs import HandoffSpec
+from pfec.sender.kv import ContextInput
 
 
 def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float = 1000.0,
@@ -37,10 +46,8 @@ def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float 
         raise ValueError(f"--rate-mbps {rate_mbps!r}: must be positive")
     if not 10 <= deadline_ms <= 60_000:
         raise ValueError(f"--deadline-ms {deadline_ms!r}: must be in 10..60000")
-    from pfec.lab.emulator import run_event_loop
-
     load_before = os.getloadavg()[0]
-    receiver = Child("receiver", model="synthetic", psk=DEMO_PSK)
+    receiver = Child("receiver", model="synthetic", psk=LOOPBACK_PSK)
     try:
         address = tuple(receiver.wait_ready())
         sender = run_event_loop(
@@ -58,20 +65,13 @@ def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float 
 
 async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rate_mbps: float,
                        deadline_ms: float, profile_sender: bool) -> dict[str, Any]:
-    from pfec.common.codec.fec import warm_up
-    from pfec.common.plan.handoff import load_runtime
-    from pfec.sender.daemon import HandoffSpec, SenderDaemon
-    from pfec.sender.kv import ContextInput
-
     warm_up()
     _, identity = load_runtime("synthetic")
-    daemon = SenderDaemon(identity, DEMO_PSK, rate_mbps=rate_mbps, owd_ms=1.0, scheme="heuristic",
+    daemon = SenderDaemon(identity, LOOPBACK_PSK, rate_mbps=rate_mbps, owd_ms=1.0, scheme="heuristic",
                           result_wait_s=2.0)
     reports = []
     profiler = None
     if profile_sender:
-        import cProfile
-
         profiler = cProfile.Profile()
         profiler.enable()
     raise_priority()  # as the receiver child does: neither side should queue behind unrelated work
@@ -84,10 +84,9 @@ async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rat
         await asyncio.sleep(0.01)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     if profiler is not None:
-        import pstats
-
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        # stderr: stdout carries the command's result (`--json`)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     await daemon.close()
     return {"reports": reports, "process_cpu_s": cpu, "wall_s": wall, "deadline_ms": deadline_ms}
 

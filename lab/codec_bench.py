@@ -143,103 +143,139 @@ def bench_decode_insert(
     Returns ``decode_insert_us_mean`` and ``decode_insert_us_p99`` (all timed repair
     inserts), median and innovative-only figures, and stream counters (as floats).
     """
-    lost = np.asarray(lost, dtype=np.bool_)
-    n_slots = int(lost.shape[0])
-    if n_source is None:
-        n_source = max(1, n_slots // 3)
-    _warm_up()
-    rng = np.random.default_rng(seed)
-    syms = rng.integers(0, 256, (n_source, symbol_size), dtype=np.uint8)
-    enc = Encoder(syms, window_cap=window_cap, target_nonzeros=target_nonzeros)
-    dec = Decoder(n_source, symbol_size, window_cap)
-    out = np.zeros(symbol_size, dtype=np.uint8)
+    stream = _DecodeInsertStream(np.asarray(lost, dtype=np.bool_), symbol_size, window_cap, repair_every,
+                                 feedback_delay, target_nonzeros, n_source, max_in_flight, seed)
+    stream.run()
+    return stream.result()
 
-    rep_prefix = np.zeros(n_slots, dtype=np.int64)
-    rep_deficit = np.zeros(n_slots, dtype=np.int64)
-    repair_sent = np.zeros(n_slots + 1, dtype=np.int64)  # cumulative repairs sent before slot t
-    times = np.empty(n_slots, dtype=np.int64)
-    innovative = np.zeros(n_slots, dtype=np.bool_)
-    src_times = np.empty(n_slots, dtype=np.int64)
-    n_times = 0
-    n_src_times = 0
-    since_repair = 0
-    sent_sources = sent_repairs = proactive = reactive = 0
-    clock = time.perf_counter_ns
-    slots_used = 0
-    for t in range(n_slots):
-        if dec.complete:
-            break
-        slots_used = t + 1
-        td = t - feedback_delay
-        if td >= 0:
-            enc.on_ack(int(rep_prefix[td]))
-            est = int(rep_deficit[td]) - int(repair_sent[t] - repair_sent[td + 1])
-        else:
-            est = 0
-        count = enc.window()[1]
-        send_repair = False
-        if count > 0:
-            if est > 0:
-                send_repair = True
-                reactive += 1
-            elif since_repair >= repair_every:
-                send_repair = True
-                proactive += 1
-        if send_repair:
-            rid = enc.make_repair(out)
-            since_repair = 0
-            sent_repairs += 1
-            repair_sent[t + 1] = repair_sent[t] + 1
-            if not lost[t]:
-                red0 = dec.redundant
-                t0 = clock()
-                dec.add_repair(rid, out)
-                times[n_times] = clock() - t0
-                innovative[n_times] = dec.redundant == red0
-                n_times += 1
-        else:
-            repair_sent[t + 1] = repair_sent[t]
-            if enc.next_esi < n_source and (
-                max_in_flight is None or enc.next_esi - enc.ack_prefix < max_in_flight
-            ):
-                esi = enc.take_source()
-                since_repair += 1
-                sent_sources += 1
-                if not lost[t]:
-                    t0 = clock()
-                    dec.add_source(esi, syms[esi])
-                    src_times[n_src_times] = clock() - t0
-                    n_src_times += 1
+
+class _DecodeInsertStream:
+    """The sender, lossy slots and receiver of ``bench_decode_insert``, one slot at a time."""
+
+    def __init__(self, lost: npt.NDArray[np.bool_], symbol_size: int, window_cap: int, repair_every: int,
+                 feedback_delay: int, target_nonzeros: int | None, n_source: int | None,
+                 max_in_flight: int | None, seed: int) -> None:
+        self.lost = lost
+        n_slots = int(lost.shape[0])
+        self.n_source = max(1, n_slots // 3) if n_source is None else n_source
+        self.window_cap = window_cap
+        self.repair_every = repair_every
+        self.feedback_delay = feedback_delay
+        self.max_in_flight = max_in_flight
+        self.dense = target_nonzeros is None
+        _warm_up()
+        rng = np.random.default_rng(seed)
+        self.syms = rng.integers(0, 256, (self.n_source, symbol_size), dtype=np.uint8)
+        self.enc = Encoder(self.syms, window_cap=window_cap, target_nonzeros=target_nonzeros)
+        self.dec = Decoder(self.n_source, symbol_size, window_cap)
+        self.out = np.zeros(symbol_size, dtype=np.uint8)
+        # The receiver's report after each slot, read by the sender feedback_delay slots later.
+        self.rep_prefix = np.zeros(n_slots, dtype=np.int64)
+        self.rep_deficit = np.zeros(n_slots, dtype=np.int64)
+        self.repair_sent = np.zeros(n_slots + 1, dtype=np.int64)  # cumulative repairs sent before slot t
+        self.times = np.empty(n_slots, dtype=np.int64)  # timed repair inserts (ns)
+        self.innovative = np.zeros(n_slots, dtype=np.bool_)
+        self.src_times = np.empty(n_slots, dtype=np.int64)  # timed source inserts (ns)
+        self.n_times = self.n_src_times = 0
+        self.since_repair = 0
+        self.sent_sources = self.sent_repairs = self.proactive = self.reactive = 0
+        self.slots_used = 0
+
+    def run(self) -> None:
+        for t in range(int(self.lost.shape[0])):
+            if self.dec.complete:
+                break
+            self.slots_used = t + 1
+            if self._wants_repair(self._deficit_estimate(t)):
+                self._send_repair(t)
             else:
-                since_repair += 1  # idle slot: counts towards the next proactive repair (probe)
-        p = dec.decoded_prefix
-        hi = min(p + window_cap, dec.seen_end)
-        w_unknown = hi - p - int(np.count_nonzero(dec.have[p:hi])) if hi > p else 0
-        rep_prefix[t] = p
-        rep_deficit[t] = max(0, w_unknown - dec.rank)
+                self._send_source_or_idle(t)
+            self._report(t)
 
-    have = dec.have
-    if not np.array_equal(dec.store[have], syms[have]):
-        raise AssertionError("decoder delivered corrupt symbols")
-    ts = times[:n_times].astype(np.float64) / 1e3
-    ti = ts[innovative[:n_times]]
-    ss = src_times[:n_src_times].astype(np.float64) / 1e3
-    return {
-        "decode_insert_us_mean": float(ts.mean()) if ts.size else 0.0,
-        "decode_insert_us_p99": float(np.percentile(ts, 99)) if ts.size else 0.0,
-        "decode_insert_us_median": float(np.median(ts)) if ts.size else 0.0,
-        "decode_insert_innovative_us_mean": float(ti.mean()) if ti.size else 0.0,
-        "decode_insert_innovative_us_p99": float(np.percentile(ti, 99)) if ti.size else 0.0,
-        "decode_source_us_mean": float(ss.mean()) if n_src_times else 0.0,
-        "repairs_received": float(n_times),
-        "repairs_redundant": float(dec.redundant),
-        "repairs_sent": float(sent_repairs),
-        "repairs_reactive": float(reactive),
-        "repairs_proactive": float(proactive),
-        "sources_sent": float(sent_sources),
-        "slots_used": float(slots_used),
-        "loss_rate": float(lost[:slots_used].mean()) if slots_used else 0.0,
-        "decoded_fraction": float(dec.decoded_count) / float(n_source),
-        "complete": float(dec.complete),
-        "dense": float(target_nonzeros is None),
-    }
+    def _deficit_estimate(self, t: int) -> int:
+        """Apply the ACK sent ``feedback_delay`` slots ago; the window deficit it reported minus the repairs
+        sent since."""
+        td = t - self.feedback_delay
+        if td < 0:
+            return 0
+        self.enc.on_ack(int(self.rep_prefix[td]))
+        return int(self.rep_deficit[td]) - int(self.repair_sent[t] - self.repair_sent[td + 1])
+
+    def _wants_repair(self, est: int) -> bool:
+        if self.enc.window()[1] <= 0:
+            return False
+        if est > 0:
+            self.reactive += 1
+            return True
+        if self.since_repair >= self.repair_every:
+            self.proactive += 1
+            return True
+        return False
+
+    def _send_repair(self, t: int) -> None:
+        rid = self.enc.make_repair(self.out)
+        self.since_repair = 0
+        self.sent_repairs += 1
+        self.repair_sent[t + 1] = self.repair_sent[t] + 1
+        if not self.lost[t]:
+            dec, out, clock = self.dec, self.out, time.perf_counter_ns  # locals: no lookups inside the timing
+            red0 = dec.redundant
+            t0 = clock()
+            dec.add_repair(rid, out)
+            self.times[self.n_times] = clock() - t0
+            self.innovative[self.n_times] = dec.redundant == red0
+            self.n_times += 1
+
+    def _send_source_or_idle(self, t: int) -> None:
+        enc = self.enc
+        self.repair_sent[t + 1] = self.repair_sent[t]
+        self.since_repair += 1  # an idle slot counts towards the next proactive repair (probe) too
+        if enc.next_esi < self.n_source and (
+            self.max_in_flight is None or enc.next_esi - enc.ack_prefix < self.max_in_flight
+        ):
+            esi = enc.take_source()
+            self.sent_sources += 1
+            if not self.lost[t]:
+                dec, syms, clock = self.dec, self.syms, time.perf_counter_ns
+                t0 = clock()
+                dec.add_source(esi, syms[esi])
+                self.src_times[self.n_src_times] = clock() - t0
+                self.n_src_times += 1
+
+    def _report(self, t: int) -> None:
+        """The receiver's ACK after slot ``t``: decoded prefix and the window deficit a repair can act on."""
+        dec = self.dec
+        p = dec.decoded_prefix
+        hi = min(p + self.window_cap, dec.seen_end)
+        w_unknown = hi - p - int(np.count_nonzero(dec.have[p:hi])) if hi > p else 0
+        self.rep_prefix[t] = p
+        self.rep_deficit[t] = max(0, w_unknown - dec.rank)
+
+    def result(self) -> dict[str, float]:
+        dec = self.dec
+        have = dec.have
+        if not np.array_equal(dec.store[have], self.syms[have]):
+            raise AssertionError("decoder delivered corrupt symbols")
+        ts = self.times[: self.n_times].astype(np.float64) / 1e3
+        ti = ts[self.innovative[: self.n_times]]
+        ss = self.src_times[: self.n_src_times].astype(np.float64) / 1e3
+        slots_used = self.slots_used
+        return {
+            "decode_insert_us_mean": float(ts.mean()) if ts.size else 0.0,
+            "decode_insert_us_p99": float(np.percentile(ts, 99)) if ts.size else 0.0,
+            "decode_insert_us_median": float(np.median(ts)) if ts.size else 0.0,
+            "decode_insert_innovative_us_mean": float(ti.mean()) if ti.size else 0.0,
+            "decode_insert_innovative_us_p99": float(np.percentile(ti, 99)) if ti.size else 0.0,
+            "decode_source_us_mean": float(ss.mean()) if self.n_src_times else 0.0,
+            "repairs_received": float(self.n_times),
+            "repairs_redundant": float(dec.redundant),
+            "repairs_sent": float(self.sent_repairs),
+            "repairs_reactive": float(self.reactive),
+            "repairs_proactive": float(self.proactive),
+            "sources_sent": float(self.sent_sources),
+            "slots_used": float(slots_used),
+            "loss_rate": float(self.lost[:slots_used].mean()) if slots_used else 0.0,
+            "decoded_fraction": float(dec.decoded_count) / float(self.n_source),
+            "complete": float(dec.complete),
+            "dense": float(self.dense),
+        }

@@ -2,161 +2,44 @@
 
 Three processes (two cores are not enough to run the receiver's decoder, the link emulator and the paced
 sender in one Python thread at 100 Mbit/s): a receiver daemon, the UDP relay emulating the link
-(rate, delay, Gilbert-Elliott loss) and, in this process, the sender daemon. The receiver and sender each
-load the model (in parallel). The workload is a seeded needle-QA question over real essays. The recovered
-utility is put next to `pfec sim` on the same link, deadline, scheme and context length.
+(rate, delay, Gilbert-Elliott loss) and, in this process, the sender daemon (the helper processes are in
+``processes``). The receiver and sender each load the model (in parallel). The workload is a seeded
+needle-QA question over real essays. The recovered utility is put next to `pfec sim` on the same link,
+deadline, scheme and context length.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
+from functools import partial
 from typing import Any
 
+from pfec.common.codec.fec import warm_up
+from pfec.common.model import llm
+from pfec.common.model.runtime import load_runtime
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
+from pfec.common.plan.handoff import load_profile, synthetic_identity
+from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
+from pfec.common.sched.policies import SCHEMES
+from pfec.lab.channel import parse_loss_spec
+from pfec.lab.emulator import run_event_loop
+from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
+from pfec.lab.report import format_handoff_report
+from pfec.lab.sim import SimConfig, simulate
+from pfec.lab.workloads import best_f1, contains_answer, needle_qa
+from pfec.sender.daemon import SenderDaemon
+from pfec.sender.handoffs import HandoffSpec
+from pfec.sender.kv import ContextInput
 
-DEMO_PSK = bytes(range(1, 33))  # loopback only; the daemons of a real deployment read a key file
+__all__ = ["DemoConfig", "format_demo", "run_demo"]
 
 
 def _log(message: str) -> None:
     print(f"[demo] {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- child processes
-
-
-def _serve_child(conn: Connection, role: str, kwargs: dict[str, Any]) -> None:
-    """Entry point of a spawned child: run ``role``'s coroutine on uvloop until the parent says stop."""
-    from pfec.lab.emulator import run_event_loop
-
-    children: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
-        "receiver": _receiver_child,
-        "relay": _relay_child,
-    }
-    factory = children[role]
-    raise_priority()
-    try:
-        run_event_loop(factory(conn, **kwargs))
-    except BaseException as exc:  # report, never hang the parent
-        with contextlib.suppress(Exception):
-            conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
-        raise
-
-
-def raise_priority(niceness: int = -10) -> bool:
-    """Best effort: the packet paths must not queue behind other work on a busy machine (root only)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-        return True
-    except (PermissionError, OSError):
-        return False
-
-
-async def _until_parent_says_stop(conn: Connection) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_reader(conn.fileno(), stop.set)
-    await stop.wait()
-    loop.remove_reader(conn.fileno())
-    conn.recv()
-
-
-async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = "127.0.0.1",
-                          geometry: Any = None) -> None:
-    import numpy as np
-
-    from pfec.common.codec.fec import warm_up
-    from pfec.common.plan.handoff import load_runtime
-    from pfec.receiver.daemon import ReceiverDaemon
-
-    warm_up()
-    runtime, identity = load_runtime(model, synthetic_geometry=geometry)
-    daemon = ReceiverDaemon(identity, psk, runtime=runtime)
-    await daemon.start(host, 0)
-    cpu0, thread0 = time.process_time(), time.thread_time()
-    conn.send(("ready", daemon.address))
-    await _until_parent_says_stop(conn)
-    late = np.asarray(daemon.stats.deadline_late_s, dtype=float)
-    conn.send(("stats", {
-        "process_cpu_s": time.process_time() - cpu0,
-        "loop_thread_cpu_s": time.thread_time() - thread0,
-        "datagrams_received": daemon.stats.received,
-        "bytes_received": daemon.stats.bytes_received,
-        "deadline_late_s": late.tolist(),
-        "drops": dict(daemon.endpoint.drops),
-        "codec_cpu_ns": daemon.cpu.decode_ns + daemon.cpu.feedback_ns,
-        "results": list(daemon.results),
-    }))
-    await daemon.close()
-
-
-async def _relay_child(conn: Connection, forward_to: tuple[str, int], rate_bps: float, owd_s: float,
-                       loss: str, seed: int) -> None:
-    from pfec.lab.emulator import DirectionSpec, EmulatorConfig, UdpRelay, parse_loss
-
-    config = EmulatorConfig(
-        forward=DirectionSpec(rate_bps, owd_s, parse_loss(loss)),
-        reverse=DirectionSpec(rate_bps, owd_s, None),
-        seed=seed,
-    )
-    async with UdpRelay(config, ("127.0.0.1", 0), forward_to) as relay:
-        conn.send(("ready", relay.listen_address))
-        await _until_parent_says_stop(conn)
-        conn.send(("stats", relay.stats()))
-
-
-class Child:
-    """A spawned helper process speaking a tiny protocol over a pipe: ready(address) ... stop -> stats."""
-
-    def __init__(self, role: str, **kwargs: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve_child, args=(child_conn, role, kwargs), daemon=True,
-                                   name=f"pfec-{role}")
-        self.role = role
-        self.process.start()
-
-    def wait_ready(self, timeout_s: float = 120.0) -> Any:
-        try:
-            if not self.conn.poll(timeout_s):
-                raise RuntimeError(f"the {self.role} process did not start within {timeout_s:.0f} s")
-            kind, value = self.conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"the {self.role} process exited during start-up "
-                               f"(exit code {self.process.exitcode})") from None
-        if kind != "ready":
-            raise RuntimeError(str(value))
-        return value
-
-    def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        stats: dict[str, Any] = {}
-        try:
-            self.conn.send("stop")
-            if self.conn.poll(timeout_s):
-                kind, value = self.conn.recv()
-                stats = value if kind == "stats" else {"error": value}
-        except (BrokenPipeError, EOFError, OSError):
-            stats = {"error": f"{self.role} process died"}
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        return stats
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-
-# --------------------------------------------------------------------------- the demo
 
 
 @dataclass(frozen=True)
@@ -174,9 +57,6 @@ class DemoConfig:
     model: str = "default"
 
     def __post_init__(self) -> None:
-        from pfec.common.sched.policies import SCHEMES
-        from pfec.lab.channel import parse_loss_spec
-
         if self.scheme not in SCHEMES:
             raise ValueError(f"--scheme {self.scheme!r}: choose one of {', '.join(SCHEMES)}")
         if not 0 < self.rho <= 100:
@@ -198,15 +78,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise_priority()
     if cfg.model == "default":  # convert the embedded model once here, not in two processes at once
-        from pfec.common.model import llm
-
         llm.default_model_dir()
     _log("starting the receiver (loads the model) ...")
-    receiver = Child("receiver", model=cfg.model, psk=DEMO_PSK)
+    receiver = Child("receiver", model=cfg.model, psk=LOOPBACK_PSK)
     relay: Child | None = None
     try:
-        from pfec.lab.emulator import run_event_loop
-
         result = run_event_loop(_sender_side(cfg, receiver, started))
         relay = result.pop("_relay")
     finally:
@@ -222,12 +98,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict[str, Any]:
-    from pfec.common.codec.fec import warm_up
-    from pfec.common.plan.handoff import load_runtime
-    from pfec.lab.workloads import needle_qa
-    from pfec.sender.daemon import HandoffSpec, SenderDaemon
-    from pfec.sender.kv import ContextInput
-
     loop = asyncio.get_running_loop()
     warm_up()
     _log("loading the model in the sender ...")
@@ -236,11 +106,11 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     relay = Child("relay", forward_to=tuple(rx_addr), rate_bps=cfg.rate_mbps * 1e6, owd_s=cfg.rtt_ms / 2000,
                   loss=cfg.loss, seed=cfg.seed)
     relay_addr = await loop.run_in_executor(None, relay.wait_ready)
-    tok = runtime.tokenizer
-    example = needle_qa(1, cfg.tokens, seed=cfg.seed,
-                        count_tokens=lambda text: len(tok(text, add_special_tokens=False).input_ids))[0]
-    daemon = SenderDaemon(identity, DEMO_PSK, runtime=runtime, rate_mbps=cfg.rate_mbps, owd_ms=cfg.rtt_ms / 2,
-                          scheme=cfg.scheme)
+    if runtime is None:
+        raise ValueError(f"model {cfg.model!r}: the demo needs a real model (it asks a question)")
+    example = needle_qa(1, cfg.tokens, seed=cfg.seed, count_tokens=partial(llm.count_tokens, runtime))[0]
+    daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rate_mbps,
+                          owd_ms=cfg.rtt_ms / 2, scheme=cfg.scheme)
     _log(f"ready after {time.perf_counter() - started:.1f} s; prefill + handoff over the emulated link "
          f"({cfg.rate_mbps:g} Mbit/s, RTT {cfg.rtt_ms:g} ms, loss {cfg.loss}) ...")
     spec = HandoffSpec(
@@ -252,8 +122,6 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     await handoff.done.wait()
     await daemon.close()
     report = handoff.view()
-    from pfec.lab.workloads import best_f1, contains_answer
-
     gold = list(example.answers)
     out = {
         "inputs": {**asdict(cfg), "question": example.question, "gold_answers": gold,
@@ -296,11 +164,6 @@ def _diagnostics(cfg: DemoConfig, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
-    from pfec.common.plan.handoff import load_profile, synthetic_identity
-    from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-    from pfec.lab.channel import parse_loss_spec
-    from pfec.lab.sim import SimConfig, simulate
-
     report = result["report"]
     n_tokens = report.get("n_tokens")
     if not n_tokens:
@@ -324,15 +187,13 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_demo(result: dict[str, Any]) -> str:
-    from pfec.cli.app import format_report
-
     inp = result["inputs"]
     lines = [
         f"PriorityFEC demo: needle QA ({result['report'].get('n_tokens')} context tokens), {inp['scheme']}, "
         f"rho {inp['rho']}, {inp['rate_mbps']:g} Mbit/s, RTT {inp['rtt_ms']:g} ms, loss {inp['loss']}",
         f"question: {inp['question']}  (gold: {', '.join(inp['gold_answers'])})",
         "",
-        format_report(result["report"]),
+        format_handoff_report(result["report"]),
         "",
         f"handoff answer : {result['answer']!r}  (F1 {result['answer_f1']:.2f}, "
         f"contains the gold answer: {result['answer_contains_gold']})",

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 
 from pfec.common.model import llm
 from pfec.common.plan.utility import UtilityProfile
+from pfec.lab.figures import pyplot, save_figure
 from pfec.lab.workloads import needle_qa
 
 
@@ -49,9 +51,7 @@ def scored_prompt(runtime: llm.ModelRuntime, prompt: llm.HandoffPrompt, answer_t
 def needle_prompts(runtime: llm.ModelRuntime, n: int, context_tokens: int, seed: int,
                    split: str, answer_tokens: int) -> list[ScoredPrompt]:
     """Scored needle-QA prompts over one half of the essays (``profile`` or ``eval``)."""
-    def count(text: str) -> int:
-        return len(runtime.tokenizer(text, add_special_tokens=False).input_ids)
-
+    count = partial(llm.count_tokens, runtime)
     examples = needle_qa(n, context_tokens, seed=seed, split=split, count_tokens=count)  # type: ignore[arg-type]
     out = []
     for i, ex in enumerate(examples):
@@ -178,11 +178,7 @@ def check_profile(runtime: llm.ModelRuntime, profile: UtilityProfile) -> None:
 
 def plot_profile(profile: UtilityProfile, path: str | Path) -> Path:
     """Fig. 2a/2b on our model: normalised sensitivity per layer group and per position bin (+ cells)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n_panels = 3 if profile.cell_scores is not None else 2
     fig, axes = plt.subplots(1, n_panels, figsize=(4.2 * n_panels, 3.4))
     groups = [f"{lo}-{hi - 1}" for lo, hi in profile.layer_groups]
@@ -203,8 +199,4 @@ def plot_profile(profile: UtilityProfile, path: str | Path) -> Path:
     size = f"{source.get('prompts', '?')} prompts x {source.get('context_tokens', '?')} tokens"
     fig.suptitle(f"{profile.model_id.split('/')[-1]}: KV-zeroing sensitivity, {size}", fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=150)

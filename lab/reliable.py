@@ -1,12 +1,12 @@
 """Reliable-transport baselines: the handoff over real kernel TCP and real QUIC (aioquic), emulated link.
 
-The payload is the simulator's (``common.sim.prepare``): the same fragments, block utilities, deadline and
+The payload is the simulator's (``pfec.lab.sim.prepare``): the same fragments, block utilities, deadline and
 bytes. The fragments go out as ONE in-order byte stream in utility order (best blocks first) — the best case
 for an in-order reliable stream, since whatever prefix arrives by the deadline holds the most useful blocks.
 
-* ``tcp``: a kernel TCP connection between two network namespaces joined by the TUN front end of
-  ``common.emulator`` (root only). The kernel's default congestion control is used; the sender reads the one
-  its socket actually got (``TCP_CONGESTION``). Emulated sizes are whole IP packets.
+* ``tcp``: a kernel TCP connection between two network namespaces joined by the emulator's TUN front end
+  (``emulator_netns.TunBridge``, root only). The kernel's default congestion control is used; the sender
+  reads the one its socket actually got (``TCP_CONGESTION``). Emulated sizes are whole IP packets.
 * ``quic``: an aioquic client and server on loopback through the emulator's ``UdpRelay`` (relay mode, no
   privileges), one bidirectional stream, a self-signed certificate made at run time (the client verifies it).
   aioquic's default congestion control; ``max_datagram_size`` 1400 B, the simulator's datagram size.
@@ -24,20 +24,21 @@ budget, as a real handoff would. Both endpoints run on this host and stamp event
 (shared by all network namespaces), so the receiver's byte arrivals are compared with t0 + D directly. The
 receiver stamps each read in user space, so scheduling delay of the receiver process counts against the
 transport (a conservative bias). Recovered utility = sum of U_b over blocks whose every fragment lies
-inside the in-order byte prefix received by t0 + D (utilities sum to 1, as in ``common.sim``).
+inside the in-order byte prefix received by t0 + D (utilities sum to 1, as in ``pfec.lab.sim``).
 
-Endpoints run as subprocesses (``python -m common.reliable ROLE JSON``; light imports) so that the emulator,
-sender and receiver do not share one interpreter lock; the emulator runs in the calling process on uvloop.
+The endpoints are subprocesses (``reliable_endpoints``, light imports) so that the emulator, sender and
+receiver do not share one interpreter lock; the emulator runs in the calling process on uvloop. This module
+is the driver: it prepares the payload, runs each realization through a fresh emulator, scores the
+in-order prefix and summarises the runs like ``pfec.lab.sim.report``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
-import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -45,13 +46,27 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
-if TYPE_CHECKING:
-    from pfec.lab.emulator import EmulatorConfig
-    from pfec.lab.sim import Handoff, SimConfig
+from pfec.lab.emulator import run_event_loop
+from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig
+from pfec.lab.emulator_netns import (
+    NetnsSpec,
+    TunBridge,
+    netns_available,
+    setup_namespaces,
+    teardown_namespaces,
+)
+from pfec.lab.emulator_relay import UdpRelay
+from pfec.lab.reliable_endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
+from pfec.lab.sim import Handoff, SimConfig, prepare, report
+from pfec.lab.stats import mean_ci95_fields
 
 __all__ = [
     "PROTOCOLS",
@@ -63,11 +78,7 @@ __all__ = [
 
 Proto = Literal["tcp", "quic"]
 PROTOCOLS: Final = ("tcp", "quic")
-QUIC_DATAGRAM: Final = 1400  # bytes; wire.MAX_DATAGRAM, the simulator's datagram size
 _REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-_READY_TIMEOUT_S: Final = 30.0
-_AFTER_DEADLINE_S: Final = 1.0  # how long the receiver keeps reading after the deadline (rate metering)
-_CHUNK: Final = 1 << 18
 _LINE_LIMIT: Final = 64 << 20  # the receiver's result line holds one [time, bytes] row per read
 
 
@@ -82,7 +93,7 @@ class PrefixScore:
 
 
 def score_prefix(handoff: Handoff, prefix_bytes: int) -> PrefixScore:
-    """Score an in-order prefix of the utility-ordered stream as ``common.sim`` scores decoded symbols."""
+    """Score an in-order prefix of the utility-ordered stream as ``pfec.lab.sim`` scores decoded symbols."""
     if prefix_bytes < 0:
         raise ValueError(f"prefix_bytes must be >= 0, got {prefix_bytes!r}")
     plan = handoff.plan
@@ -110,207 +121,9 @@ def bytes_by(trace: list[list[float]], instant: float) -> int:
     return got
 
 
-# --------------------------------------------------------------------------- endpoint processes
-# Each role reads its parameters from argv[2] (JSON), prints one JSON "ready" line, and one JSON result line.
-
-
-def _emit(obj: dict[str, Any]) -> None:
-    # The endpoint's CPU so far: tells a CPU-bound transport (aioquic) from a link-bound one.
-    sys.stdout.write(json.dumps({**obj, "cpu_s": time.process_time()}) + "\n")
-    sys.stdout.flush()
-
-
-def _check_prefix(buf: bytearray, n: int, payload_path: str) -> bool:
-    """The bytes received are the payload's first ``n`` bytes (the stream really carried the handoff)."""
-    with open(payload_path, "rb") as f:
-        return f.read(n) == bytes(memoryview(buf)[:n])
-
-
-def _tcp_receiver(p: dict[str, Any]) -> None:
-    total = int(p["total"])
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind((p["host"], int(p["port"])))
-    lsock.listen(1)
-    lsock.settimeout(_READY_TIMEOUT_S)
-    _emit({"ready": True, "port": lsock.getsockname()[1]})
-    conn, _ = lsock.accept()
-    accepted = time.monotonic()
-    buf = bytearray(total)
-    view = memoryview(buf)
-    trace: list[list[float]] = []
-    got = 0
-    give_up = accepted + float(p["deadline_s"]) + _AFTER_DEADLINE_S
-    conn.settimeout(0.5)
-    with contextlib.suppress(OSError):  # reset by the sender at its deadline, or idle past give_up
-        while got < total and time.monotonic() < give_up:
-            try:
-                n = conn.recv_into(view[got:], total - got)
-            except TimeoutError:
-                continue
-            if n == 0:
-                break
-            got += n
-            trace.append([time.monotonic(), got])
-    conn.close()
-    lsock.close()
-    intact = _check_prefix(buf, got, p["payload"])
-    _emit({"accepted": accepted, "trace": trace, "bytes": got, "intact": intact})
-
-
-def _tcp_sender(p: dict[str, Any]) -> None:
-    payload = Path(p["payload"]).read_bytes()
-    view = memoryview(payload)
-    deadline_s = float(p["deadline_s"])
-    _emit({"ready": True})
-    sys.stdin.readline()  # "go"
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    congestion = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
-    sent = 0
-    connected = math.nan
-    t0 = time.monotonic()
-    end = t0 + deadline_s
-    with contextlib.suppress(OSError):  # timeouts at the deadline, or the receiver gone
-        sock.settimeout(deadline_s)
-        sock.connect((p["host"], int(p["port"])))
-        connected = time.monotonic()
-        while sent < len(payload) and time.monotonic() < end:
-            sock.settimeout(max(1e-3, end - time.monotonic()))
-            sent += sock.send(view[sent : sent + _CHUNK])
-        if sent == len(payload):
-            sock.shutdown(socket.SHUT_WR)
-            sock.settimeout(max(1e-3, end - time.monotonic()))
-            sock.recv(1)  # the receiver closes once it holds everything
-    # Abort (RST): a handoff does not keep sending after its deadline.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") + bytes(4))
-    sock.close()
-    _emit({"t0": t0, "connected": connected, "sent": sent, "congestion_control": congestion})
-
-
-def _quic_configuration(is_client: bool, p: dict[str, Any]) -> Any:
-    from aioquic.quic.configuration import QuicConfiguration
-
-    cfg = QuicConfiguration(is_client=is_client, max_datagram_size=QUIC_DATAGRAM)
-    # Flow control well above the bandwidth-delay product, so only congestion control limits the stream.
-    cfg.max_data = cfg.max_stream_data = 16 << 20
-    if is_client:
-        cfg.server_name = "localhost"
-        cfg.load_verify_locations(cafile=p["cert"])
-    else:
-        cfg.load_cert_chain(p["cert"], p["key"])
-    return cfg
-
-
-# aioquic endpoints run on the stdlib loop: on uvloop (whose loop.time() is a coarser cached clock, see
-# common.emulator) a lossless direct run delivered 1.5 MB instead of 17 MB by the deadline.
-def _quic_receiver(p: dict[str, Any]) -> None:
-    asyncio.run(_quic_receiver_main(p))
-
-
-async def _quic_receiver_main(p: dict[str, Any]) -> None:
-    from aioquic.asyncio.protocol import QuicConnectionProtocol
-    from aioquic.asyncio.server import QuicServer
-    from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, StreamDataReceived
-
-    total = int(p["total"])
-    buf = bytearray(total)
-    trace: list[list[float]] = []
-    marks: dict[str, float] = {}
-    done = asyncio.Event()
-
-    class Receiver(QuicConnectionProtocol):
-        def quic_event_received(self, event: Any) -> None:
-            now = time.monotonic()
-            if isinstance(event, HandshakeCompleted):
-                marks["handshake"] = now
-            elif isinstance(event, StreamDataReceived):  # aioquic hands stream data over in order
-                got = int(trace[-1][1]) if trace else 0
-                buf[got : got + len(event.data)] = event.data
-                trace.append([now, got + len(event.data)])
-                if event.end_stream:
-                    self._quic.send_stream_data(event.stream_id, b"ok", end_stream=True)
-                    self.transmit()
-                    done.set()
-            elif isinstance(event, ConnectionTerminated):
-                done.set()
-
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    sock.bind((p["host"], int(p["port"])))
-    cfg = _quic_configuration(False, p)
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: QuicServer(configuration=cfg, create_protocol=Receiver), sock=sock
-    )
-    _emit({"ready": True, "port": sock.getsockname()[1]})
-    # The sender closes the connection at its deadline, or after our "ok" once everything arrived.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(done.wait(), _READY_TIMEOUT_S + float(p["deadline_s"]) + _AFTER_DEADLINE_S)
-    await asyncio.sleep(0.05)  # let the "ok" leave before the endpoint goes
-    transport.close()
-    got = int(trace[-1][1]) if trace else 0
-    _emit(
-        {
-            "accepted": marks.get("handshake", math.nan),
-            "trace": trace,
-            "bytes": got,
-            "intact": _check_prefix(buf, got, p["payload"]),
-        }
-    )
-
-
-def _quic_sender(p: dict[str, Any]) -> None:
-    asyncio.run(_quic_sender_main(p))
-
-
-async def _quic_sender_main(p: dict[str, Any]) -> None:
-    from aioquic.asyncio.protocol import QuicConnectionProtocol
-    from aioquic.quic.connection import QuicConnection
-
-    payload = Path(p["payload"]).read_bytes()
-    deadline_s = float(p["deadline_s"])
-    cfg = _quic_configuration(True, p)
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    sock.bind(("127.0.0.1", 0))
-    connection = QuicConnection(configuration=cfg)
-    _, protocol = await loop.create_datagram_endpoint(lambda: QuicConnectionProtocol(connection), sock=sock)
-    _emit({"ready": True})
-    await loop.run_in_executor(None, sys.stdin.readline)  # "go"
-    t0 = time.monotonic()
-    end = t0 + deadline_s
-    connected = math.nan
-    with contextlib.suppress(TimeoutError, ConnectionError):
-        protocol.connect((p["host"], int(p["port"])))
-        await asyncio.wait_for(protocol.wait_connected(), deadline_s)
-        connected = time.monotonic()
-        reader, writer = await protocol.create_stream()
-        writer.write(payload)
-        writer.write_eof()
-        await asyncio.wait_for(reader.read(), max(1e-3, end - time.monotonic()))
-    protocol.close()  # at the deadline, or once the receiver confirmed everything
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(protocol.wait_closed(), 0.2)
-    recovery = connection._loss  # aioquic's recovery state, read once: why a run was slow
-    _emit(
-        {
-            "cwnd_bytes": recovery.congestion_window,
-            "srtt_ms": recovery._rtt_smoothed * 1000,
-            "t0": t0,
-            "connected": connected,
-            "sent": len(payload),
-            "congestion_control": f"aioquic {cfg.congestion_control_algorithm}",
-        }
-    )
-
-
-_ROLES: Final[dict[str, Callable[[dict[str, Any]], None]]] = {
-    "tcp-receiver": _tcp_receiver,
-    "tcp-sender": _tcp_sender,
-    "quic-receiver": _quic_receiver,
-    "quic-sender": _quic_sender,
-}
+def len_payload(handoff: Handoff) -> int:
+    """Bytes of the stream: every fragment, padded to the symbol size."""
+    return int(handoff.plan.n_fragments * handoff.plan.symbol_size)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -348,7 +161,7 @@ class _Endpoint:
     async def start(cls, prefix: list[str], role: str, params: dict[str, Any]) -> _Endpoint:
         env = dict(os.environ, PYTHONPATH=str(_REPO_ROOT))
         proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "pfec.lab.reliable", role, json.dumps(params),
+            *prefix, sys.executable, "-m", "pfec.lab.reliable_endpoints", role, json.dumps(params),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             cwd=str(_REPO_ROOT), env=env, limit=_LINE_LIMIT,
         )  # fmt: skip
@@ -392,12 +205,12 @@ async def _exchange(
     rx = await _Endpoint.start(*receiver_cmd, params)
     tx: _Endpoint | None = None
     try:
-        ready = await rx.line(_READY_TIMEOUT_S)
+        ready = await rx.line(READY_TIMEOUT_S)
         target = await front(int(ready["port"]))
         tx = await _Endpoint.start(*sender_cmd, {**params, **target})
-        await tx.line(_READY_TIMEOUT_S)
+        await tx.line(READY_TIMEOUT_S)
         tx.go()
-        limit = deadline_s + _AFTER_DEADLINE_S + _READY_TIMEOUT_S
+        limit = deadline_s + AFTER_DEADLINE_S + READY_TIMEOUT_S
         sent = await tx.line(limit)
         received = await rx.line(limit)
         return sent, received
@@ -408,8 +221,6 @@ async def _exchange(
 
 
 def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
-    from pfec.lab.emulator import DirectionSpec, EmulatorConfig
-
     return EmulatorConfig(
         forward=DirectionSpec(config.rate_bps, config.owd_s, config.loss),
         reverse=DirectionSpec(config.rate_bps, config.owd_s, config.reverse_loss),
@@ -421,8 +232,6 @@ def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
 async def _tcp_once(
     handoff: Handoff, payload_path: str, realization: int
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from pfec.lab.emulator import NetnsSpec, TunBridge, setup_namespaces, teardown_namespaces
-
     tag = uuid.uuid4().hex[:6]
     spec = NetnsSpec(ns_a=f"pfr-a-{tag}", ns_b=f"pfr-b-{tag}")
     params = {
@@ -452,8 +261,6 @@ async def _tcp_once(
 async def _quic_once(
     handoff: Handoff, payload_path: str, realization: int, cert: tuple[str, str]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from pfec.lab.emulator import UdpRelay
-
     params = {
         "host": "127.0.0.1",
         "port": 0,
@@ -480,10 +287,6 @@ async def _quic_once(
     finally:
         for relay in relays:
             await relay.close()
-
-
-def len_payload(handoff: Handoff) -> int:
-    return int(handoff.plan.n_fragments * handoff.plan.symbol_size)
 
 
 def _summarise(
@@ -536,13 +339,6 @@ def _link_rate(trace: list[list[float]], fwd: dict[str, Any]) -> float:
 
 def _self_signed(directory: str) -> tuple[str, str]:
     """A P-256 certificate for ``localhost``, made for this run only."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
@@ -567,8 +363,6 @@ def _self_signed(directory: str) -> tuple[str, str]:
 
 def _check_protocol(protocol: str) -> Proto:
     if protocol == "tcp":
-        from pfec.lab.emulator import netns_available
-
         ok, why = netns_available()
         if not ok:
             raise OSError(f"the tcp baseline runs kernel TCP between two network namespaces: {why}")
@@ -588,9 +382,6 @@ def run_reliable(
 
     Raises ValueError for a bad protocol or count, OSError when ``tcp`` cannot create namespaces (not root).
     """
-    from pfec.lab.emulator import run_event_loop
-    from pfec.lab.sim import prepare, report
-
     proto = _check_protocol(protocol)
     if isinstance(realizations, bool) or not isinstance(realizations, int) or realizations < 1:
         raise ValueError(f"realizations must be an int >= 1, got {realizations!r}")
@@ -619,17 +410,11 @@ def run_reliable(
 
 
 def _aggregate(handoff: Handoff, proto: Proto, runs: list[ReliableRun]) -> dict[str, Any]:
-    from pfec.lab.sim import mean_ci95
-
     n_source = handoff.plan.n_fragments
-    util_mean, util_ci = mean_ci95([r.utility for r in runs])
-    sym_mean, sym_ci = mean_ci95([r.fragments / n_source for r in runs])
     completions = [r.completion_ms for r in runs if r.completion_ms is not None]
     return {
-        "recovered_utility_mean": util_mean,
-        "recovered_utility_ci95": list(util_ci),
-        "recovered_symbol_fraction_mean": sym_mean,
-        "recovered_symbol_fraction_ci95": list(sym_ci),
+        **mean_ci95_fields("recovered_utility", [r.utility for r in runs]),
+        **mean_ci95_fields("recovered_symbol_fraction", [r.fragments / n_source for r in runs]),
         "blocks_recovered_mean": float(np.mean([r.blocks for r in runs])),
         "in_order_bytes_mean": float(np.mean([r.in_order_bytes for r in runs])),
         "payload_bytes": len_payload(handoff),
@@ -654,8 +439,3 @@ def _aggregate(handoff: Handoff, proto: Proto, runs: list[ReliableRun]) -> dict[
         "runs": [r.__dict__ for r in runs],
     }
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in _ROLES:
-        sys.exit(f"usage: python -m common.reliable {{{','.join(_ROLES)}}} JSON  (endpoint of run_reliable)")
-    _ROLES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from pfec.common.model import llm
 from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.plan.utility import UtilityProfile, request_block_utilities, utility_order
+from pfec.lab.figures import pyplot, save_figure
 from pfec.lab.profiler import ScoredPrompt, check_profile, needle_prompts
 from pfec.lab.workloads import QAExample, best_f1, contains_answer, first_line, needle_qa
 
@@ -145,11 +147,7 @@ def retention_check(runtime: llm.ModelRuntime, profile: UtilityProfile,
 
 def plot_retention(result: dict[str, Any], path: str | Path) -> Path:
     """Fig. 2c on our model: agreement vs retention with 95% intervals."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points = result["points"]
     x = np.array([p["retention"] for p in points]) * 100
     fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -169,20 +167,15 @@ def plot_retention(result: dict[str, Any], path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=150)
 
 
 # --- Real handoffs ----------------------------------------------------------------------------------------
 
 
 def needle_examples(runtime: llm.ModelRuntime, n: int, context_tokens: int, seed: int) -> list[QAExample]:
-    def count(text: str) -> int:
-        return len(runtime.tokenizer(text, add_special_tokens=False).input_ids)
-
+    """``n`` needle-QA examples over the held-out (``eval``) essays, sized in the model's tokens."""
+    count = partial(llm.count_tokens, runtime)
     return needle_qa(n, context_tokens, seed=seed, split="eval", count_tokens=count)
 
 

@@ -9,20 +9,19 @@ data datagram's position in the stream (k-th SOURCE/REPAIR sent), so every schem
 pattern; control datagrams (OFFER, CLOSE) and ACKs draw from their own streams of the same seed.
 
 Deadline: D = T_ow + rho * T_ser, T_ser = S_KV / C, where S_KV is the KV cache size in bytes (paper V-A).
+The sessions are assembled by ``sender/transfer.py``, the same code the sender daemon uses, so the
+budget, slot, repair budget and OFFER parameters cannot drift apart between the simulator and a node.
 Recovered utility = sum of U_b over blocks whose every fragment was decoded by the receiver's deadline,
-divided by sum U_b (the utilities sum to 1).
+divided by sum U_b (the utilities sum to 1). The event loop in simulated time is ``lab/sim_engine.py``.
 
 Two reference schemes run outside the sessions on the same forward realization: ``arq`` (idealised
-selective-repeat retransmission, an upper bound for TCP/QUIC, common/arq_sim.py) and ``oracle`` (the
-clairvoyant bound, common/oracle.py). The oracle is computed for every realization even when not asked
+selective-repeat retransmission, an upper bound for TCP/QUIC, lab/arq_sim.py) and ``oracle`` (the
+clairvoyant bound, lab/oracle.py). The oracle is computed for every realization even when not asked
 for: every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization.
 """
 
 from __future__ import annotations
 
-import heapq
-import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,16 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.events import CpuMeter
-from pfec.common.plan.deadline import (
-    DEFAULT_RATE_MBPS,
-    DEFAULT_REPAIR_BUDGET,
-    DEFAULT_RHO,
-    DEFAULT_RTT_MS,
-    budget_seconds,
-    rho_of,
-    serialisation_s,
-    slot_seconds,
-)
+from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
 from pfec.common.plan.utility import (
     UtilityProfile,
@@ -56,21 +46,16 @@ from pfec.common.wire.frames import (
     OFFER_FIXED_SIZE,
     SOURCE_ID_SIZE,
     TAG_SIZE,
-    PacketProtector,
-    Role,
 )
 from pfec.lab.arq_sim import ARQ_NOTE, simulate_arq
 from pfec.lab.channel import LossModel, realization_rng
 from pfec.lab.oracle import DataTiming, oracle_delivered
-from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverEndpoint, ReceiverStats
+from pfec.lab.sim_engine import DeadlineScore, SimLink, SimLinks, SimRun
+from pfec.lab.stats import mean_ci95_fields
+from pfec.receiver.endpoint import ReceiverEndpoint
+from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
 from pfec.sender.repair_plan import warm_up
-from pfec.sender.session import (
-    Failed,
-    ResultReceived,
-    SenderConfig,
-    SenderSession,
-    SourceInfo,
-)
+from pfec.sender.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
 SIM_PSK = bytes(range(32))
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
@@ -133,15 +118,25 @@ class Handoff:
     plan: BlockPlan
     block_utility: npt.NDArray[np.float64]
     payload: npt.NDArray[np.uint8]  # (n_fragments, S): fragment id + pseudo-random KV bytes
-    t_ser_s: float
-    deadline_s: float
-    slot_s: float
+    budget: LinkBudget  # T_ser, deadline and slot, as the sender daemon computes them
     queues: dict[str, npt.NDArray[np.int64]] = field(default_factory=dict)
     ordered_payload: dict[str, npt.NDArray[np.uint8]] = field(default_factory=dict)
 
     @property
+    def t_ser_s(self) -> float:
+        return self.budget.t_ser_s
+
+    @property
+    def deadline_s(self) -> float:
+        return self.budget.deadline_s
+
+    @property
+    def slot_s(self) -> float:
+        return self.budget.slot_s
+
+    @property
     def rho(self) -> float:
-        return rho_of(self.deadline_s, self.config.owd_s, self.t_ser_s)
+        return self.budget.rho
 
     def queue(self, order: str) -> npt.NDArray[np.int64]:
         if order not in self.queues:
@@ -151,6 +146,11 @@ class Handoff:
             self.queues[order] = self.plan.fragment_queue(blocks)
             self.ordered_payload[order] = np.ascontiguousarray(self.payload[self.queues[order]])
         return self.queues[order]
+
+    def send_queue(self, order: str) -> SendQueue:
+        """The fragments in ``order`` (``utility`` or ``fifo``) with their symbols, as a sender sends them."""
+        queue = self.queue(order)
+        return SendQueue(self.plan, queue, self.ordered_payload[order], self.block_utility)
 
 
 def prepare(config: SimConfig) -> Handoff:
@@ -165,10 +165,8 @@ def prepare(config: SimConfig) -> Handoff:
     rng = np.random.default_rng([config.seed, 0xC0DEC])
     payload = rng.integers(0, 256, size=(plan.n_fragments, symbol), dtype=np.uint8)
     payload[:, :4] = np.arange(plan.n_fragments, dtype=">u4").view(np.uint8).reshape(-1, 4)
-    t_ser = serialisation_s(plan.kv_bytes, config.rate_bps)
-    deadline = budget_seconds(t_ser, config.owd_s, config.rho, config.deadline_ms)
-    slot = slot_seconds(symbol, config.rate_bps)
-    return Handoff(config, plan, utilities, payload, t_ser, deadline, slot)
+    budget = LinkBudget.for_plan(plan, config.rate_bps, config.owd_s, config.rho, config.deadline_ms)
+    return Handoff(config, plan, utilities, payload, budget)
 
 
 @dataclass
@@ -196,72 +194,40 @@ class RunResult:
     recovered_blocks: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
 
 
-class _Link:
-    """One direction: serialisation queue + delay + loss from a pre-drawn realization."""
-
-    def __init__(self, rate_bps: float, owd_s: float, lost: npt.NDArray[np.bool_] | None) -> None:
-        self.rate_bps = rate_bps
-        self.owd_s = owd_s
-        self.lost = lost
-        self.index = 0
-        self.free_at = 0.0
-        self.dropped = 0
-
-    def transmit(self, size: int, now: float) -> tuple[float, float | None]:
-        """Return (time the link is free again, arrival time or None when erased)."""
-        start = max(now, self.free_at)
-        self.free_at = start + size * 8 / self.rate_bps
-        lost = False
-        if self.lost is not None:
-            lost = bool(self.lost[self.index % len(self.lost)])
-            self.index += 1
-        if lost:
-            self.dropped += 1
-            return self.free_at, None
-        return self.free_at, self.free_at + self.owd_s
-
-
-_DATA_TYPES = (1, 2)  # wire type byte of SOURCE and REPAIR
+def _links(handoff: Handoff, realization: int) -> SimLinks:
+    """The three directions of one realization; each draws its losses from its own stream of the seed."""
+    cfg = handoff.config
+    max_data = int(handoff.deadline_s / handoff.slot_s) + 64
+    slot = handoff.slot_s
+    ctl_lost = cfg.loss.realize(64, slot, realization_rng(cfg.seed, realization, "control"))
+    rev_lost = (
+        cfg.reverse_loss.realize(max_data, slot, realization_rng(cfg.seed, realization, "reverse"))
+        if cfg.reverse_loss is not None
+        else None
+    )
+    return SimLinks(
+        SimLink(cfg.rate_bps, cfg.owd_s, forward_losses(handoff, realization)),
+        SimLink(cfg.rate_bps, cfg.owd_s, ctl_lost),
+        SimLink(cfg.rate_bps, cfg.owd_s, rev_lost),
+    )
 
 
 def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = True) -> RunResult:
     cfg = handoff.config
-    queue = handoff.queue(scheme.order)
-    symbols = handoff.ordered_payload[scheme.order]
-    n_source = len(queue)
-    max_data = int(handoff.deadline_s / handoff.slot_s) + 64
-    fwd_lost = forward_losses(handoff, realization)
-    ctl_lost = cfg.loss.realize(64, handoff.slot_s, realization_rng(cfg.seed, realization, "control"))
-    rev_lost = (
-        cfg.reverse_loss.realize(max_data, handoff.slot_s, realization_rng(cfg.seed, realization, "reverse"))
-        if cfg.reverse_loss is not None
-        else None
-    )
-    data_link = _Link(cfg.rate_bps, cfg.owd_s, fwd_lost)
-    ctl_link = _Link(cfg.rate_bps, cfg.owd_s, ctl_lost)  # shares data_link's timeline, see below
-    rev_link = _Link(cfg.rate_bps, cfg.owd_s, rev_lost)
-
+    send = handoff.send_queue(scheme.order)
     cpu = CpuMeter(time.perf_counter_ns)
     session_id = (cfg.seed << 32 | realization) & 0xFFFFFFFFFFFFFFFF
-    sender = SenderSession(
-        session_id,
-        SenderConfig(
-            budget_s=handoff.deadline_s,
-            slot_s=handoff.slot_s,
-            owd_s=cfg.owd_s,
-            repair_budget=round(cfg.repair_budget * n_source),
-            fingerprint=SIM_FINGERPRINT,
-            window_cap=cfg.window_cap,
-            target_nonzeros=cfg.target_nonzeros,
-            rate_bps=cfg.rate_bps,
-            result_wait_s=0.5 + 4 * cfg.owd_s,
-        ),
-        symbols,
-        scheme.make_policy(),
-        PacketProtector(SIM_PSK, session_id, Role.SENDER, symbols.shape[1], authenticate=cfg.authenticate),
-        SourceInfo(handoff.plan.fragment_block[queue], handoff.block_utility),
-        cpu,
+    setup = SenderSetup(
+        scheme=scheme,
+        repair_budget=cfg.repair_budget,
+        window_cap=cfg.window_cap,
+        fingerprint=SIM_FINGERPRINT,
+        psk=SIM_PSK,
+        result_wait_s=0.5 + 4 * cfg.owd_s,
+        target_nonzeros=cfg.target_nonzeros,
+        authenticate=cfg.authenticate,
     )
+    sender = assemble_sender(session_id, send, handoff.budget, setup, cpu)
     endpoint = ReceiverEndpoint(
         SIM_PSK,
         SIM_FINGERPRINT,
@@ -269,97 +235,45 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         authenticate=cfg.authenticate,
         cpu=cpu,
     )
-
+    run = SimRun(sender, endpoint, _links(handoff, realization),
+                 lambda event: _score(handoff, send, event, verify))
     wall0 = time.perf_counter()
-    heap: list[tuple[float, int, bool, bytes]] = []  # (time, seq, to_receiver, datagram)
-    seq = 0
-    now = 0.0
-    outcome: dict[str, Any] = {}
-    sender.start(now)
-    sender_ready = True
-    while True:
-        if sender_ready and now >= data_link.free_at:
-            datagram = sender.next_datagram(now)
-            if datagram is None:
-                sender_ready = False
-            else:
-                link = data_link if datagram[1] in _DATA_TYPES else ctl_link
-                ctl_link.free_at = data_link.free_at  # one physical link: control waits for data too
-                free_at, arrival = link.transmit(len(datagram), now)
-                data_link.free_at = ctl_link.free_at = free_at
-                if arrival is not None:
-                    heapq.heappush(heap, (arrival, seq, True, datagram))
-                    seq += 1
-                continue
-        candidates = [data_link.free_at if sender_ready else math.inf]
-        if heap:
-            candidates.append(heap[0][0])
-        for timer in (sender.get_timer(), endpoint.get_timer()):
-            if timer is not None:
-                candidates.append(timer)
-        t_next = min(candidates)
-        if t_next == math.inf:
-            break
-        now = max(now, t_next)
-        while heap and heap[0][0] <= now:
-            _t, _s, to_receiver, datagram = heapq.heappop(heap)
-            if to_receiver:
-                endpoint.receive_datagram(datagram, now)
-            else:
-                sender.receive_datagram(datagram, now)
-                sender_ready = True
-        timer = sender.get_timer()
-        if timer is not None and timer <= now:
-            sender.handle_timer(now)
-            sender_ready = True
-        timer = endpoint.get_timer()
-        if timer is not None and timer <= now:
-            endpoint.handle_timer(now)
-        while (event := endpoint.next_event()) is not None:
-            if isinstance(event, DeadlineReached):
-                outcome["deadline"] = _score(handoff, queue, symbols, event, verify)
-                session = endpoint.sessions[event.session_id]
-                session.send_result(json.dumps({"decoded": len(event.decoded_esis)}).encode(), now)
-        for _sid, datagram in endpoint.datagrams_to_send():
-            _free, arrival = rev_link.transmit(len(datagram), now)
-            if arrival is not None:
-                heapq.heappush(heap, (arrival, seq, False, datagram))
-                seq += 1
-        while (sev := sender.next_event()) is not None:
-            if isinstance(sev, Failed):
-                outcome["failure"] = sev.reason
-            elif isinstance(sev, ResultReceived):
-                outcome["result"] = sev.decoded_count
+    run.drive()
     wall = time.perf_counter() - wall0
+    return _run_result(handoff, run, send, scheme, realization, cpu, wall)
 
-    score = outcome.get("deadline")
-    if score is None and "failure" in outcome and session_id not in endpoint.sessions:
+
+def _final_score(handoff: Handoff, run: SimRun) -> tuple[DeadlineScore, str | None]:
+    """(the deadline's score, the failure to report); a handoff whose OFFER never arrived scores 0."""
+    if run.score is not None:
+        return run.score, run.failure
+    if run.failure is not None and run.sender.session_id not in run.endpoint.sessions:
         # Every copy of the OFFER was lost (a long bad spell on the control packets' channel): the receiver
         # never knew the handoff, nothing was decoded; the sender reported it. A failed handoff, utility 0.
-        score = {
-            "utility": 0.0,
-            "decoded": 0,
-            "blocks": 0,
-            "redundant": 0,
-            "complete": np.zeros(handoff.plan.n_blocks, dtype=np.bool_),
-            "stats": ReceiverStats(),
-        }
-        outcome["failure"] = f"the receiver never got the OFFER: {outcome['failure']}"
-    if score is None:
-        raise RuntimeError(f"simulation ended without the receiver's deadline ({outcome})")
-    stats = score["stats"]
+        none_decoded = np.zeros(handoff.plan.n_blocks, dtype=np.bool_)
+        return DeadlineScore(none_decoded, 0.0, 0, 0, 0, ReceiverStats()), (
+            f"the receiver never got the OFFER: {run.failure}"
+        )
+    raise RuntimeError(f"simulation ended without the receiver's deadline (failure: {run.failure})")
+
+
+def _run_result(handoff: Handoff, run: SimRun, send: SendQueue, scheme: Scheme, realization: int,
+                cpu: CpuMeter, wall_s: float) -> RunResult:
+    score, failure = _final_score(handoff, run)
+    stats = score.stats
+    sent = run.sender.datagrams_sent
     return RunResult(
         scheme=scheme.name,
         realization=realization,
-        recovered_utility=score["utility"],
-        recovered_symbol_fraction=score["decoded"] / n_source,
-        blocks_recovered=score["blocks"],
-        source_sent=sender.datagrams_sent["source"],
-        repair_sent=sender.datagrams_sent["repair"],
-        control_sent=sender.datagrams_sent["control"],
-        forward_lost=data_link.dropped,
-        decoded_symbols=score["decoded"],
-        redundant_repairs=score["redundant"],
+        recovered_utility=score.utility,
+        recovered_symbol_fraction=score.decoded / len(send.queue),
+        blocks_recovered=score.blocks,
+        source_sent=sent["source"],
+        repair_sent=sent["repair"],
+        control_sent=sent["control"],
+        forward_lost=run.links.data.dropped,
+        decoded_symbols=score.decoded,
+        redundant_repairs=score.redundant,
         stalls=stats.stalls,
         stall_time_s=stats.stall_time_s,
         late_datagrams=stats.late,
@@ -371,9 +285,9 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
             "feedback": cpu.feedback_ns,
             "policy": cpu.policy_ns,
         },
-        wall_s=wall,
-        failure=outcome.get("failure"),
-        recovered_blocks=score["complete"],
+        wall_s=wall_s,
+        failure=failure,
+        recovered_blocks=score.complete,
     )
 
 
@@ -475,63 +389,19 @@ def check_scheme_names(names: Sequence[str]) -> None:
             raise ValueError(f"unknown scheme {name!r}; choose from {known}")
 
 
-def _score(
-    handoff: Handoff,
-    queue: npt.NDArray[np.int64],
-    symbols: npt.NDArray[np.uint8],
-    event: DeadlineReached,
-    verify: bool,
-) -> dict[str, Any]:
+def _score(handoff: Handoff, send: SendQueue, event: DeadlineReached, verify: bool) -> DeadlineScore:
     decoded = event.decoded_esis
-    if verify and len(decoded) and not np.array_equal(event.store[decoded], symbols[decoded]):
+    if verify and len(decoded) and not np.array_equal(event.store[decoded], send.symbols[decoded]):
         raise AssertionError("decoder output differs from the source symbols")
-    complete = complete_blocks(handoff, queue[decoded])
-    return {
-        "complete": complete,
-        "utility": float(handoff.block_utility[complete].sum()),
-        "blocks": int(complete.sum()),
-        "decoded": len(decoded),
-        "redundant": event.stats.redundant_repairs,
-        "stats": event.stats,
-    }
-
-
-def mean_ci95(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
-    """Mean and a 95% Student-t confidence interval of the mean."""
-    arr = np.asarray(values, dtype=np.float64)
-    n = len(arr)
-    mean = float(arr.mean()) if n else math.nan
-    if n < 2:
-        return mean, (mean, mean)
-    half = _t975(n - 1) * float(arr.std(ddof=1)) / math.sqrt(n)
-    return mean, (mean - half, mean + half)
-
-
-def _t975(dof: int) -> float:
-    table = {
-        1: 12.706,
-        2: 4.303,
-        3: 3.182,
-        4: 2.776,
-        5: 2.571,
-        6: 2.447,
-        7: 2.365,
-        8: 2.306,
-        9: 2.262,
-        10: 2.228,
-        12: 2.179,
-        15: 2.131,
-        20: 2.086,
-        25: 2.060,
-        30: 2.042,
-        40: 2.021,
-        60: 2.000,
-        120: 1.980,
-    }
-    for limit in sorted(table):
-        if dof <= limit:
-            return table[limit]
-    return 1.960
+    complete = complete_blocks(handoff, send.queue[decoded])
+    return DeadlineScore(
+        complete=complete,
+        utility=float(handoff.block_utility[complete].sum()),
+        blocks=int(complete.sum()),
+        decoded=len(decoded),
+        redundant=event.stats.redundant_repairs,
+        stats=event.stats,
+    )
 
 
 def simulate(
@@ -609,18 +479,12 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         "schemes": {},
     }
     for name, results in runs.items():
-        util_mean, util_ci = mean_ci95([r.recovered_utility for r in results])
-        sym_mean, sym_ci = mean_ci95([r.recovered_symbol_fraction for r in results])
         packets = sum(r.source_sent + r.repair_sent for r in results)
         cpu_total = {k: sum(r.cpu_ns[k] for r in results) for k in ("encode", "decode", "feedback", "policy")}
-        eff_mean, eff_ci = mean_ci95(efficiencies(handoff, results))
         out["schemes"][name] = {
-            "recovered_utility_mean": util_mean,
-            "recovered_utility_ci95": list(util_ci),
-            "efficiency_mean": eff_mean,
-            "efficiency_ci95": list(eff_ci),
-            "recovered_symbol_fraction_mean": sym_mean,
-            "recovered_symbol_fraction_ci95": list(sym_ci),
+            **mean_ci95_fields("recovered_utility", [r.recovered_utility for r in results]),
+            **mean_ci95_fields("efficiency", efficiencies(handoff, results)),
+            **mean_ci95_fields("recovered_symbol_fraction", [r.recovered_symbol_fraction for r in results]),
             "source_sent_mean": float(np.mean([r.source_sent for r in results])),
             "repair_sent_mean": float(np.mean([r.repair_sent for r in results])),
             "forward_lost_mean": float(np.mean([r.forward_lost for r in results])),

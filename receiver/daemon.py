@@ -1,4 +1,5 @@
-"""Receiver daemon: a thin asyncio adapter over ``ReceiverEndpoint`` (sans-IO), plus rebuild + generation.
+"""Receiver daemon: a thin asyncio adapter over ``ReceiverEndpoint`` (sans-IO); rebuild + generation at
+each deadline run in a worker thread (``receiver/rebuild.py``).
 
 - One UDP socket (large SO_RCVBUF; SO_RCVBUFFORCE as root) feeds ``endpoint.receive_datagram``; every
   reply goes to the address the session's OFFER came from. The socket is read directly (``add_reader``
@@ -8,10 +9,13 @@
   deadline timer never waits behind a drained socket buffer.
 - One loop timer (``loop.call_at`` on the loop's monotonic clock, which is the sessions' ``now``) tracks
   ``endpoint.get_timer()``.
-- ``DeadlineReached`` files the decoded symbols by fragment id and hands them to a single worker thread
-  (rebuild the partial cache, generate); its RESULT goes back through ``session.send_result``.
+- ``DeadlineReached`` hands the decoded symbols to a single worker thread (``rebuild.reconstruct``: file
+  them by fragment id, rebuild the partial cache, generate); its RESULT goes back through
+  ``session.send_result``.
 - Results are kept (last ``RESULTS_KEPT``) for the control API; sessions are bounded by the endpoint's
   config and reaped by the endpoint (a vanished sender's session closes after its RESULT retries).
+
+The control API is ``receiver/control.py``; ``receiver/serve.py`` runs it all (``pfec receiver serve``).
 """
 
 from __future__ import annotations
@@ -23,118 +27,52 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pfec.common.events import CpuMeter
-from pfec.common.plan.handoff import (
-    ModelIdentity,
-    OfferApp,
-    ResultApp,
-    file_by_fragment,
-    load_profile,
-    pack_bits,
-    recovered_utility,
-)
-from pfec.common.wire.frames import MsgType, RefuseCode, peek_header
+from pfec.common.codec import fec
+from pfec.common.events import CpuMeter, Event
+from pfec.common.node.metrics import TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
+from pfec.common.plan.handoff import ModelIdentity, OfferApp, load_profile
+from pfec.common.plan.utility import UtilityProfile
+from pfec.common.wire.frames import MsgType, RefuseCode
+from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
+from pfec.receiver.rebuild import AtDeadline, Reconstructed, error_result, reconstruct, result_of
 from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
     ReceiverConfig,
-    ReceiverEndpoint,
     SessionClosed,
 )
-from pfec.sender.repair_plan import warm_up as transport_warm_up
+
+if TYPE_CHECKING:
+    from pfec.common.model.llm import ModelRuntime
 
 log = logging.getLogger("pfec.receiver")
 RESULTS_KEPT = 256
-_TYPE_NAMES = {int(t): t.name.lower() for t in MsgType}
-_OFFER_TYPE = int(MsgType.OFFER)
 # The sessions' clock: the loop's monotonic clock at full resolution (uvloop's loop.time() has the same
 # base but 1 ms steps; timers still fire through loop.call_at).
 clock = time.monotonic
 TIMER_EARLY_S = 0.0015
 READ_BATCH = 32  # recvmsg calls per readable event before timers get their turn (each can be a GRO batch)
-UDP_GRO = 104  # linux/udp.h; Python's socket module does not export it
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
 _RECV_SIZE = 65535
-
-
-SO_RCVBUFFORCE, SO_SNDBUFFORCE = 33, 32  # Linux; Python's socket module does not export them
-
-
-def set_buffers(sock: socket.socket, rcvbuf: int, sndbuf: int) -> None:
-    """Large socket buffers: the FORCE options as root (beyond net.core.rmem_max), else the capped ones."""
-    for force, plain, size in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf),
-                               (SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, force, size)
-        except OSError:  # EPERM without CAP_NET_ADMIN, or not Linux
-            sock.setsockopt(socket.SOL_SOCKET, plain, size)
-
-
-def open_udp_socket(host: str, port: int, rcvbuf: int, sndbuf: int) -> socket.socket:
-    """A bound, non-blocking UDP socket with big buffers."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        set_buffers(sock, rcvbuf, sndbuf)
-        sock.setblocking(False)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot bind UDP {host}:{port}: {exc.strerror}") from exc
-    return sock
 
 
 @dataclass
 class SessionInfo:
     session_id: int
-    peer: Any
+    peer: PeerAddress | None
     opened_at: float
     deadline: float
     app: OfferApp | None = None
     state: str = "receiving"
     result: dict[str, Any] | None = None
-
-
-@dataclass
-class Rebuilt:
-    """What the worker thread returns."""
-
-    answer: str | None
-    generation_ttft_s: float | None
-    rebuild_s: float | None
-    error: str | None = None
-
-
-@dataclass
-class Reconstructed:
-    complete: Any  # bool [n_blocks]: blocks whose every fragment was decoded (None after a failure)
-    utility: float | None
-    rebuilt: Rebuilt
-
-
-def reconstruct(runtime: Any, identity: ModelIdentity, app: OfferApp, profile: Any,
-                decoded_esis: Any, store: Any) -> Reconstructed:
-    """Worker thread: file the decoded symbols by fragment id, score them, rebuild the cache, generate."""
-    plan = identity.plan(app.n_tokens)
-    received = file_by_fragment(plan, decoded_esis, store)
-    utility = None
-    if profile is not None:
-        utility = recovered_utility(profile.block_utilities(plan), received.complete_blocks)
-    if not app.generate or runtime is None:
-        return Reconstructed(received.complete_blocks, utility, Rebuilt(None, None, None))
-    from pfec.common.model import llm
-
-    kv = llm.rebuild_from_symbols(runtime, plan, received.store, received.have, app.mode)
-    gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
-    return Reconstructed(received.complete_blocks, utility, Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s))
 
 
 @dataclass
@@ -152,12 +90,12 @@ class ReceiverDaemon:
         identity: ModelIdentity,
         psk: bytes,
         *,
-        runtime: Any = None,
+        runtime: ModelRuntime | None = None,
         session_config: ReceiverConfig | None = None,
         metrics: ReceiverMetrics | None = None,
         default_mode: str = "mask",
     ) -> None:
-        transport_warm_up()  # numba kernels compiled before any datagram, not mid-handoff
+        fec.warm_up()  # codec kernels compiled before any datagram, not mid-handoff
         self.identity = identity
         self.runtime = runtime  # None: synthetic KV, no generation (transport benchmarks)
         self.fingerprint = identity.fingerprint()
@@ -168,7 +106,7 @@ class ReceiverDaemon:
         self.sessions: dict[int, SessionInfo] = {}
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
         self.stats = ReceiverStatsSnapshot()
-        self._peers: dict[int, Any] = {}  # session id -> reply address (sessions and pending refusals)
+        self._peers: dict[int, PeerAddress] = {}  # session id -> reply address (also pending refusals)
         self._sock: socket.socket | None = None
         self._gro = False
         self._rx_count = [0] * 256  # datagrams and bytes per wire type byte, not yet exported
@@ -178,19 +116,15 @@ class ReceiverDaemon:
         self._timer_at: float | None = None
         self._service_pending = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfec-generate")
-        self._drops_seen: dict[str, int] = {}
-        self._jobs: set[asyncio.Future[Any]] = set()
-        self._profiles: dict[str, Any] = {}
+        self._drops = DropExporter(self.metrics)
+        self._jobs: set[asyncio.Future[Reconstructed]] = set()
+        self._profiles: dict[str, UtilityProfile | None] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> None:
         self._loop = asyncio.get_running_loop()
         sock = open_udp_socket(host, port, rcvbuf, sndbuf)
-        try:
-            sock.setsockopt(socket.IPPROTO_UDP, UDP_GRO, 1)
-            self._gro = True
-        except OSError:  # not Linux >= 5.0: one datagram per recvmsg
-            self._gro = False
+        self._gro = enable_gro(sock)  # not Linux >= 5.0: one datagram per recvmsg
         self._sock = sock
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -248,12 +182,10 @@ class ReceiverDaemon:
         now = clock()
         self.stats.received += 1
         self.stats.bytes_received += len(data)
-        endpoint = self.endpoint
-        if len(data) > 1 and data[1] == _OFFER_TYPE:
-            sid = self._session_id_of(data)
-            if sid is not None and sid not in endpoint.sessions:
-                self._peers[sid] = addr  # the OFFER's source: where this session's replies go (pruned)
-        endpoint.receive_datagram(data, now)
+        header = self.endpoint.receive_datagram(data, now)  # the one parse of the header, shared with us
+        if header is not None and header.type is MsgType.OFFER and header.session_id not in self._peers:
+            # The OFFER's source: where this session's replies go (pruned with the session).
+            self._peers[header.session_id] = addr
         if len(data) > 1:  # counted here, exported once per loop iteration (_deferred_service)
             type_byte = data[1]
             self._rx_count[type_byte] += 1
@@ -269,17 +201,10 @@ class ReceiverDaemon:
 
     def _export_received(self) -> None:
         counts, sizes = self._rx_count, self._rx_bytes
-        for type_byte, kind in _TYPE_NAMES.items():
+        for type_byte, kind in TYPE_BYTE_LABELS.items():
             if counts[type_byte]:
                 self.metrics.datagrams_received(kind, counts[type_byte], sizes[type_byte])
                 counts[type_byte] = sizes[type_byte] = 0
-
-    @staticmethod
-    def _session_id_of(data: bytes) -> int | None:
-        try:
-            return peek_header(data).session_id
-        except Exception:
-            return None
 
     def _service(self, now: float) -> None:
         """Drain events, send what the sessions queued, re-arm the timer."""
@@ -287,7 +212,7 @@ class ReceiverDaemon:
         while (event := endpoint.next_event()) is not None:
             self._on_event(event, now)
         self._flush()
-        self._export_drops()
+        self._drops.export(self.endpoint.drops)
         self._arm_timer()
 
     def _flush(self) -> None:
@@ -303,23 +228,13 @@ class ReceiverDaemon:
             except OSError:  # including a full send buffer: feedback is repeated, RESULT retried
                 self.metrics.dropped("send_failed")
                 continue
-            kind = _TYPE_NAMES.get(datagram[1])
+            kind = TYPE_BYTE_LABELS.get(datagram[1])
             if kind is not None:
                 self.metrics.datagram_sent(kind, len(datagram))
         if len(self._peers) > len(self.endpoint.sessions):
             live = self.endpoint.sessions
             for sid in [s for s in self._peers if s not in live]:
                 del self._peers[sid]
-
-    def _export_drops(self) -> None:
-        drops = self.endpoint.drops
-        if drops == self._drops_seen:
-            return
-        for reason, count in drops.items():
-            delta = count - self._drops_seen.get(reason, 0)
-            if delta:
-                self.metrics.dropped(reason, delta)
-        self._drops_seen = dict(drops)
 
     # ------------------------------------------------------------------ timers
     def _arm_timer(self) -> None:
@@ -353,7 +268,7 @@ class ReceiverDaemon:
         self._service(now)
 
     # ------------------------------------------------------------------ events
-    def _on_event(self, event: Any, now: float) -> None:
+    def _on_event(self, event: Event, now: float) -> None:
         if isinstance(event, OfferReceived):
             self._on_offer(event, now)
         elif isinstance(event, DeadlineReached):
@@ -399,15 +314,14 @@ class ReceiverDaemon:
             return
         info.state = "generating"
         app = info.app
-        base = {"late": late, "decoded": len(event.decoded_esis), "stats": stats,
-                "n_source": len(event.have)}
+        at = AtDeadline.of(event, late)
         loop = self._loop
         assert loop is not None
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
         job = loop.run_in_executor(self._executor, reconstruct, self.runtime, self.identity, app,
                                    self._profile(app.profile), event.decoded_esis, event.store)
         self._jobs.add(job)
-        job.add_done_callback(lambda fut: self._on_generated(event.session_id, base, fut))
+        job.add_done_callback(lambda fut: self._on_generated(event.session_id, at, fut))
 
     def _result_without_rebuild(self, event: DeadlineReached, late: float, error: str) -> None:
         """Answer with an error RESULT so the session still ends (RESULT, then CLOSE or retries)."""
@@ -420,13 +334,12 @@ class ReceiverDaemon:
             self.metrics.session_started()
         info = self.sessions[sid]
         info.state = "result_sent"
-        result = ResultApp(None, 0, 0, len(event.decoded_esis), len(event.have), pack_bits(np.zeros(0, bool)),
-                           None, None, late * 1000, None, self.default_mode, error=error)
+        result = error_result(AtDeadline.of(event, late), self.default_mode, error)
         info.result = {"session_id": f"{sid:016x}", "finished_at": time.time(), "error": error}
         self.results.append(info.result)
         session.send_result(result.encode(), clock())
 
-    def _profile(self, name: str) -> Any:
+    def _profile(self, name: str) -> UtilityProfile | None:
         if name not in self._profiles:
             try:
                 self._profiles[name] = load_profile(self.identity, name)
@@ -434,50 +347,25 @@ class ReceiverDaemon:
                 self._profiles[name] = None  # unknown here: the sender scores from the blocks bitmap
         return self._profiles[name]
 
-    def _on_generated(self, sid: int, base: dict[str, Any], fut: asyncio.Future[Any]) -> None:
+    def _on_generated(self, sid: int, at: AtDeadline, fut: asyncio.Future[Reconstructed]) -> None:
         self._jobs.discard(fut)
         now = clock()
         info = self.sessions.get(sid)
         try:
-            done: Reconstructed = fut.result()
+            done = fut.result()
         except Exception as exc:  # filing, rebuild or generation failed: report it, keep serving
             log.exception("session %016x: rebuild/generation failed", sid)
-            done = Reconstructed(None, None, Rebuilt(None, None, None, f"{type(exc).__name__}: {exc}"))
+            done = Reconstructed.failed(exc)
         if info is None:
             return
-        rebuilt = done.rebuilt
-        stats = base["stats"]
         if done.utility is not None:
             self.metrics.recovered_utility(done.utility)
         ttft = None
-        if rebuilt.generation_ttft_s is not None:
+        if done.rebuilt.generation_ttft_s is not None:
             # OFFER arrival -> first token: the wait for the deadline, start lateness, rebuild, forward.
-            ttft = (info.deadline + base["late"] + rebuilt.generation_ttft_s) - info.opened_at
+            ttft = (info.deadline + at.late_s + done.rebuilt.generation_ttft_s) - info.opened_at
             self.metrics.ttft(ttft)
-        complete = done.complete if done.complete is not None else np.zeros(0, dtype=bool)
-        result = ResultApp(
-            recovered_utility=done.utility,
-            blocks_recovered=int(complete.sum()),
-            n_blocks=len(complete),
-            decoded_symbols=base["decoded"],
-            n_source=base["n_source"],
-            blocks_bitmap=pack_bits(complete),
-            ttft_s=ttft,
-            generation_ttft_s=rebuilt.generation_ttft_s,
-            deadline_late_ms=base["late"] * 1000,
-            answer=rebuilt.answer,
-            mode=info.app.mode if info.app else self.default_mode,
-            rebuild_s=rebuilt.rebuild_s,
-            error=rebuilt.error,
-            stats={
-                "received": dict(stats.received),
-                "lost": stats.lost,
-                "late": stats.late,
-                "acks_sent": stats.acks_sent,
-                "stalls": stats.stalls,
-                "redundant_repairs": stats.redundant_repairs,
-            },
-        )
+        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode)
         record = {"session_id": f"{sid:016x}", "finished_at": time.time(), **result.__dict__}
         record.pop("blocks_bitmap", None)
         info.result = record
@@ -545,55 +433,3 @@ class ReceiverDaemon:
             "drops": dict(self.endpoint.drops),
             "deadline_late_ms_p99": float(np.percentile(late, 99) * 1000) if len(late) else None,
         }
-
-
-# --------------------------------------------------------------------------- `pfec receiver serve`
-
-
-async def serve(config: Any, psk: bytes, token: str | None = None,
-                ready: Callable[[ReceiverDaemon], None] | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run a receiver from a ``ReceiverDaemonConfig`` until SIGINT/SIGTERM (or ``stop``)."""
-    from pfec.common.codec.fec import warm_up
-    from pfec.common.node.control import ControlServer, receiver_routes
-    from pfec.common.plan.handoff import load_runtime
-
-    warm_up()
-    runtime, identity = await asyncio.get_running_loop().run_in_executor(
-        None, load_runtime, config.model.path, config.model.device, config.model.cache_dir
-    )
-    limits = config.limits
-    daemon = ReceiverDaemon(
-        identity, psk, runtime=runtime,
-        session_config=ReceiverConfig(max_sessions=limits.max_sessions,
-                                      max_session_bytes=limits.max_session_bytes),
-        metrics=ReceiverMetrics(), default_mode=config.reconstruction,
-    )
-    await daemon.start(config.udp.host, config.udp.port, config.udp.rcvbuf_bytes, config.udp.sndbuf_bytes)
-    control = ControlServer(receiver_routes(daemon))
-    await control.start(config.control.socket, config.control.tcp_address, token)
-    metrics_runner = None
-    if config.metrics.enabled:
-        metrics_runner = await daemon.metrics.serve(config.metrics.host, config.metrics.port)
-    log.info("receiver ready: model %s, fingerprint %s, UDP %s:%d", identity.model_id,
-             daemon.fingerprint.hex()[:16], *daemon.address)
-    if ready is not None:
-        ready(daemon)
-    try:
-        await wait_for_signal(stop)
-    finally:
-        await control.close()
-        if metrics_runner is not None:
-            await metrics_runner.cleanup()
-        await daemon.close()
-
-
-async def wait_for_signal(stop: asyncio.Event | None = None) -> None:
-    import signal
-
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

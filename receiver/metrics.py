@@ -1,10 +1,9 @@
-"""Prometheus metrics of the receiver daemon (one registry per instance; no global state).
+"""Prometheus metrics of the receiver daemon: the ``pfec_receiver_*`` series only it has (sessions,
+decoding, deadline, time to first token). The shared families, the registry and the exposition are
+``common/node/metrics.NodeMetrics``.
 
 The daemon owns one ``ReceiverMetrics`` and calls its methods from the event loop; ``exposition()`` renders
-the text format and ``serve()`` / ``aiohttp_handler()`` publish it at ``/metrics``. Label values come from
-fixed sets so a hostile peer cannot grow the series count: unknown drop reasons count as ``other``;
-unknown datagram types and outcomes are programming errors (``ValueError``). Every labelled series is
-created at zero up front, so ``rate()`` and alerts see it before the first event.
+the text format and ``serve()`` / ``aiohttp_handler()`` publish it at ``/metrics``.
 
 Deadline metrics (all in the receiver's own monotonic clock):
 
@@ -15,21 +14,12 @@ Deadline metrics (all in the receiver's own monotonic clock):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-)
-from prometheus_client.process_collector import ProcessCollector
+from prometheus_client import CollectorRegistry
 
-from pfec.common.node.metrics import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
+from pfec.common.node.metrics import DATAGRAM_TYPES, NodeMetrics, check_label
 from pfec.common.wire.frames import PARSE_REASONS
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DATAGRAM_TYPES",
@@ -43,6 +33,7 @@ __all__ = [
 #: done: RESULT delivered; refused: OFFER refused (never active); cancelled: sender's CLOSE;
 #: timeout: the sender went silent; failed: anything else (rebuild or generation error, ...).
 SESSION_OUTCOMES: Final = ("done", "refused", "cancelled", "timeout", "failed")
+_ACTIVE_OUTCOMES: Final = tuple(o for o in SESSION_OUTCOMES if o != "refused")
 #: ``"fec_" + r`` for every ``common.fec.FEC_ERROR_REASONS`` (receiver/session.py prefixes them);
 #: listed here so importing the metrics does not load the codec (a test keeps the two in step).
 FEC_DROP_REASONS: Final = (
@@ -71,11 +62,15 @@ DEADLINE_OVERRUN_THRESHOLD_S: Final = 0.005
 _LATENESS_BUCKETS: Final = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _SLACK_BUCKETS: Final = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TTFT_BUCKETS: Final = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-_UTILITY_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
-class ReceiverMetrics(MetricsEndpoint, DatagramCounters):
+class ReceiverMetrics(NodeMetrics):
     """All ``pfec_receiver_*`` series, in a registry of their own (``self.registry``)."""
+
+    ROLE = "receiver"
+    PEERS = "senders"
+    DROP_REASONS = RECEIVER_DROP_REASONS
+    UTILITY_HELP = "Recovered utility (0..1) of each session at its deadline."
 
     def __init__(
         self,
@@ -87,99 +82,37 @@ class ReceiverMetrics(MetricsEndpoint, DatagramCounters):
         if not overrun_threshold_s >= 0:
             raise ValueError(f"overrun_threshold_s must be >= 0 seconds, got {overrun_threshold_s!r}")
         self.overrun_threshold_s = overrun_threshold_s
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        if process_metrics:
-            ProcessCollector(registry=r)
-        self._received = Counter(
-            "pfec_receiver_datagrams_received", "Datagrams received, by message type.", ["type"], registry=r
+        super().__init__(registry, process_metrics=process_metrics)
+        self._stalls = self.counter(
+            "decoder_stalls", "Times the decoded prefix was blocked by a missing symbol."
         )
-        self._bytes_received = Counter(
-            "pfec_receiver_bytes_received", "UDP payload bytes received (before parsing).", registry=r
-        )
-        self._sent = Counter(
-            "pfec_receiver_datagrams_sent",
-            "Datagrams sent to senders, by message type.",
-            ["type"],
-            registry=r,
-        )
-        self._bytes_sent = Counter("pfec_receiver_bytes_sent", "UDP payload bytes sent.", registry=r)
-        self._dropped = Counter(
-            "pfec_receiver_datagrams_dropped",
-            "Datagrams dropped (parse, authentication, replay, codec, session state), by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self._stalls = Counter(
-            "pfec_receiver_decoder_stalls",
-            "Times the decoded prefix was blocked by a missing symbol.",
-            registry=r,
-        )
-        self._stall_seconds = Counter(
-            "pfec_receiver_decoder_stall_seconds", "Time the decoded prefix spent blocked.", registry=r
-        )
-        self._overruns = Counter(
-            "pfec_receiver_deadline_overruns",
+        self._stall_seconds = self.counter("decoder_stall_seconds", "Time the decoded prefix spent blocked.")
+        self._overruns = self.counter(
+            "deadline_overruns",
             "Generations that started more than the overrun threshold after their deadline.",
-            registry=r,
         )
-        self._lateness = Histogram(
-            "pfec_receiver_deadline_lateness_seconds",
+        self._lateness = self.histogram(
+            "deadline_lateness_seconds",
             "Generation start minus deadline (0 when on time).",
-            buckets=_LATENESS_BUCKETS,
-            registry=r,
+            _LATENESS_BUCKETS,
         )
-        self._slack = Histogram(
-            "pfec_receiver_deadline_slack_seconds",
+        self._slack = self.histogram(
+            "deadline_slack_seconds",
             "Deadline minus the time the last useful symbol was decoded.",
-            buckets=_SLACK_BUCKETS,
-            registry=r,
+            _SLACK_BUCKETS,
         )
-        self._ttft = Histogram(
-            "pfec_receiver_ttft_seconds",
+        self._ttft = self.histogram(
+            "ttft_seconds",
             "Time to first token: from the OFFER's arrival to the first generated token.",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
         )
-        self._utility = Histogram(
-            "pfec_receiver_recovered_utility",
-            "Recovered utility (0..1) of each session at its deadline.",
-            buckets=_UTILITY_BUCKETS,
-            registry=r,
+        self._active = self.gauge("sessions_active", "Sessions accepted and not yet closed.")
+        self._sessions = self.counter("sessions", "Sessions ended (or refused), by outcome.", ["outcome"])
+        self._decoded = self.counter("decoded_symbols", "Source symbols recovered (received or decoded).")
+        self._redundant = self.counter(
+            "repairs_redundant", "Repair symbols that arrived when their window was already decoded."
         )
-        self._active = Gauge(
-            "pfec_receiver_sessions_active", "Sessions accepted and not yet closed.", registry=r
-        )
-        self._sessions = Counter(
-            "pfec_receiver_sessions", "Sessions ended (or refused), by outcome.", ["outcome"], registry=r
-        )
-        self._decoded = Counter(
-            "pfec_receiver_decoded_symbols", "Source symbols recovered (received or decoded).", registry=r
-        )
-        self._redundant = Counter(
-            "pfec_receiver_repairs_redundant",
-            "Repair symbols that arrived when their window was already decoded.",
-            registry=r,
-        )
-        # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
-        self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
-        self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
-        for reason in RECEIVER_DROP_REASONS:
-            self._dropped.labels(reason)
-        for outcome in SESSION_OUTCOMES:
-            self._sessions.labels(outcome)
-
-    # ------------------------------------------------------------------ datagrams
-
-    def dropped(self, reason: str, count: int = 1) -> None:
-        """Count ``count`` dropped datagrams; reasons outside ``RECEIVER_DROP_REASONS`` count as ``other``."""
-        self._dropped.labels(reason if reason in RECEIVER_DROP_REASONS else "other").inc(count)
-
-    def drops(self, counts: dict[str, int]) -> None:
-        """Add a session's/endpoint's ``drops`` dict (reason -> count) at once."""
-        for reason, n in counts.items():
-            if n:
-                self.dropped(reason, n)
+        self.precreate(self._sessions, SESSION_OUTCOMES)
 
     # ------------------------------------------------------------------ decoding
 
@@ -212,9 +145,6 @@ class ReceiverMetrics(MetricsEndpoint, DatagramCounters):
     def ttft(self, seconds: float) -> None:
         self._ttft.observe(max(0.0, seconds))
 
-    def recovered_utility(self, utility: float) -> None:
-        self._utility.observe(min(1.0, max(0.0, utility)))
-
     # ------------------------------------------------------------------ sessions
 
     def session_started(self) -> None:
@@ -222,10 +152,7 @@ class ReceiverMetrics(MetricsEndpoint, DatagramCounters):
 
     def session_finished(self, outcome: str) -> None:
         """A session begun with ``session_started`` ended (outcome other than ``refused``)."""
-        if outcome not in SESSION_OUTCOMES or outcome == "refused":
-            allowed = ", ".join(o for o in SESSION_OUTCOMES if o != "refused")
-            raise ValueError(f"unknown session outcome {outcome!r}; expected one of {allowed}")
-        self._sessions.labels(outcome).inc()
+        self._sessions.labels(check_label(outcome, _ACTIVE_OUTCOMES, "session outcome")).inc()
         self._active.dec()
 
     def session_refused(self) -> None:

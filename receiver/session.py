@@ -1,8 +1,11 @@
-"""Receiver side, sans-IO: one ``ReceiverSession`` per handoff and a ``ReceiverEndpoint`` that keys them.
+"""Receiver side of one handoff, sans-IO: ``ReceiverSession``, its config, stats and events.
+
+:mod:`pfec.receiver.endpoint` keys the sessions of one receiver, opens them from OFFERs and feeds
+them the datagrams it has parsed and opened.
 
 Theory of operation
 -------------------
-Session states: RECEIVING -> DECODING_CLOSED (deadline passed) -> RESULT_SENT -> CLOSED.
+Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED.
 
 - A session exists once an authenticated OFFER arrives; its deadline is ``arrival + budget`` in the
   receiver's own clock (the OFFER carries a time budget, never a timestamp). Data that arrives before its
@@ -18,8 +21,7 @@ Session states: RECEIVING -> DECODING_CLOSED (deadline passed) -> RESULT_SENT ->
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import Decoder, FecError
-from pfec.common.events import CpuMeter, DatagramDropped, Event
+from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.wire.frames import (
     MAX_HOLE_BITS,
     Accept,
@@ -36,18 +38,15 @@ from pfec.common.wire.frames import (
     Message,
     MsgType,
     Offer,
-    PacketProtector,
-    ParseError,
     Refuse,
     RefuseCode,
     Repair,
     Result,
-    Role,
     Source,
     clip_text,
     max_app_chunk,
-    peek_header,
 )
+from pfec.common.wire.seal import PacketProtector
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +85,14 @@ class ReceiverState(Enum):
 
 # Events.
 @dataclass(frozen=True, slots=True)
-class OfferReceived:
+class OfferReceived(Event):
     session_id: int
     offer: Offer
     app_blob: bytes
 
 
 @dataclass(frozen=True, slots=True)
-class DeadlineReached:
+class DeadlineReached(Event):
     session_id: int
     decoded_esis: npt.NDArray[np.int64]  # every decoded source symbol
     store: npt.NDArray[np.uint8]  # (N, S) decoded symbols by ESI (rows not in decoded_esis are garbage)
@@ -102,9 +101,12 @@ class DeadlineReached:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionClosed:
+class SessionClosed(Event):
     session_id: int
     reason: str
+
+
+ReceiverEvent = OfferReceived | DeadlineReached | SessionClosed | DatagramDropped
 
 
 @dataclass(slots=True)
@@ -123,6 +125,9 @@ class ReceiverStats:
 
 
 class ReceiverSession:
+    """The receiving end of one handoff: the decoder, ACKs, the deadline and the RESULT (see the module
+    doc). Built by the endpoint from an authenticated OFFER, with that OFFER's protector."""
+
     def __init__(
         self,
         session_id: int,
@@ -147,7 +152,7 @@ class ReceiverSession:
         self.decoder.store.fill(0)
         self.stats = ReceiverStats(deadline_at=self.deadline)
         self._outbox: deque[bytes] = deque()
-        self._events: deque[Event] = deque()
+        self._events: deque[ReceiverEvent] = deque()
         self._app_parts: dict[int, bytes] = {}
         self._app_part_count = offer.part_count
         self._offer_complete = False
@@ -207,17 +212,14 @@ class ReceiverSession:
         self._outbox.clear()
         return out
 
-    def next_event(self) -> Event | None:
+    def next_event(self) -> ReceiverEvent | None:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
         if self.state is ReceiverState.CLOSED:
             return None
-        timer = self.deadline if self.state is ReceiverState.RECEIVING else None
-        for t in (self._ack_timer, self._result_timer):
-            if t is not None and (timer is None or t < timer):
-                timer = t
-        return timer
+        deadline = self.deadline if self.state is ReceiverState.RECEIVING else None
+        return earliest(deadline, self._ack_timer, self._result_timer)
 
     def handle_timer(self, now: float) -> None:
         if self.state is ReceiverState.RECEIVING and now >= self.deadline:
@@ -366,177 +368,3 @@ class ReceiverSession:
 
     def _drop(self, reason: str) -> None:
         self._events.append(DatagramDropped(reason))
-
-
-Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
-
-
-class ReceiverEndpoint:
-    """All sessions of one receiver: dispatch by session id, admission, early data, bounded memory."""
-
-    def __init__(
-        self,
-        psk: bytes,
-        fingerprint: bytes,
-        config: ReceiverConfig | None = None,
-        admit: Admission | None = None,
-        authenticate: bool = True,
-        cpu: CpuMeter | None = None,
-    ) -> None:
-        self.psk = psk
-        self.fingerprint = fingerprint
-        self.config = config or ReceiverConfig()
-        self.admit = admit
-        self.authenticate = authenticate
-        self.cpu = cpu
-        self.sessions: dict[int, ReceiverSession] = {}
-        self.drops: dict[str, int] = {}
-        self._pending: OrderedDict[int, list[bytes]] = OrderedDict()
-        self._closed: OrderedDict[int, None] = OrderedDict()
-        self._events: deque[Event] = deque()
-        self._refusals: list[tuple[int, bytes]] = []  # REFUSEs for sessions that never existed
-
-    def receive_datagram(self, data: bytes, now: float) -> None:
-        try:
-            header = peek_header(data)
-        except ParseError as exc:
-            self._drop(exc.reason)
-            return
-        sid = header.session_id
-        session = self.sessions.get(sid)
-        if session is not None:
-            self._deliver(session, data, now)
-        elif sid in self._closed:
-            self._drop("closed_session")
-        elif header.type == MsgType.OFFER:
-            self._open_session(sid, data, now)
-        else:
-            self._buffer_early(sid, data)
-
-    def datagrams_to_send(self) -> list[tuple[int, bytes]]:
-        out = self._refusals
-        self._refusals = []
-        closed = False
-        for sid, session in self.sessions.items():
-            if session.has_output:
-                out.extend((sid, d) for d in session.datagrams_to_send())
-            closed |= session.closed
-        if closed:
-            self._reap()
-        return out
-
-    def next_event(self) -> Event | None:
-        if not self._events:
-            for session in self.sessions.values():
-                while (event := session.next_event()) is not None:
-                    if isinstance(event, DatagramDropped):
-                        self._drop(event.reason)
-                    else:
-                        self._events.append(event)
-        return self._events.popleft() if self._events else None
-
-    def get_timer(self) -> float | None:
-        timer: float | None = None
-        for session in self.sessions.values():
-            t = session.get_timer()
-            if t is not None and (timer is None or t < timer):
-                timer = t
-        return timer
-
-    def handle_timer(self, now: float) -> None:
-        for session in self.sessions.values():
-            timer = session.get_timer()
-            if timer is not None and now >= timer:
-                session.handle_timer(now)
-
-    # ------------------------------------------------------------------ internals
-    def _deliver(self, session: ReceiverSession, data: bytes, now: float) -> None:
-        try:
-            header, message = session.protector.open(data)
-        except ParseError as exc:
-            self._drop(exc.reason)
-            return
-        session.handle_message(header.packet_number, message, now)
-
-    def _open_session(self, sid: int, data: bytes, now: float) -> None:
-        try:
-            # OFFER bodies do not depend on the symbol size, which only the OFFER tells: open it once
-            # to learn it, then again with the session's real protector (fresh replay window).
-            _header, offer = PacketProtector(
-                self.psk, sid, Role.RECEIVER, 1, authenticate=self.authenticate
-            ).open(data)
-            if not isinstance(offer, Offer):
-                raise ParseError("bad_type")
-            protector = PacketProtector(
-                self.psk, sid, Role.RECEIVER, offer.symbol_size, authenticate=self.authenticate
-            )
-            header, _ = protector.open(data)
-        except ParseError as exc:
-            self._drop(exc.reason)
-            return
-        refusal = self._check_offer(sid, offer)
-        if refusal is not None:
-            self._refuse(protector, sid, *refusal)
-            return
-        session = ReceiverSession(sid, protector, offer, header.packet_number, now, self.config, self.cpu)
-        self.sessions[sid] = session
-        for early in self._pending.pop(sid, []):
-            self._deliver(session, early, now)
-
-    def _check_offer(self, sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
-        if offer.fingerprint != self.fingerprint:
-            return (
-                RefuseCode.FINGERPRINT_MISMATCH,
-                f"sender model fingerprint {offer.fingerprint.hex()[:16]} differs from this receiver's "
-                f"{self.fingerprint.hex()[:16]}: both nodes must serve the same model and KV layout",
-            )
-        if len(self.sessions) >= self.config.max_sessions:
-            return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
-        need = offer.n_source * offer.symbol_size
-        if need > self.config.max_session_bytes:
-            return (
-                RefuseCode.OVERLOADED,
-                f"handoff needs {need} bytes, above this receiver's max_session_bytes "
-                f"{self.config.max_session_bytes}",
-            )
-        if offer.n_source == 0 or offer.window_cap == 0 or offer.window_cap > 4095:
-            return (
-                RefuseCode.BAD_PARAMETERS,
-                f"n_source {offer.n_source} and window_cap {offer.window_cap} must be positive, "
-                "window_cap <= 4095",
-            )
-        if self.admit is not None:
-            return self.admit(sid, offer)
-        return None
-
-    def _refuse(self, protector: PacketProtector, sid: int, code: RefuseCode, text: str) -> None:
-        self._remember_closed(sid)
-        self._pending.pop(sid, None)
-        self._events.append(SessionClosed(sid, f"refused: {text}"))
-        self._refusals.append((sid, protector.seal(Refuse(code, clip_text(text)))))
-
-    def _buffer_early(self, sid: int, data: bytes) -> None:
-        cfg = self.config
-        queue = self._pending.get(sid)
-        if queue is None:
-            if len(self._pending) >= cfg.pending_sessions:
-                _old, dropped = self._pending.popitem(last=False)
-                self._drop("early_evicted", len(dropped))
-            queue = self._pending[sid] = []
-        if len(queue) >= cfg.pending_datagrams:
-            self._drop("early_overflow")
-            return
-        queue.append(bytes(data))
-
-    def _reap(self) -> None:
-        for sid in [sid for sid, s in self.sessions.items() if s.closed]:
-            del self.sessions[sid]
-            self._remember_closed(sid)
-
-    def _remember_closed(self, sid: int) -> None:
-        self._closed[sid] = None
-        while len(self._closed) > self.config.closed_memory:
-            self._closed.popitem(last=False)
-
-    def _drop(self, reason: str, count: int = 1) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + count

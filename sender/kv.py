@@ -1,7 +1,7 @@
 """What the sender ships: prefill -> block plan -> utility order -> symbols (runs in a worker thread).
 
-``prepare_model`` uses the model runtime (``common.llm``, imported lazily so the transport never loads
-torch); ``prepare_synthetic`` fills the same plan with random bytes (transport benchmarks, tests).
+``prepare_model`` uses the model runtime (``common/model/llm.py``, imported lazily so the transport never
+loads torch); ``prepare_synthetic`` fills the same plan with random bytes (transport benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,6 +17,9 @@ import numpy.typing as npt
 from pfec.common.plan.handoff import ModelIdentity, load_profile
 from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.plan.utility import fifo_order, utility_order
+
+if TYPE_CHECKING:
+    from pfec.common.model.llm import ModelRuntime
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Prepared:
     question_ids: tuple[int, ...]
     prefill_s: float
     profile: str
-    cache: Any = None  # the intact cache (kept only when the full-KV answer is wanted)
+    cache: Any = None  # the intact DynamicCache (kept only for the full-KV answer; a torch type)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -49,11 +52,11 @@ def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> n
     return plan.fragment_queue(blocks)
 
 
-def prompt_ids(runtime: Any, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(context ids, question ids): given directly, or rendered with the model's chat template."""
     if inp.context_ids is not None and inp.question_ids is not None:
         return tuple(inp.context_ids), tuple(inp.question_ids)
-    from pfec.common.model import llm
+    from pfec.common.model import llm  # deferred: torch
 
     if inp.context is None or inp.question is None:
         raise ValueError("give context and question as text, or context_ids and question_ids")
@@ -65,10 +68,10 @@ def prompt_ids(runtime: Any, inp: ContextInput) -> tuple[tuple[int, ...], tuple[
 
 
 def prepare_model(
-    runtime: Any, identity: ModelIdentity, inp: ContextInput, order: str, profile: str, keep_cache: bool,
-    max_new_tokens: int = 24,
+    runtime: ModelRuntime, identity: ModelIdentity, inp: ContextInput, order: str, profile: str,
+    keep_cache: bool, max_new_tokens: int = 24,
 ) -> Prepared:
-    from pfec.common.model import llm
+    from pfec.common.model import llm  # deferred: torch
 
     context_ids, question_ids = prompt_ids(runtime, inp)
     llm.check_length(runtime, len(context_ids), len(question_ids) + max_new_tokens)
@@ -96,9 +99,9 @@ def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profil
     return Prepared(plan, utilities, queue, symbols, tuple(question_ids), 0.0, profile)
 
 
-def full_kv_answer(runtime: Any, prepared: Prepared, max_new_tokens: int) -> str:
+def full_kv_answer(runtime: ModelRuntime, prepared: Prepared, max_new_tokens: int) -> str:
     """The sender's own answer from its intact cache (the reference the handoff is compared with)."""
-    from pfec.common.model import llm
+    from pfec.common.model import llm  # deferred: torch
 
     if prepared.cache is None:
         raise ValueError("the intact cache was not kept for this handoff")

@@ -1,31 +1,21 @@
-"""Prometheus metrics of the sender daemon (one registry per instance; no global state).
+"""Prometheus metrics of the sender daemon: the ``pfec_sender_*`` series only it has (handoffs, prefill,
+scheduler decisions, repairs). The shared families, the registry and the exposition are
+``common/node/metrics.NodeMetrics``.
 
 The daemon owns one ``SenderMetrics`` and calls its methods from the event loop; ``exposition()`` renders
-the text format and ``serve()`` / ``aiohttp_handler()`` publish it at ``/metrics``. Label values come from
-fixed sets (below) so a hostile peer cannot grow the series count: unknown drop reasons are counted as
-``other``, unknown datagram types and outcomes are programming errors (``ValueError``).
-Every labelled series is created at zero up front, so ``rate()`` and alerts see it before the first event.
+the text format and ``serve()`` / ``aiohttp_handler()`` publish it at ``/metrics``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-)
-from prometheus_client.process_collector import ProcessCollector
+from prometheus_client import CollectorRegistry
 
-from pfec.common.node.metrics import DATAGRAM_TYPES, DatagramCounters, MetricsEndpoint
+from pfec.common.node.metrics import DATAGRAM_TYPES, NodeMetrics, check_label
 from pfec.common.wire.frames import PARSE_REASONS
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DATAGRAM_TYPES",
@@ -46,106 +36,50 @@ SENDER_DROP_REASONS: Final = (
 )
 
 _DECISION_BUCKETS: Final = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3)
-_UTILITY_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 _HANDOFF_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _PREFILL_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
-def _check_in(value: str, allowed: Iterable[str], what: str) -> str:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
-    return value
-
-
-class SenderMetrics(MetricsEndpoint, DatagramCounters):
+class SenderMetrics(NodeMetrics):
     """All ``pfec_sender_*`` series, in a registry of their own (``self.registry``)."""
 
+    ROLE = "sender"
+    PEERS = "receivers"
+    DROP_REASONS = SENDER_DROP_REASONS
+    UTILITY_HELP = "Recovered utility (0..1) reported in each handoff's RESULT."
+
     def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        if process_metrics:
-            ProcessCollector(registry=r)  # process_cpu_seconds_total, RSS, open fds
-        self._sent = Counter(
-            "pfec_sender_datagrams_sent", "Datagrams sent, by message type.", ["type"], registry=r
-        )
-        self._bytes_sent = Counter(
-            "pfec_sender_bytes_sent", "UDP payload bytes sent (sealed datagrams).", registry=r
-        )
-        self._received = Counter(
-            "pfec_sender_datagrams_received",
-            "Datagrams received from receivers, by type.",
-            ["type"],
-            registry=r,
-        )
-        self._bytes_received = Counter(
-            "pfec_sender_bytes_received", "UDP payload bytes received.", registry=r
-        )
-        self._dropped = Counter(
-            "pfec_sender_datagrams_dropped",
-            "Received datagrams dropped (parse, authentication, replay, session state) and failed sends.",
-            ["reason"],
-            registry=r,
-        )
-        self._repairs = Counter("pfec_sender_repairs", "Repair symbols generated and sent.", registry=r)
-        self._handoffs = Counter(
-            "pfec_sender_handoffs", "Finished handoffs, by outcome.", ["outcome"], registry=r
-        )
-        self._handoff_duration = Histogram(
-            "pfec_sender_handoff_duration_seconds",
+        super().__init__(registry, process_metrics=process_metrics)
+        self._repairs = self.counter("repairs", "Repair symbols generated and sent.")
+        self._handoffs = self.counter("handoffs", "Finished handoffs, by outcome.", ["outcome"])
+        self._handoff_duration = self.histogram(
+            "handoff_duration_seconds",
             "From the control request to the handoff's end (RESULT, refusal, failure or cancel).",
-            buckets=_HANDOFF_BUCKETS,
-            registry=r,
+            _HANDOFF_BUCKETS,
         )
-        self._decision = Histogram(
-            "pfec_sender_scheduler_decision_seconds",
+        self._decision = self.histogram(
+            "scheduler_decision_seconds",
             "CPU time of one scheduler decision (view refresh + masks + policy).",
-            buckets=_DECISION_BUCKETS,
-            registry=r,
+            _DECISION_BUCKETS,
         )
-        self._utility = Histogram(
-            "pfec_sender_recovered_utility",
-            "Recovered utility (0..1) reported in each handoff's RESULT.",
-            buckets=_UTILITY_BUCKETS,
-            registry=r,
+        self._active = self.gauge("active_handoffs", "Handoffs in progress.")
+        self._prefill = self.histogram("prefill_seconds", "Model prefill time per handoff.", _PREFILL_BUCKETS)
+        self._window = self.gauge(
+            "window_symbols", "Coding window (un-ACKed source symbols) at the latest decision."
         )
-        self._active = Gauge("pfec_sender_active_handoffs", "Handoffs in progress.", registry=r)
-        self._prefill = Histogram(
-            "pfec_sender_prefill_seconds",
-            "Model prefill time per handoff.",
-            buckets=_PREFILL_BUCKETS,
-            registry=r,
+        self._deficit = self.gauge(
+            "deficit_symbols", "Estimated repair deficit (symbols) at the latest decision."
         )
-        self._window = Gauge(
-            "pfec_sender_window_symbols",
-            "Coding window (un-ACKed source symbols) at the latest decision.",
-            registry=r,
-        )
-        self._deficit = Gauge(
-            "pfec_sender_deficit_symbols",
-            "Estimated repair deficit (symbols) at the latest decision.",
-            registry=r,
-        )
-        # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
-        self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
-        self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
-        for reason in SENDER_DROP_REASONS:
-            self._dropped.labels(reason)
-        for outcome in HANDOFF_OUTCOMES:
-            self._handoffs.labels(outcome)
+        self.precreate(self._handoffs, HANDOFF_OUTCOMES)
 
     # ------------------------------------------------------------------ datagrams
 
     def datagrams_sent(self, kind: str | enum.Enum, count: int, nbytes: int) -> str:
-        """As DatagramCounters; REPAIRs also count in repairs_total."""
+        """As ``NodeMetrics``; REPAIRs also count in repairs_total."""
         label = super().datagrams_sent(kind, count, nbytes)
         if label == "repair":
             self._repairs.inc(count)
         return label
-
-    def dropped(self, reason: str, count: int = 1) -> None:
-        """Count ``count`` dropped datagrams; reasons outside ``SENDER_DROP_REASONS`` count as ``other``."""
-        self._dropped.labels(reason if reason in SENDER_DROP_REASONS else "other").inc(count)
 
     # ------------------------------------------------------------------ handoffs
 
@@ -156,11 +90,11 @@ class SenderMetrics(MetricsEndpoint, DatagramCounters):
         self, outcome: str, duration_s: float, recovered_utility: float | None = None
     ) -> None:
         """End of a handoff begun with ``handoff_started``; ``recovered_utility`` from its RESULT, if any."""
-        self._handoffs.labels(_check_in(outcome, HANDOFF_OUTCOMES, "handoff outcome")).inc()
+        self._handoffs.labels(check_label(outcome, HANDOFF_OUTCOMES, "handoff outcome")).inc()
         self._active.dec()
         self._handoff_duration.observe(max(0.0, duration_s))
         if recovered_utility is not None:
-            self._utility.observe(min(1.0, max(0.0, recovered_utility)))
+            self.recovered_utility(recovered_utility)
 
     def prefill_done(self, seconds: float) -> None:
         self._prefill.observe(max(0.0, seconds))

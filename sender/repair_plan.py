@@ -23,12 +23,11 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec import fec
-from pfec.common.codec.gf256 import entry_point
+from pfec.common.codec.gf256 import entry_point, njit_cached
 from pfec.common.wire.frames import MAX_HOLE_BITS
 
 # Expected nonzero coefficients on the holes of a region: ln(holes) + REPAIR_HITS_MARGIN. Sparser repairs
@@ -57,7 +56,7 @@ class Plan(NamedTuple):
     effectiveness: float  # P(the next repair has a nonzero coefficient on a reported hole)
 
 
-@numba.njit(cache=True)
+@njit_cached
 def _density(nss: int, target: int) -> int:
     # fec.density_for, compiled: clamp(ceil(16 * target / nss) - 1, 0, 15)
     if target <= 0:
@@ -66,7 +65,7 @@ def _density(nss: int, target: int) -> int:
     return max(0, min(_MAX_DT, dt))
 
 
-@numba.njit(cache=True)
+@njit_cached
 def _dt_for(count: int, holes: int, target: int, fixed_dt: int) -> int:
     """DT for a repair over ``count`` symbols aimed at ``holes`` of them (target < 0: dense)."""
     if fixed_dt >= 0:
@@ -79,7 +78,7 @@ def _dt_for(count: int, holes: int, target: int, fixed_dt: int) -> int:
     return _density(max(1, count), wanted)
 
 
-@numba.njit(cache=True)
+@njit_cached
 def _group_holes(
     packed: npt.NDArray[np.uint8],
     bits: int,
@@ -137,7 +136,7 @@ def _group_holes(
     return n_holes, n, unassigned
 
 
-@numba.njit(cache=True)
+@njit_cached
 def _plan(
     reg_i: npt.NDArray[np.int64],
     reg_f: npt.NDArray[np.float64],
@@ -186,7 +185,7 @@ def _plan(
     return best, first, count, dt, need_total, effectiveness
 
 
-@numba.njit(cache=True)
+@njit_cached
 def count_upto(sorted_values: npt.NDArray[np.int64], n: int, value: int) -> int:
     """How many of ``sorted_values[:n]`` are <= ``value`` (binary search)."""
     lo, hi = 0, n

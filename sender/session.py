@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder
-from pfec.common.events import CpuMeter, DatagramDropped, Event
+from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.frames import (
@@ -42,14 +42,13 @@ from pfec.common.wire.frames import (
     Message,
     MsgType,
     Offer,
-    PacketProtector,
     ParseError,
     Refuse,
-    Repair,
     Result,
     clip_text,
     max_app_chunk,
 )
+from pfec.common.wire.seal import PacketProtector
 from pfec.sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
@@ -93,24 +92,24 @@ class SenderState(Enum):
 
 # Events the sender emits.
 @dataclass(frozen=True, slots=True)
-class Accepted:
+class Accepted(Event):
     window_cap: int
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class Refused(Event):
     code: int
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
-class ResultReceived:
+class ResultReceived(Event):
     decoded_count: int
     app_blob: bytes
 
 
 @dataclass(frozen=True, slots=True)
-class SendingStopped:
+class SendingStopped(Event):
     """No transmission slot is left before the deadline."""
 
     sources_sent: int
@@ -118,8 +117,11 @@ class SendingStopped:
 
 
 @dataclass(frozen=True, slots=True)
-class Failed:
+class Failed(Event):
     reason: str
+
+
+SenderEvent = Accepted | Refused | ResultReceived | SendingStopped | Failed | DatagramDropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,9 @@ class SourceInfo:
 
 
 class SenderSession:
+    """The sending end of one handoff: OFFER, paced source and repair datagrams, ACK processing, the
+    RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``."""
+
     def __init__(
         self,
         session_id: int,
@@ -197,7 +202,7 @@ class SenderSession:
         self._utility_features: list[list[float]] | None = (
             source_info.per_esi_features().T.tolist() if source_info is not None else None
         )
-        self._events: deque[Event] = deque()
+        self._events: deque[SenderEvent] = deque()
         self._control: deque[bytes] = deque()  # OFFER / CLOSE datagrams, sent before data
         self._burst_action = Action.SOURCE
         self._burst_left = 0
@@ -267,11 +272,8 @@ class SenderSession:
         self._handle(message, now)
 
     def get_timer(self) -> float | None:
-        timer = self._send_deadline if self.state is SenderState.STREAMING else None
-        for t in (self._offer_timer, self._result_timer):
-            if t is not None and (timer is None or t < timer):
-                timer = t
-        return timer
+        send_deadline = self._send_deadline if self.state is SenderState.STREAMING else None
+        return earliest(send_deadline, self._offer_timer, self._result_timer)
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
@@ -286,7 +288,7 @@ class SenderSession:
             if self.state is SenderState.DRAINING:
                 self._fail("no RESULT from the receiver by the deadline plus result_wait_s")
 
-    def next_event(self) -> Event | None:
+    def next_event(self) -> SenderEvent | None:
         return self._events.popleft() if self._events else None
 
     def cancel(self, reason: str, now: float) -> None:
@@ -395,8 +397,8 @@ class SenderSession:
         planner.sent(region)
         if cpu is not None:
             cpu.encode_ns += cpu.clock() - t0
-        datagram = self.protector.seal(
-            Repair(rid.repair_key, rid.dt, rid.nss, rid.fss_esi, self._repair_buf.data)
+        datagram = self.protector.seal_repair(
+            rid.repair_key, rid.dt, rid.nss, rid.fss_esi, self._repair_buf.data
         )
         sent = self.view.repairs_sent
         self._rep_pn[sent] = self.protector.packets_sealed

@@ -1,4 +1,4 @@
-"""Tests for common.channel: loss models, traces, specs, seeded streams."""
+"""Tests for lab/channel.py: loss models, traces, specs, seeded streams."""
 
 from __future__ import annotations
 

@@ -7,20 +7,19 @@ import stat
 from pathlib import Path
 
 import pytest
+import typer
 from pydantic import ValidationError
+from typer.testing import CliRunner
 
 from pfec.common.node.config import (
     ConfigError,
     ReceiverDaemonConfig,
     SenderDaemonConfig,
     format_validation_error,
-    generate_psk,
     load_config,
     parse_host_port,
-    psk_fingerprint,
-    read_psk,
-    read_token,
 )
+from pfec.common.node.keys import generate_psk, keygen_cmd, psk_fingerprint, read_psk, read_token
 
 
 def _toml(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
@@ -246,11 +245,6 @@ def test_read_token(tmp_path: Path) -> None:
 
 
 def test_keygen_cmd(tmp_path: Path) -> None:
-    import typer
-    from typer.testing import CliRunner
-
-    from pfec.common.node.config import keygen_cmd
-
     app = typer.Typer()
     app.command()(keygen_cmd)
     runner = CliRunner()

@@ -22,30 +22,41 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from typer.testing import CliRunner
 
+from pfec.cli.app import app
 from pfec.common.codec import fec
 from pfec.common.model import llm
-from pfec.common.node.control import ControlClient, ControlServer, sender_routes
-from pfec.common.plan.handoff import runtime_identity, synthetic_identity
+from pfec.common.model.runtime import runtime_identity
+from pfec.common.node.control import ControlClient, ControlServer
+from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
+from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
-from pfec.common.wire.frames import PacketProtector, Role, Source, peek_header
+from pfec.common.wire.frames import Role, Source, peek_header
+from pfec.common.wire.seal import PacketProtector
 from pfec.lab.channel import Bernoulli
-from pfec.lab.demo import Child
-from pfec.lab.emulator import (
-    DirectionSpec,
-    EmulatorConfig,
+from pfec.lab.emulator import run_event_loop
+from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig
+from pfec.lab.emulator_netns import (
     NetnsSpec,
     TunBridge,
-    UdpRelay,
     netns_available,
-    run_event_loop,
     setup_namespaces,
     teardown_namespaces,
 )
+from pfec.lab.emulator_relay import UdpRelay
+from pfec.lab.processes import Child
 from pfec.receiver.daemon import ReceiverDaemon
-from pfec.sender.daemon import Handoff, HandoffSpec, SenderDaemon
+from pfec.receiver.session import ReceiverConfig
+from pfec.sender.control import sender_routes
+from pfec.sender.daemon import SenderDaemon
+from pfec.sender.handoffs import Handoff, HandoffSpec
 from pfec.sender.kv import ContextInput
+from pfec.sender.session import SenderSession
 
 T = TypeVar("T")
 PSK = bytes(range(100, 132))
@@ -65,10 +76,6 @@ def _warm_codec() -> None:
 
 @pytest.fixture(scope="module")
 def tiny() -> llm.ModelRuntime:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -263,8 +270,6 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
     identity = synthetic_identity(SMALL)
 
     async def main() -> list[dict[str, Any]]:
-        from pfec.receiver.session import ReceiverConfig
-
         rx = ReceiverDaemon(identity, PSK, session_config=ReceiverConfig(max_sessions=3))
         await rx.start("127.0.0.1", 0)
         tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, result_wait_s=1)
@@ -285,8 +290,6 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
 
 
 def test_a_bug_in_one_handoff_fails_it_and_spares_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pfec.sender.session import SenderSession
-
     identity = synthetic_identity(SMALL)
     real = SenderSession.next_datagram
     calls = {"n": 0}
@@ -462,10 +465,6 @@ class _LoopThread:
 
 
 def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from pfec.cli.app import app
-
     identity = synthetic_identity(SMALL)
     sock = tmp_path / "sender.sock"
     token = "t" * 32
@@ -533,10 +532,6 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
 
 
 def test_serve_with_a_bad_config_prints_the_value_and_exits_2(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from pfec.cli.app import app
-
     cfg = tmp_path / "r.toml"
     cfg.write_text("[udp]\nport = 70000\n")
     res = CliRunner().invoke(app, ["receiver", "serve", "--config", str(cfg)])
@@ -615,8 +610,6 @@ def test_daemons_in_two_namespaces_over_tun(tmp_path: Path) -> None:
 
 
 def test_udp_socket_gets_a_large_receive_buffer() -> None:
-    from pfec.receiver.daemon import open_udp_socket
-
     rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
     want = 2 * rmem_max + (1 << 20)
     sock = open_udp_socket("127.0.0.1", 0, want, 1 << 20)
@@ -632,8 +625,6 @@ def test_udp_socket_gets_a_large_receive_buffer() -> None:
 
 
 def _gso_supported() -> bool:
-    from pfec.sender.daemon import UDP_SEGMENT
-
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.getsockopt(socket.IPPROTO_UDP, UDP_SEGMENT)
@@ -648,8 +639,6 @@ def _gso_supported() -> bool:
 def test_a_gso_batch_is_split_back_into_its_datagrams() -> None:
     """One GSO send of seven equal datagrams and a shorter last one: the receiver (GRO on, or the kernel
     segmenting) sees eight datagrams, each dropped and counted as the garbage it is."""
-    from pfec.sender.daemon import UDP_SEGMENT
-
     identity = synthetic_identity(SMALL)
 
     async def main() -> tuple[int, dict[str, int]]:

@@ -24,6 +24,7 @@ from pfec.common.sched.ddqn import (
     flatten_weights,
     greedy_action,
     load_weights,
+    write_features_compiled,
 )
 from pfec.common.sched.features import (
     FEATURE_HIGH,
@@ -300,8 +301,6 @@ def test_bench_scheduler_cli_json(tmp_path: Path) -> None:
 def test_compiled_decision_equals_python_features_and_network(recorded: Recorder) -> None:
     """The deployed decision computes the features inside the compiled call: they must equal
     features.write_features bit for bit (training uses that one), and so must the chosen action."""
-    from pfec.common.sched.ddqn import DDQNPolicy, greedy_action, load_weights, write_features_compiled
-
     rng = np.random.default_rng(11)
     views = [row[2] for row in recorded.rows] + [_random_view(rng) for _ in range(3000)]
     params = load_weights()

@@ -12,7 +12,7 @@ from pfec.cli.app import app
 
 def _default_model_available() -> tuple[bool, str]:
     try:
-        from pfec.common.model import llm
+        from pfec.common.model import llm  # deferred: torch, only to see whether the model is there
 
         llm.default_model_dir()
     except (ImportError, ValueError) as exc:

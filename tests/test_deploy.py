@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml  # promtool-independent parse; PyYAML ships with the dev environment's dependencies
 from prometheus_client.parser import text_string_to_metric_families
 
 from pfec.common.node.config import load_config
@@ -116,8 +117,6 @@ def test_promtool_check_rules_and_config() -> None:
 
 
 def _alert_exprs() -> dict[str, str]:
-    import yaml  # promtool-independent parse; PyYAML ships with the dev environment's dependencies
-
     doc = yaml.safe_load((DEPLOY / "pfec-alerts.yml").read_text())
     return {r["alert"]: r["expr"] for g in doc["groups"] for r in g["rules"]}
 

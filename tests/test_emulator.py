@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import struct
+import subprocess
 import sys
 import textwrap
 import time
@@ -15,33 +16,34 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from pfec.cli.app import app
 from pfec.lab.channel import MAIN_GE, Bernoulli, LossModel, realization_rng
-from pfec.lab.emulator import (
-    LOSS_CHUNK,
-    DirectionSpec,
-    EmulatorConfig,
-    LinkDirection,
+from pfec.lab.emulator_link import LOSS_CHUNK, DirectionSpec, EmulatorConfig, LinkDirection, parse_loss
+from pfec.lab.emulator_netns import (
     NetnsSpec,
     TunBridge,
-    UdpRelay,
     netns_available,
-    parse_loss,
     setup_namespaces,
     teardown_namespaces,
 )
+from pfec.lab.emulator_relay import UdpRelay
 
 SEQ = struct.Struct(">I")
 Tr = asyncio.DatagramTransport
 
+try:
+    import uvloop
+except ImportError:  # pinned, but the stdlib-loop cases still run without it
+    uvloop = None  # type: ignore[assignment]
+
 
 def _loops() -> list[Any]:
     out: list[Any] = [pytest.param(asyncio.run, id="asyncio")]
-    try:
-        import uvloop
-
+    if uvloop is not None:
         out.append(pytest.param(uvloop.run, id="uvloop"))
-    except ImportError:
+    else:
         out.append(pytest.param(None, id="uvloop", marks=pytest.mark.skip(reason="uvloop not installed")))
     return out
 
@@ -271,22 +273,16 @@ def test_relay_queue_drop_tail() -> None:
 
 
 def test_emulate_cmd_runs_and_reports(tmp_path: Any) -> None:
-    import typer
-    from typer.testing import CliRunner
-
-    from pfec.lab.emulator import emulate_cmd
-
-    app = typer.Typer()
-    app.command()(emulate_cmd)
     runner = CliRunner()
-    args = ["--listen", "127.0.0.1:0", "--forward-to", "127.0.0.1:9", "--duration", "0.2", "--json"]
+    args = ["emulate", "--listen", "127.0.0.1:0", "--forward-to", "127.0.0.1:9", "--duration", "0.2",
+            "--json"]
     res = runner.invoke(app, [*args, "--loss", "ge:0.001,0.5,0.02,0.1", "--seed", "3"])
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout[res.stdout.index("{") :])
     assert stats["forward"]["received"] == 0 and "reverse" in stats
     res = runner.invoke(app, [*args, "--loss", "bernoulli:2"])
     assert res.exit_code == 2 and "bad loss spec 'bernoulli:2'" in res.output
-    res = runner.invoke(app, ["--mode", "tunnel"])
+    res = runner.invoke(app, ["emulate", "--mode", "tunnel"])
     assert res.exit_code == 2 and "use 'relay' or 'netns'" in res.output
 
 
@@ -375,8 +371,6 @@ def test_netns_tun_bridge() -> None:
         client, seen, stats = asyncio.run(main())
     finally:
         teardown_namespaces(spec)
-    import subprocess
-
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert spec.ns_a not in left and spec.ns_b not in left
     lost = Bernoulli(0.2).realize(n, 1.0, realization_rng(11, 0, "forward"))
@@ -393,19 +387,10 @@ def test_netns_tun_bridge() -> None:
 
 @pytest.mark.skipif(not _NETNS_OK, reason=f"netns/TUN bridge unavailable: {_NETNS_WHY}")
 def test_emulate_cmd_netns_creates_and_removes_its_namespaces() -> None:
-    import subprocess
-
-    import typer
-    from typer.testing import CliRunner
-
-    from pfec.lab.emulator import emulate_cmd
-
     tag = uuid.uuid4().hex[:6]
     a, b = f"pfec-ca-{tag}", f"pfec-cb-{tag}"
-    app = typer.Typer()
-    app.command()(emulate_cmd)
     try:
-        args = ["--mode", "netns", "--ns-a", a, "--ns-b", b, "--duration", "0.3", "--json"]
+        args = ["emulate", "--mode", "netns", "--ns-a", a, "--ns-b", b, "--duration", "0.3", "--json"]
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 0, res.output
         stats = json.loads(res.stdout[res.stdout.index("{") :])

@@ -13,9 +13,11 @@ from typer.testing import CliRunner
 
 from pfec.cli.app import app
 from pfec.common.sched import policies
-from pfec.lab import evaluate
-from pfec.lab.evalreport import update_results_md
-from pfec.lab.evaluate import RESULTS_BEGIN, RESULTS_END, SMALL, check_pairing, run_eval
+from pfec.lab.channel import parse_loss_spec
+from pfec.lab.eval_config import NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
+from pfec.lab.eval_report import update_results_md
+from pfec.lab.eval_sweep import check_pairing
+from pfec.lab.evaluate import run_eval, write_example_trace
 from pfec.lab.sim import prepare, run_scheme
 
 KV_SECTION = "## KV side: real model\n\nhand-written numbers that must survive\n"
@@ -60,7 +62,7 @@ def test_realizations_are_paired(small_run: tuple[Path, dict[str, Any]]) -> None
 
 
 def test_pairing_check_catches_an_unpaired_run() -> None:
-    main = evaluate.parse_loss_spec(evaluate.NAMED_CONFIGS["main"])
+    main = parse_loss_spec(NAMED_CONFIGS["main"])
     sim = SMALL.sim_config(main, 0.8, SMALL.load_profile())
     handoff = prepare(replace(sim, tokens=64))
     runs = {"udp": [run_scheme(handoff, "udp", 0)], "priority": [run_scheme(handoff, "priority", 0)]}
@@ -102,8 +104,8 @@ def test_bad_values_name_the_fix() -> None:
 
 
 def test_example_trace_is_replayable(tmp_path: Path) -> None:
-    info = evaluate.write_example_trace(tmp_path / "t.trace", seconds=3, probe_ms=1, seed=3)
-    model = evaluate.parse_loss_spec(f"trace:{tmp_path / 't.trace'}")
+    info = write_example_trace(tmp_path / "t.trace", seconds=3, probe_ms=1, seed=3)
+    model = parse_loss_spec(f"trace:{tmp_path / 't.trace'}")
     assert info["entries"] < info["probes"] and 0.01 < info["mean_loss"] < 0.3
     assert abs(model.mean_loss - info["mean_loss"]) < 0.01  # type: ignore[attr-defined]
 

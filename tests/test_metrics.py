@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pfec.common.codec.fec import FEC_ERROR_REASONS
 from pfec.common.wire.frames import PARSE_REASONS, MsgType
 from pfec.receiver.metrics import FEC_DROP_REASONS, RECEIVER_DROP_REASONS, ReceiverMetrics
 from pfec.sender.metrics import DATAGRAM_TYPES, SENDER_DROP_REASONS, SenderMetrics
@@ -141,8 +142,6 @@ def test_two_instances_do_not_share_state() -> None:
 
 def test_drop_reason_sets_cover_the_code() -> None:
     """Every literal reason the sessions drop for is a label value (otherwise it would read 'other')."""
-    from pfec.common.codec.fec import FEC_ERROR_REASONS
-
     assert set(FEC_DROP_REASONS) == {f"fec_{r}" for r in FEC_ERROR_REASONS}
     assert set(SENDER_DROP_REASONS) >= PARSE_REASONS and set(RECEIVER_DROP_REASONS) >= PARSE_REASONS
     pattern = re.compile(r"""_drop\(\s*["']([a-z_]+)["']""")

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pfec.cli.app import app
 from pfec.lab.channel import Bernoulli
-from pfec.lab.emulator import netns_available
+from pfec.lab.emulator_netns import netns_available
 from pfec.lab.reliable import bytes_by, run_reliable, score_prefix, stream_bytes
 from pfec.lab.sim import SimConfig, prepare
 

@@ -13,14 +13,11 @@ import pytest
 
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
-from pfec.common.wire.frames import MsgType, PacketProtector, RefuseCode, Role, Source
-from pfec.receiver.session import (
-    DeadlineReached,
-    OfferReceived,
-    ReceiverConfig,
-    ReceiverEndpoint,
-    SessionClosed,
-)
+from pfec.common.wire.frames import Header, Message, MsgType, RefuseCode, Role, Source
+from pfec.common.wire.seal import PacketProtector
+from pfec.receiver import endpoint as endpoint_module
+from pfec.receiver.endpoint import ReceiverEndpoint
+from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverConfig, SessionClosed
 from pfec.sender.session import (
     Failed,
     Refused,
@@ -199,6 +196,50 @@ def test_lost_offer_is_repeated_and_early_data_is_replayed() -> None:
     # Data sent before the repeated OFFER waited in the early buffer (bounded) and was decoded.
     assert len(ev.decoded_esis) == 200
     assert h.sender.datagrams_sent["control"] >= 2
+
+
+def test_receive_path_parses_each_header_once_and_opens_each_datagram_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    peeks: list[int] = []
+    opens: list[int] = []
+    real_peek, real_open = endpoint_module.peek_header, PacketProtector._open_body
+
+    def counting_peek(data: bytes) -> Header:
+        peeks.append(1)
+        return real_peek(data)
+
+    def counting_open(self: PacketProtector, sid: int, mtype: int, pn: int, data: bytes, n: int) -> Message:
+        opens.append(mtype)
+        return real_open(self, sid, mtype, pn, data, n)
+
+    full_opens: list[Role] = []
+    real_full_open = PacketProtector.open
+
+    def recording_open(self: PacketProtector, data: bytes) -> tuple[Header, Message]:
+        full_opens.append(self.role)
+        return real_full_open(self, data)
+
+    monkeypatch.setattr(endpoint_module, "peek_header", counting_peek)
+    monkeypatch.setattr(PacketProtector, "_open_body", counting_open)
+    monkeypatch.setattr(PacketProtector, "open", recording_open)
+    h, _ = make_pair(policy=SourceOnly(), budget_s=0.08)
+    h.drop_forward = lambda i, d: i == 0  # the first OFFER: data waits in the early buffer, parsed
+    received: list[bytes] = []
+    endpoint_receive = h.endpoint.receive_datagram
+
+    def counting_receive(data: bytes, now: float) -> Header | None:
+        received.append(data)
+        return endpoint_receive(data, now)
+
+    h.endpoint.receive_datagram = counting_receive  # type: ignore[method-assign]
+    h.run()
+    assert len(h.deadline_event().decoded_esis) == 200
+    assert len(peeks) == len(received)  # early data is not parsed again when replayed
+    assert Role.RECEIVER not in full_opens  # the receiver's protectors take the parsed header
+    # Every datagram the receiver opened was decrypted once (the sender opened only ACKs and control).
+    assert opens.count(MsgType.OFFER) == sum(1 for d in received if d[1] == MsgType.OFFER)
+    assert opens.count(MsgType.SOURCE) == sum(1 for d in received if d[1] == MsgType.SOURCE)
 
 
 def test_fingerprint_mismatch_is_refused_with_a_reason() -> None:

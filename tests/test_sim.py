@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from pfec.common.sched.policies import get_scheme
+from pfec.lab.bench import OVERHEAD_PARTS, measure_overhead
 from pfec.lab.channel import MAIN_GE, Bernoulli
-from pfec.lab.sim import SimConfig, mean_ci95, prepare, run_once, simulate
+from pfec.lab.sim import SimConfig, prepare, run_once, simulate
+from pfec.lab.stats import mean_ci95
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,8 +129,6 @@ def test_a_handoff_whose_offer_never_arrives_fails_with_zero_utility() -> None:
 
 
 def test_overhead_benchmark_reports_the_median_handoff() -> None:
-    from pfec.lab.bench import OVERHEAD_PARTS, measure_overhead
-
     seen: list[tuple[int, int]] = []
     result = measure_overhead(3, lambda done, total: seen.append((done, total)))
     totals = result["overhead_per_handoff_ms_per_1k_packets"]

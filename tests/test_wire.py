@@ -1,4 +1,4 @@
-"""Tests for common.wire: layouts, protection, replay window, hostile input."""
+"""Tests for common.wire: layouts (frames), protection and the replay window (seal), hostile input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pfec.common.wire import frames as wire
+from pfec.common.wire import frames, seal
 from pfec.common.wire.frames import (
     DEFAULT_SYMBOL_SIZE,
     HEADER_SIZE,
@@ -22,30 +22,27 @@ from pfec.common.wire.frames import (
     TAG_SIZE,
     Accept,
     Ack,
-    AuthError,
     Close,
     CloseCode,
     Header,
     Message,
     MsgType,
     Offer,
-    PacketProtector,
     ParseError,
     Refuse,
     RefuseCode,
     Repair,
-    ReplayError,
     Result,
     Role,
     Source,
     clip_text,
     decode_body,
-    derive_key,
     encode_body,
     max_app_chunk,
     peek_header,
     split_app,
 )
+from pfec.common.wire.seal import AuthError, PacketProtector, ReplayError, derive_key
 
 PSK = bytes(range(32))
 OTHER_PSK = bytes(range(1, 33))
@@ -254,6 +251,57 @@ def test_packet_numbers_and_counters() -> None:
     assert r.largest_received_pn == 4
     with pytest.raises(AttributeError):
         s.symbol_size = 10  # type: ignore[misc]
+
+
+def test_seal_source_and_seal_repair_match_seal() -> None:
+    sym = bytes((i * 7) & 0xFF for i in range(SS))
+    for auth in (True, False):
+        by_message, _ = pair(auth=auth)
+        by_fields, _ = pair(auth=auth)
+        assert by_message.seal(Source(5, sym)) == by_fields.seal_source(5, sym)
+        assert by_message.seal(Repair(7, 3, 40, 1000, sym)) == by_fields.seal_repair(7, 3, 40, 1000, sym)
+        assert by_fields.packets_sealed == 2
+        with pytest.raises(ValueError):
+            by_fields.seal_repair(7, 16, 40, 1000, sym)
+        with pytest.raises(ValueError):
+            by_fields.seal_source(1 << 32, sym)
+        assert by_fields.packets_sealed == 2
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_open_peeked_is_open_without_parsing_the_header_again(auth: bool) -> None:
+    for msg in sample_messages():
+        s, r = pair(auth=auth)
+        tx, rx = (s, r) if sender_of(msg) is Role.SENDER else (r, s)
+        fresh_s, fresh_r = pair(auth=auth)
+        fresh_rx = fresh_r if rx is r else fresh_s
+        dg = tx.seal(msg)
+        header, out = rx.open(dg)
+        assert peek_header(dg) == header
+        assert fresh_rx.open_peeked(header, dg) == out == msg
+        with pytest.raises(ReplayError):
+            fresh_rx.open_peeked(header, dg)
+    other_session, _ = pair(sid=SID + 1)
+    dg = other_session.seal(Source(0, bytes(SS)))
+    with pytest.raises(ParseError) as ei:
+        pair()[1].open_peeked(peek_header(dg), dg)
+    assert ei.value.reason == "wrong_session"
+
+
+def test_receiver_learns_the_symbol_size_from_the_offer() -> None:
+    s, _ = pair(ss=100)
+    r = PacketProtector(PSK, SID, Role.RECEIVER, None)
+    data = s.seal(Source(0, bytes(100)))
+    offer = Offer(100, 16, 10, 1000, bytes(32))
+    with pytest.raises(ParseError) as ei:
+        r.open(data)  # no data before the size is known
+    assert ei.value.reason == "bad_type"
+    assert r.open(s.seal(offer))[1] == offer
+    r.set_symbol_size(100)
+    assert r.symbol_size == 100
+    assert r.open(data)[1] == Source(0, bytes(100))
+    with pytest.raises(ValueError):
+        r.set_symbol_size(100)  # once only
 
 
 # --------------------------------------------------------------------------- seal refuses
@@ -637,9 +685,9 @@ def test_random_bodies_behind_valid_header(mtype: int, body: bytes, pn: int, zer
 
 
 def test_sans_io_imports() -> None:
-    src = Path(wire.__file__).read_text()
     names: set[str] = set()
-    for node in ast.walk(ast.parse(src)):
+    trees = [ast.parse(Path(module.__file__).read_text()) for module in (frames, seal)]
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:

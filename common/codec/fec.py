@@ -2,7 +2,8 @@
 
 Sans-IO: no sockets, clocks or event loop here. The heavy lifting (coefficient
 generation, repair encoding, Gaussian elimination) is done by compiled kernels in
-:mod:`common.gf256`; one decoder insert is one compiled call.
+:mod:`.coefficients`, :mod:`.encoder_kernels` and :mod:`.decoder_kernels` (on the field
+arithmetic of :mod:`.gf256`); one decoder insert is one compiled call.
 
 Repair symbols follow RFC 8681 (m = 8): coefficients come from
 ``generate_coding_coefficients(repair_key, cc_tab, NSS, DT)`` seeded with the 16-bit
@@ -26,7 +27,10 @@ from typing import Final, NamedTuple, cast
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.codec import gf256
+from pfec.common.codec import decoder_kernels
+from pfec.common.codec.coefficients import generate_coefficients
+from pfec.common.codec.encoder_kernels import encoder_make_repair
+from pfec.common.codec.gf256 import entry_point
 
 __all__ = [
     "DEFAULT_TARGET_NONZEROS",
@@ -111,7 +115,7 @@ def coding_coefficients(repair_key: int, dt: int, nss: int) -> U8:
     """RFC 8681 ``generate_coding_coefficients`` (m = 8) as a new uint8[nss] array."""
     _check_row_params(repair_key, dt, nss)
     out = np.zeros(nss, dtype=np.uint8)
-    gf256.generate_coefficients(repair_key, dt, nss, out)
+    generate_coefficients(repair_key, dt, nss, out)
     return out
 
 
@@ -195,8 +199,8 @@ class Encoder:
         self._acc = np.zeros((8, self.symbol_size), dtype=np.uint8)
         out = np.zeros(self.symbol_size, dtype=np.uint8)
         # Bound for this encoder's argument types (a repair per few packets: skip numba's dispatch).
-        self._make_repair = gf256.entry_point(
-            gf256.encoder_make_repair, symbols, 0, 1, 0, 0, self._cc, out, self._acc, True, False
+        self._make_repair = entry_point(
+            encoder_make_repair, symbols, 0, 1, 0, 0, self._cc, out, self._acc, True, False
         )
         self._bound_out: U8 | None = None  # the output buffer make_repair last checked for the bound kernel
 
@@ -270,7 +274,7 @@ class Encoder:
             if out.flags.c_contiguous and out.flags.writeable:
                 self._bound_out = out
             else:
-                kernel = gf256.encoder_make_repair
+                kernel = encoder_make_repair
         if dt is None:
             dt = self.dt_for(count)
         elif not 0 <= dt <= MAX_DT:
@@ -318,7 +322,7 @@ class Decoder:
         cap = self.window_cap
         self._coef = np.zeros((cap, cap), dtype=np.uint8)
         self._pay = np.zeros((cap, symbol_size), dtype=np.uint8)
-        self._ist = np.zeros(gf256.decoder_state_len(cap), dtype=np.int64)
+        self._ist = np.zeros(decoder_kernels.decoder_state_len(cap), dtype=np.int64)
         self._bscr = np.zeros(2 * cap, dtype=np.uint8)
         self._acc = np.zeros((8, symbol_size), dtype=np.uint8)
         self._source_args = (self.store, self.have, self._coef, self._pay, self._ist)
@@ -327,13 +331,13 @@ class Decoder:
         # datagram, where numba's type dispatch would cost as much as the insert.
         view = memoryview(bytes(symbol_size))
         array = _as_u8(np.zeros(symbol_size, dtype=np.uint8), symbol_size)
-        self._add_source_view = gf256.entry_point(gf256.decoder_add_source, 0, view, *self._source_args)
-        self._add_source_array = gf256.entry_point(gf256.decoder_add_source, 0, array, *self._source_args)
-        self._add_repair_view = gf256.entry_point(
-            gf256.decoder_add_repair, 0, 0, 1, 0, view, *self._repair_args
+        self._add_source_view = entry_point(decoder_kernels.decoder_add_source, 0, view, *self._source_args)
+        self._add_source_array = entry_point(decoder_kernels.decoder_add_source, 0, array, *self._source_args)
+        self._add_repair_view = entry_point(
+            decoder_kernels.decoder_add_repair, 0, 0, 1, 0, view, *self._repair_args
         )
-        self._add_repair_array = gf256.entry_point(
-            gf256.decoder_add_repair, 0, 0, 1, 0, array, *self._repair_args
+        self._add_repair_array = entry_point(
+            decoder_kernels.decoder_add_repair, 0, 0, 1, 0, array, *self._repair_args
         )
         self._ack_snapshot: Callable[..., tuple[int, int, int, int, int, int]] | None = None
         self._checked_holes_out: U8 | None = None  # the buffer (and span) ack_snapshot last validated
@@ -344,26 +348,26 @@ class Decoder:
     @property
     def decoded_prefix(self) -> int:
         """First undecoded ESI (cumulative ACK point)."""
-        return int(self._ist[gf256.ST_PREFIX])
+        return int(self._ist[decoder_kernels.ST_PREFIX])
 
     @property
     def decoded_count(self) -> int:
-        return int(self._ist[gf256.ST_DECODED])
+        return int(self._ist[decoder_kernels.ST_DECODED])
 
     @property
     def seen_end(self) -> int:
         """One past the highest ESI seen in a source or covered by a repair window."""
-        return int(self._ist[gf256.ST_SEEN])
+        return int(self._ist[decoder_kernels.ST_SEEN])
 
     @property
     def rank(self) -> int:
         """Independent equations held (pivot rows)."""
-        return int(self._ist[gf256.ST_RANK])
+        return int(self._ist[decoder_kernels.ST_RANK])
 
     @property
     def unknowns(self) -> int:
         """Undecoded ESIs in ``[decoded_prefix, seen_end)``."""
-        return int(self._ist[gf256.ST_UNKNOWNS])
+        return int(self._ist[decoder_kernels.ST_UNKNOWNS])
 
     @property
     def deficit(self) -> int:
@@ -373,13 +377,13 @@ class Decoder:
     @property
     def redundant(self) -> int:
         """Repairs that brought no new equation."""
-        return int(self._ist[gf256.ST_REDUNDANT])
+        return int(self._ist[decoder_kernels.ST_REDUNDANT])
 
     @property
     def newly_decoded(self) -> npt.NDArray[np.int64]:
         """ESIs delivered by the last ``add_*`` call (a view, valid until the next call)."""
-        n = int(self._ist[gf256.ST_NNEW])
-        return self._ist[gf256.ST_HEADER : gf256.ST_HEADER + n]
+        n = int(self._ist[decoder_kernels.ST_NNEW])
+        return self._ist[decoder_kernels.ST_HEADER : decoder_kernels.ST_HEADER + n]
 
     @property
     def complete(self) -> bool:
@@ -404,7 +408,7 @@ class Decoder:
             self._checked_holes_out, self._checked_span = holes_out, span
         kernel = self._ack_snapshot
         if kernel is None:
-            kernel = gf256.entry_point(gf256.decoder_ack_snapshot, self.have, self._ist, span, holes_out)
+            kernel = entry_point(decoder_kernels.decoder_ack_snapshot, self.have, self._ist, span, holes_out)
             self._ack_snapshot = kernel
         return cast(tuple[int, int, int, int, int, int], kernel(self.have, self._ist, span, holes_out))
 
@@ -417,7 +421,7 @@ class Decoder:
         else:
             n = self._add_source_array(esi, _as_u8(payload, self.symbol_size), *self._source_args)
         if n < 0:  # the kernel checked the input and changed nothing
-            if n == gf256.INSERT_BAD_ESI:
+            if n == decoder_kernels.INSERT_BAD_ESI:
                 raise FecError("esi_out_of_range", f"esi={esi} n_source={self.n_source}")
             raise FecError(
                 "bad_symbol_size", f"got {_nbytes(payload)} bytes, want {self.symbol_size}"

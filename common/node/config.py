@@ -14,7 +14,8 @@ systemd integration: when ``security.psk_file`` is not set and ``$CREDENTIALS_DI
 defaults to ``$CREDENTIALS_DIRECTORY/control-token`` and the model cache to ``$CACHE_DIRECTORY``.
 
 Loading never opens the key or token files (the example configs validate anywhere); the daemon calls
-``read_psk`` / ``read_token`` at start-up, which report exactly what is wrong with the file.
+``read_psk`` / ``read_token`` (``common/node/keys.py``) at start-up, which report exactly what is wrong
+with the file.
 Every error names the field, the bad value and the fix (``format_validation_error``).
 """
 
@@ -23,19 +24,15 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import secrets
-import stat
-import tempfile
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, overload
 
-import typer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+from pfec.common.sched.policies import SCHEMES
 
 __all__ = [
     "ENV_PREFIX",
@@ -45,27 +42,19 @@ __all__ = [
     "LinkConfig",
     "MetricsConfig",
     "ModelConfig",
-    "Psk",
     "ReceiverDaemonConfig",
     "SecurityConfig",
     "SenderDaemonConfig",
     "SenderFecConfig",
     "UdpConfig",
     "format_validation_error",
-    "generate_psk",
-    "keygen_cmd",
     "load_config",
     "parse_host_port",
-    "psk_fingerprint",
-    "read_psk",
-    "read_token",
 ]
 
 Kind = Literal["sender", "receiver"]
 ENV_PREFIX: Final[dict[str, str]] = {"sender": "PFEC_SENDER__", "receiver": "PFEC_RECEIVER__"}
-PSK_BYTES: Final = 32
 MIB: Final = 1 << 20
-_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _HOSTNAME = re.compile(
     r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 )
@@ -283,8 +272,6 @@ class SenderFecConfig(_Section):
     @field_validator("scheme")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        from pfec.common.sched.policies import SCHEMES
-
         if v not in SCHEMES:
             raise ValueError(f"unknown scheme; choose one of {', '.join(SCHEMES)}")
         return v
@@ -549,137 +536,3 @@ def format_validation_error(
             shown = repr(str(value)) if isinstance(value, Path) else repr(value)
             lines.append(f"{field}: bad value {shown}{origin} — {fix}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- key and token files
-
-
-@dataclass(frozen=True, slots=True)
-class Psk:
-    key: bytes
-    encoding: Literal["raw", "hex"]  # how the file stored it
-    path: Path
-
-    def __repr__(self) -> str:  # never print key material
-        fp = psk_fingerprint(self.key)
-        return f"Psk(encoding={self.encoding!r}, path={str(self.path)!r}, fingerprint={fp})"
-
-
-def psk_fingerprint(key: bytes) -> str:
-    """Short SHA-256 fingerprint to compare the key on both nodes without revealing it."""
-    import hashlib
-
-    return hashlib.sha256(b"pfec-psk-fingerprint\x00" + key).hexdigest()[:16]
-
-
-def _check_private(path: Path, what: str) -> os.stat_result:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{what} {str(path)!r}: no such file — create it with `pfec keygen {path}` (copy it to the peer)"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"{what} {str(path)!r}: cannot stat ({exc.strerror}) — check permissions") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{what} {str(path)!r}: not a regular file — point it at the key file itself")
-    if st.st_mode & 0o007:
-        raise ConfigError(
-            f"{what} {str(path)!r}: mode {stat.S_IMODE(st.st_mode):04o} lets every user read it — "
-            f"chmod 600 {path}"
-        )
-    return st
-
-
-def read_psk(path: Path) -> Psk:
-    """Read and check the pre-shared key: exactly 32 raw bytes, or 64 hex characters (+ optional newline)."""
-    path = Path(path)
-    _check_private(path, "security.psk_file")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(
-            f"security.psk_file {str(path)!r}: cannot read ({exc.strerror}) — check permissions"
-        ) from None
-    text = data.strip(b" \t\r\n")
-    if len(text) == 64 and _HEX64.fullmatch(text.decode("ascii", "replace")):
-        return Psk(bytes.fromhex(text.decode("ascii")), "hex", path)
-    if len(data) == PSK_BYTES:
-        return Psk(data, "raw", path)
-    raise ConfigError(
-        f"security.psk_file {str(path)!r}: bad value of {len(data)} bytes — expected 32 raw bytes or 64 hex "
-        f"characters; generate one with `pfec keygen {path}`"
-    )
-
-
-def read_token(path: Path) -> str:
-    """Bearer token for the TCP control API: one line of at least 16 printable ASCII characters."""
-    path = Path(path)
-    _check_private(path, "control.token_file")
-    try:
-        token = path.read_text("ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            f"control.token_file {str(path)!r}: cannot read as ASCII ({exc}) — write one line, e.g. "
-            "`openssl rand -hex 32`"
-        ) from None
-    if len(token) < 16 or not token.isprintable() or any(c.isspace() for c in token):
-        raise ConfigError(
-            f"control.token_file {str(path)!r}: bad value ({len(token)} characters) — expected one token of "
-            "at least 16 printable characters without spaces, e.g. `openssl rand -hex 32`"
-        )
-    return token
-
-
-def generate_psk(path: Path, force: bool = False) -> Psk:
-    """Write a fresh key as 64 hex characters + newline, mode 0600; refuse to overwrite unless ``force``."""
-    path = Path(path)
-    if path.exists() and not force:
-        raise ConfigError(
-            f"{str(path)!r} already exists — pass --force to replace it (the peer needs the new key)"
-        )
-    if path.is_dir():
-        raise ConfigError(f"{str(path)!r} is a directory — give a file path such as /etc/pfec/psk")
-    key = secrets.token_bytes(PSK_BYTES)
-    parent = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".pfec-psk-", dir=parent)  # created 0600
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot create a file in {str(parent)!r} ({exc.strerror}) — create the directory"
-        ) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.hex().encode("ascii") + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        if force:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # atomic create-if-absent: fails if someone created it meanwhile
-            os.unlink(tmp)
-    except FileExistsError:
-        os.unlink(tmp)
-        raise ConfigError(f"{str(path)!r} already exists — pass --force to replace it") from None
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return Psk(key, "hex", path)
-
-
-def keygen_cmd(
-    path: Annotated[Path, typer.Argument(help="Key file to write, e.g. /etc/pfec/psk.")] = Path(
-        "/etc/pfec/psk"
-    ),
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing key file.")] = False,
-) -> None:
-    """Generate the node pair's pre-shared key (64 hex characters, mode 0600); copy it to the peer."""
-    try:
-        psk = generate_psk(path, force=force)
-    except ConfigError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"wrote {psk.path} (mode 0600), fingerprint {psk_fingerprint(psk.key)}")
-    typer.echo("copy it to the peer node over a secure channel, e.g. scp -p, and compare fingerprints")

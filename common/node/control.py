@@ -1,109 +1,27 @@
-"""Control API of both daemons: HTTP + JSON (aiohttp), on a UNIX socket (mode 0660 is the access control)
-and optionally on TCP with a bearer token (constant-time compare).
+"""The control API pieces both daemons share: HTTP + JSON (aiohttp) on a UNIX socket (mode 0660 is the
+access control) and optionally on TCP behind a bearer token (constant-time compare); request validation
+with errors that name the field; the ``?wait=`` flag; and the client the CLI talks to a daemon with.
 
-Sender: ``POST /handoffs`` -> ``{"id": ...}``; ``GET /handoffs/{id}[?wait=1]`` (the report; waits for the
-end with ``wait``); ``GET /handoffs``. Receiver: ``GET /sessions``, ``GET /results``. Both: ``GET /healthz``
-and ``GET /metrics``. Bad requests get 422 with ``{"error": ..., "fields": [{"field", "message"}]}``:
-every message names the field.
+Each daemon's routes live with it (``sender/control.py``: ``POST /handoffs``, ``GET /handoffs[/{id}]``;
+``receiver/control.py``: ``GET /sessions``, ``GET /results``; both also ``GET /healthz`` and
+``GET /metrics``). Bad requests get 422 with ``{"error": ..., "fields": [{"field", "message"}]}``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import json
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from aiohttp.typedefs import Handler, Middleware
+from pydantic import BaseModel, ValidationError
 
-from pfec.common.node.config import parse_host_port
-from pfec.common.plan.deadline import DEFAULT_RHO
-from pfec.common.sched.policies import SCHEMES
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_WAIT_S = 600.0
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class HandoffRequest(BaseModel):
-    """``POST /handoffs``: the context (text, chat messages or token ids), the question and the target."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    receiver: str = Field(description="Receiver data address HOST:PORT.")
-    context: str | None = Field(default=None, description="Shared context (text).")
-    messages: list[ChatMessage] | None = Field(
-        default=None, description="Chat messages forming the context (system messages become the system "
-        "prompt, the rest are joined in order).")
-    question: str | None = Field(default=None, description="The question the receiver answers.")
-    context_ids: list[int] | None = Field(default=None, description="Pre-tokenised context.")
-    question_ids: list[int] | None = Field(default=None,
-                                           description="Pre-tokenised question + chat template tail.")
-    synthetic_tokens: int | None = Field(default=None, gt=0, le=1 << 20,
-                                         description="No model: hand off random KV of this many tokens.")
-    deadline_ms: float | None = Field(default=None, gt=0, le=600_000)
-    rho: float | None = Field(default=None, gt=0, le=100)
-    scheme: str | None = None
-    reconstruction: Literal["mask", "zero"] = "mask"
-    rate_mbps: float | None = Field(default=None, gt=0, le=400_000)
-    max_new_tokens: int = Field(default=24, ge=1, le=512)
-    full_kv_answer: bool = False
-    generate: bool = True
-    profile: str | None = None
-    repair_budget: float | None = Field(default=None, ge=0, le=10)
-
-    @field_validator("receiver")
-    @classmethod
-    def _receiver(cls, v: str) -> str:
-        parse_host_port(v)
-        return v.strip()
-
-    @field_validator("scheme")
-    @classmethod
-    def _scheme(cls, v: str | None) -> str | None:
-        if v is not None and v not in SCHEMES:
-            raise ValueError(f"unknown scheme {v!r}; choose one of {', '.join(SCHEMES)}")
-        return v
-
-    @field_validator("context_ids", "question_ids")
-    @classmethod
-    def _ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or any(t < 0 for t in v)):
-            raise ValueError("expected a non-empty list of non-negative token ids")
-        return v
-
-    @model_validator(mode="after")
-    def _one_form(self) -> HandoffRequest:
-        forms = [n for n in ("context", "messages", "context_ids", "synthetic_tokens")
-                 if getattr(self, n) is not None]
-        if len(forms) != 1:
-            raise ValueError(f"give exactly one of context, messages, context_ids, synthetic_tokens "
-                             f"(got {', '.join(forms) or 'none'})")
-        if self.context_ids is not None and self.question_ids is None:
-            raise ValueError("context_ids needs question_ids")
-        if (self.context is not None or self.messages is not None) and not self.question:
-            raise ValueError("question is required with context or messages")
-        if self.deadline_ms is not None and self.rho is not None:
-            raise ValueError("give deadline_ms or rho, not both")
-        return self
-
-    def context_text(self) -> tuple[str | None, str | None]:
-        """(context, system) from ``context`` or ``messages``."""
-        if self.messages is None:
-            return self.context, None
-        system = "\n".join(m.content for m in self.messages if m.role == "system") or None
-        body = "\n\n".join(m.content for m in self.messages if m.role != "system")
-        return body, system
+M = TypeVar("M", bound=BaseModel)
 
 
 def validation_error_body(exc: ValidationError) -> dict[str, Any]:
@@ -121,7 +39,8 @@ def json_error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
-async def read_model(request: web.Request, model: type[BaseModel]) -> BaseModel | web.Response:
+async def read_model(request: web.Request, model: type[M]) -> M | web.Response:
+    """The request body validated as ``model``, or the 400/422 response to send instead."""
     try:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -148,7 +67,7 @@ def wait_flag(request: web.Request) -> float | None:
         ) from None
 
 
-def bearer_middleware(token: str) -> Any:
+def bearer_middleware(token: str) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -201,92 +120,6 @@ class ControlServer:
         self.runners = []
 
 
-# --------------------------------------------------------------------------- route tables
-
-
-def sender_routes(daemon: Any) -> list[web.RouteDef]:
-    from pfec.sender.daemon import HandoffSpec
-    from pfec.sender.kv import ContextInput
-
-    async def post_handoff(request: web.Request) -> web.Response:
-        parsed = await read_model(request, HandoffRequest)
-        if isinstance(parsed, web.Response):
-            return parsed
-        assert isinstance(parsed, HandoffRequest)
-        context, system = parsed.context_text()
-        inputs = ContextInput(
-            context=context,
-            question=parsed.question,
-            context_ids=tuple(parsed.context_ids) if parsed.context_ids else None,
-            question_ids=tuple(parsed.question_ids) if parsed.question_ids else None,
-            system=system,
-            synthetic_tokens=parsed.synthetic_tokens,
-        )
-        if daemon.runtime is None and parsed.synthetic_tokens is None:
-            msg = "synthetic_tokens: this sender runs without a model; give synthetic_tokens"
-            return json_error(422, msg, fields=[{"field": "synthetic_tokens", "message": msg}])
-        spec = HandoffSpec(
-            inputs=inputs,
-            receiver=parse_host_port(parsed.receiver),
-            deadline_ms=parsed.deadline_ms,
-            rho=parsed.rho if parsed.deadline_ms is None else None,
-            scheme=parsed.scheme,
-            mode=parsed.reconstruction,
-            rate_mbps=parsed.rate_mbps,
-            max_new_tokens=parsed.max_new_tokens,
-            full_kv_answer=parsed.full_kv_answer,
-            profile=parsed.profile,
-            generate=parsed.generate,
-            repair_budget=parsed.repair_budget,
-        )
-        if spec.deadline_ms is None and spec.rho is None:
-            spec = HandoffSpec(**{**spec.__dict__, "rho": DEFAULT_RHO})
-        handoff = daemon.submit(spec)
-        return web.json_response({"id": handoff.id, "state": handoff.state}, status=202)
-
-    async def get_handoff(request: web.Request) -> web.Response:
-        handoff = daemon.handoffs.get(request.match_info["id"])
-        if handoff is None:
-            return json_error(404, f"no handoff with id {request.match_info['id']!r}")
-        wait = wait_flag(request)
-        if wait:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(handoff.done.wait(), wait)
-        return web.json_response(handoff.view())
-
-    async def list_handoffs(_request: web.Request) -> web.Response:
-        return web.json_response({"handoffs": [h.view() for h in daemon.handoffs.values()]})
-
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response(daemon.health())
-
-    return [
-        web.post("/handoffs", post_handoff),
-        web.get("/handoffs", list_handoffs),
-        web.get("/handoffs/{id}", get_handoff),
-        web.get("/healthz", healthz),
-        web.get("/metrics", daemon.metrics.aiohttp_handler()),
-    ]
-
-
-def receiver_routes(daemon: Any) -> list[web.RouteDef]:
-    async def sessions(_request: web.Request) -> web.Response:
-        return web.json_response({"sessions": daemon.session_views()})
-
-    async def results(_request: web.Request) -> web.Response:
-        return web.json_response({"results": list(daemon.results)})
-
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response(daemon.health())
-
-    return [
-        web.get("/sessions", sessions),
-        web.get("/results", results),
-        web.get("/healthz", healthz),
-        web.get("/metrics", daemon.metrics.aiohttp_handler()),
-    ]
-
-
 # --------------------------------------------------------------------------- client
 
 
@@ -302,9 +135,7 @@ class ControlClient:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
 
-    def _session(self) -> Any:
-        import aiohttp
-
+    def _session(self) -> aiohttp.ClientSession:
         connector = aiohttp.UnixConnector(path=str(self.socket_path)) if self.socket_path else None
         return aiohttp.ClientSession(connector=connector, headers=self.headers,
                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s))

@@ -1,15 +1,38 @@
-"""What both daemons' metrics classes share: the Prometheus exposition and ``/metrics`` endpoint, and the
-datagram counters by wire type."""
+"""What both daemons' Prometheus metrics share: one registry per instance (no global state), the process
+collector, the families both nodes define (datagrams and bytes by direction and wire type, drops by reason,
+recovered utility), the ``/metrics`` exposition, and the export of a session's drop counts.
+
+``SenderMetrics`` and ``ReceiverMetrics`` subclass ``NodeMetrics``: each names its role, its peers and its
+drop reasons, and adds only its own series through ``counter`` / ``gauge`` / ``histogram`` (which prefix
+``pfec_<role>_``). Label values come from fixed sets so a hostile peer cannot grow the series count:
+unknown drop reasons count as ``other``; unknown datagram types and outcomes are programming errors
+(``ValueError``). Every labelled series is created at zero up front, so ``rate()`` and alerts see it
+before the first event. Names carry base units (``_seconds``, ``_bytes``); counters get ``_total``.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import ClassVar, Final
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.process_collector import ProcessCollector
+
+from pfec.common.wire.frames import MsgType
 
 DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close")
+#: Wire type byte (``datagram[1]``) -> its label, for the daemons' per-datagram paths.
+TYPE_BYTE_LABELS: Final[dict[int, str]] = {int(t): t.name.lower() for t in MsgType}
+UTILITY_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 def type_label(kind: str | enum.Enum) -> str:
@@ -20,55 +43,69 @@ def type_label(kind: str | enum.Enum) -> str:
     return name
 
 
-if TYPE_CHECKING:
-    from aiohttp import web
+def check_label(value: str, allowed: Iterable[str], what: str) -> str:
+    """``value`` if it is one of ``allowed``, else ValueError naming ``what`` and the allowed values."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+    return value
 
 
-class MetricsEndpoint:
-    """Mixin: serve ``self.registry`` in the Prometheus text format."""
+class NodeMetrics:
+    """The series every node has, in a registry of its own (``self.registry``)."""
 
-    registry: CollectorRegistry
+    ROLE: ClassVar[str]  # "sender" or "receiver": names are pfec_<ROLE>_*
+    PEERS: ClassVar[str]  # who the datagrams go to and come from, for the help texts
+    DROP_REASONS: ClassVar[tuple[str, ...]]  # the "reason" label values (must include "other")
+    UTILITY_HELP: ClassVar[str]
 
-    def exposition(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
+    def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        if process_metrics:
+            ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, open fds
+        peers = self.PEERS
+        self._sent = self.counter("datagrams_sent", f"Datagrams sent to {peers}, by message type.", ["type"])
+        self._bytes_sent = self.counter("bytes_sent", "UDP payload bytes sent (sealed datagrams).")
+        self._received = self.counter(
+            "datagrams_received", f"Datagrams received from {peers}, by message type.", ["type"]
+        )
+        self._bytes_received = self.counter("bytes_received", "UDP payload bytes received (before parsing).")
+        self._dropped = self.counter(
+            "datagrams_dropped",
+            "Datagrams dropped (parse, authentication, replay, codec, session state) and failed sends, "
+            "by reason.",
+            ["reason"],
+        )
+        self._utility = self.histogram("recovered_utility", self.UTILITY_HELP, UTILITY_BUCKETS)
+        # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
+        self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
+        self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
+        self._dropped_by_reason = {r: self._dropped.labels(r) for r in self.DROP_REASONS}
 
-    def aiohttp_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """An aiohttp handler serving ``exposition()``; mount it at ``/metrics`` of any app."""
-        from aiohttp import web
+    # ------------------------------------------------------------------ defining series
 
-        async def handler(_request: web.Request) -> web.Response:
-            return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        """A counter ``pfec_<role>_<name>`` (exposed as ``..._total``) in this registry."""
+        return Counter(f"pfec_{self.ROLE}_{name}", documentation, labels, registry=self.registry)
 
-        return handler
+    def gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(f"pfec_{self.ROLE}_{name}", documentation, registry=self.registry)
 
-    async def serve(self, host: str, port: int) -> web.AppRunner:
-        """Serve ``/metrics`` on ``host:port`` from the running loop; ``await runner.cleanup()`` to stop.
+    def histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(f"pfec_{self.ROLE}_{name}", documentation, buckets=buckets, registry=self.registry)
 
-        ``runner.addresses[0][1]`` is the bound port (useful with ``port=0``).
-        """
-        from aiohttp import web
+    @staticmethod
+    def precreate(family: Counter, label_values: Iterable[str]) -> None:
+        """Create each labelled series at zero, so it is exposed before its first event."""
+        for value in label_values:
+            family.labels(value)
 
-        app = web.Application()
-        app.router.add_get("/metrics", self.aiohttp_handler())
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        return runner
-
-
-class DatagramCounters:
-    """Mixin: datagrams and bytes sent / received, by wire type. The class resolves the labelled children
-    once (``_sent_by_type``, ``_received_by_type``: ``.labels()`` costs microseconds) and owns the byte
-    counters; daemons count a batch (one pacer wake-up, one loop iteration) in one call."""
-
-    _sent_by_type: dict[str, Any]
-    _received_by_type: dict[str, Any]
-    _bytes_sent: Any
-    _bytes_received: Any
+    # ------------------------------------------------------------------ datagrams
 
     def datagrams_sent(self, kind: str | enum.Enum, count: int, nbytes: int) -> str:
-        """``count`` datagrams of ``nbytes`` in total handed to the socket; returns the type label."""
+        """``count`` datagrams of ``nbytes`` in total handed to the socket; returns the type label.
+
+        Daemons count a batch (one pacer wake-up, one loop iteration) in one call."""
         label = kind if kind in self._sent_by_type else type_label(kind)
         self._sent_by_type[label].inc(count)
         self._bytes_sent.inc(nbytes)
@@ -84,3 +121,60 @@ class DatagramCounters:
 
     def datagram_received(self, kind: str | enum.Enum, size: int) -> None:
         self.datagrams_received(kind, 1, size)
+
+    def dropped(self, reason: str, count: int = 1) -> None:
+        """Count ``count`` dropped datagrams; reasons outside ``DROP_REASONS`` count as ``other``."""
+        self._dropped_by_reason.get(reason, self._dropped_by_reason["other"]).inc(count)
+
+    def drops(self, counts: Mapping[str, int]) -> None:
+        """Add a drops dict (reason -> count) at once."""
+        for reason, n in counts.items():
+            if n:
+                self.dropped(reason, n)
+
+    def recovered_utility(self, utility: float) -> None:
+        self._utility.observe(min(1.0, max(0.0, utility)))
+
+    # ------------------------------------------------------------------ exposition
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    def aiohttp_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """An aiohttp handler serving ``exposition()``; mount it at ``/metrics`` of any app."""
+
+        async def handler(_request: web.Request) -> web.Response:
+            return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        return handler
+
+    async def serve(self, host: str, port: int) -> web.AppRunner:
+        """Serve ``/metrics`` on ``host:port`` from the running loop; ``await runner.cleanup()`` to stop.
+
+        ``runner.addresses[0][1]`` is the bound port (useful with ``port=0``).
+        """
+        app = web.Application()
+        app.router.add_get("/metrics", self.aiohttp_handler())
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        return runner
+
+
+class DropExporter:
+    """Turns a session's (or endpoint's) cumulative ``drops`` dict into counter increments: each call
+    adds what grew since the previous one."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self.metrics = metrics
+        self._seen: dict[str, int] = {}
+
+    def export(self, drops: Mapping[str, int]) -> None:
+        if drops == self._seen:
+            return
+        for reason, count in drops.items():
+            delta = count - self._seen.get(reason, 0)
+            if delta:
+                self.metrics.dropped(reason, delta)
+        self._seen = dict(drops)

@@ -1,7 +1,8 @@
 """Application layer of a handoff, shared by both daemons: the compatibility fingerprint, the OFFER and
 RESULT application blobs (JSON), and the scoring of what the receiver rebuilt.
 
-Pure (no torch, no sockets): the daemons import it; ``common/llm.py`` stays the only torch module.
+Pure (no torch, no sockets): the daemons import it. Loading a model and the identity of a loaded one live
+in ``common/model/runtime.py``.
 
 Fingerprint (32 bytes, checked by the receiver before a session exists): SHA-256 over the model
 fingerprint (model id, weights hash, layers, KV heads, head dim, RoPE, transfer dtype, library version),
@@ -67,11 +68,6 @@ class ModelIdentity:
 def synthetic_identity(geometry: KVGeometry, name: str = "synthetic") -> ModelIdentity:
     """No model: random KV bytes of ``geometry`` (transport benchmarks, tests)."""
     return ModelIdentity(name, geometry, {"model_id": name, "synthetic": True})
-
-
-def runtime_identity(runtime: Any) -> ModelIdentity:
-    """The identity of an ``llm.ModelRuntime`` (typed loosely so this module never imports torch)."""
-    return ModelIdentity(runtime.model_id, runtime.geometry, runtime.fingerprint.to_json())
 
 
 def load_profile(identity: ModelIdentity, name: str) -> UtilityProfile:
@@ -250,37 +246,3 @@ def complete_blocks(plan: BlockPlan, have: npt.NDArray[np.bool_]) -> npt.NDArray
 def recovered_utility(block_utility: npt.NDArray[np.float64], complete: npt.NDArray[np.bool_]) -> float:
     total = float(block_utility.sum())
     return float(block_utility[complete].sum()) / total if total > 0 else 0.0
-
-
-# --------------------------------------------------------------------------- model loading (lazy torch)
-
-SYNTHETIC_MODEL = "synthetic"
-
-
-def load_runtime(path: str, device: str = "auto", cache_dir: Path | None = None,
-                 synthetic_geometry: KVGeometry | None = None) -> tuple[Any, ModelIdentity]:
-    """(runtime, identity) for ``model.path``: ``synthetic`` (no model: random KV of the default model's
-    geometry, for transport benchmarks), ``default`` (the embedded model) or a Hugging Face directory.
-    The model is warm on return: one forward (llm.load_model) and one short generation.
-    """
-    if path == SYNTHETIC_MODEL:
-        from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-
-        return None, synthetic_identity(synthetic_geometry or DEFAULT_GEOMETRY)
-    import os
-
-    if cache_dir is not None:
-        os.environ["PFEC_CACHE_DIR"] = str(cache_dir)
-    from pfec.common.model import llm
-
-    runtime = llm.load_model(path, device=device)
-    warm_generation(runtime)
-    return runtime, runtime_identity(runtime)
-
-
-def warm_generation(runtime: Any) -> None:
-    """Prefill a few tokens and decode two: every code path of a handoff runs once before the first one."""
-    from pfec.common.model import llm
-
-    cache, _ = llm.prefill(runtime, [1, 2, 3, 4, 5, 6, 7, 8])
-    llm.generate(runtime, llm.partial_from_cache(cache, None, "mask"), [9, 10], max_new_tokens=2)

@@ -1,5 +1,8 @@
 """PriorityFEC wire format: the only module that turns bytes into messages (sans-IO).
 
+Layouts, message types, encoding and the one parser (raising ``ParseError``). Sealing and opening
+(keys, AEAD, the replay window) are :mod:`.seal`'s; it calls the per-packet pieces here.
+
 Every datagram is a 14-byte cleartext header (the AEAD associated data), the AEAD
 ciphertext of a type-specific body, and a 16-byte AES-256-GCM tag. All integers are
 big-endian (network order).
@@ -48,12 +51,9 @@ Per-datagram overhead (on top of UDP/IP: +28 B IPv4, +48 B IPv6)::
 
 No datagram may exceed MAX_DATAGRAM = 1400 B (1428 B on IPv4, 1448 B on IPv6 < 1500 MTU).
 
-Protection: ``PacketProtector`` (one session, one local role). Keys:
-HKDF-SHA256(psk, salt=b"pfec/1", info=b"pfec/1 s2r" | b"pfec/1 r2s" + u64 session_id),
-32 bytes (AES-256-GCM). With ``authenticate=False`` bodies travel in clear and the tag
-is a fixed all-zero field that is still checked (identical datagram sizes).
+Protection: :class:`pfec.common.wire.seal.PacketProtector` (one session, one local role).
 
-Parsing failures raise ``ParseError`` (``AuthError``/``ReplayError`` are subclasses)
+Parsing failures raise ``ParseError`` (:mod:`.seal`'s ``AuthError``/``ReplayError`` are subclasses)
 whose ``.reason`` is one of ``PARSE_REASONS``. Encoding our own malformed message
 raises ``ValueError`` (``TypeError`` for something that is not a message).
 """
@@ -66,22 +66,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Final, Literal, TypeAlias
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 __all__ = [
     "ACCEPT_BODY_SIZE",
     "ACK_BODY_SIZE",
     "DEFAULT_SYMBOL_SIZE",
     "FINGERPRINT_SIZE",
     "HEADER_SIZE",
-    "KEY_SIZE",
     "MAX_DATAGRAM",
     "MAX_HOLE_BITS",
     "MAX_TEXT",
-    "MIN_PSK_SIZE",
     "OFFER_FIXED_SIZE",
     "OVERHEAD",
     "PARSE_REASONS",
@@ -89,33 +82,40 @@ __all__ = [
     "RESULT_FIXED_SIZE",
     "SOURCE_ID_SIZE",
     "TAG_SIZE",
+    "U32_MAX",
     "WIRE_VERSION",
     "Accept",
     "Ack",
-    "AuthError",
     "Close",
     "CloseCode",
     "Header",
     "Message",
     "MsgType",
     "Offer",
-    "PacketProtector",
     "ParseError",
     "ParseReason",
     "Refuse",
     "RefuseCode",
     "Repair",
-    "ReplayError",
     "Result",
     "Role",
     "Source",
+    "body_bounds",
+    "check_symbol_size",
     "clip_text",
     "decode_body",
-    "derive_key",
+    "decode_checked_body",
     "encode_body",
     "max_app_chunk",
+    "new_header",
+    "pack_header",
+    "pack_source_id",
     "peek_header",
+    "repair_fec_id",
     "split_app",
+    "types_received_by",
+    "types_sent_by",
+    "unpack_header",
 ]
 
 # --------------------------------------------------------------------------- constants
@@ -136,29 +136,23 @@ RESULT_FIXED_SIZE: Final = 8
 FINGERPRINT_SIZE: Final = 32
 MAX_TEXT: Final = 512
 MAX_BODY: Final = MAX_DATAGRAM - OVERHEAD
-KEY_SIZE: Final = 32
-MIN_PSK_SIZE: Final = 32
 
+U32_MAX: Final = 0xFFFF_FFFF  # also the last packet number
 _U16_MAX: Final = 0xFFFF
-_U32_MAX: Final = 0xFFFF_FFFF
-_U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 _HEADER = struct.Struct(">BBQI")
-_NONCE = struct.Struct(">8xI")
 _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
 _ACK = struct.Struct(">IIIHHIIIIIH")
 _OFFER = struct.Struct(">HHII32sHH")
 _ACCEPT = struct.Struct(">HI")
 _RESULT = struct.Struct(">IHH")
-_SID = struct.Struct(">Q")
-_ZERO_TAG: Final = bytes(TAG_SIZE)
-# Bound methods, to save an attribute lookup per packet on the hot path.
-_HEADER_PACK: Final = _HEADER.pack
+# Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
+# :mod:`.seal`'s per-packet layout steps).
+pack_header: Final = _HEADER.pack  # (version, type, session_id, packet_number) -> 14 B
 _HEADER_UNPACK_FROM: Final = _HEADER.unpack_from
-_NONCE_PACK: Final = _NONCE.pack
-_U32_PACK: Final = _U32.pack
-_REPAIR_ID_PACK: Final = _REPAIR_ID.pack
+pack_source_id: Final = _U32.pack  # (esi,) -> the SOURCE FEC Payload ID
+_REPAIR_ID_PACK: Final = _REPAIR_ID.pack  # (repair_key, dt << 12 | nss, fss_esi)
 _U32_UNPACK_FROM: Final = _U32.unpack_from
 
 assert _HEADER.size == HEADER_SIZE
@@ -208,6 +202,17 @@ _CLOSE_BY_INT: Final = {int(c): c for c in CloseCode}
 _S2R_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR, MsgType.OFFER, MsgType.CLOSE})
 _R2S_TYPES: Final = frozenset({MsgType.ACK, MsgType.ACCEPT, MsgType.REFUSE, MsgType.RESULT, MsgType.CLOSE})
 
+
+def types_sent_by(role: Role) -> frozenset[MsgType]:
+    """The message types ``role`` seals."""
+    return _S2R_TYPES if role is Role.SENDER else _R2S_TYPES
+
+
+def types_received_by(role: Role) -> frozenset[MsgType]:
+    """The message types ``role`` opens (the peer's)."""
+    return _R2S_TYPES if role is Role.SENDER else _S2R_TYPES
+
+
 # --------------------------------------------------------------------------- errors
 
 ParseReason: TypeAlias = Literal[
@@ -246,17 +251,6 @@ class ParseError(Exception):
     def __init__(self, reason: ParseReason, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-class AuthError(ParseError):
-    """The authentication tag did not verify (wrong key, tampering, corruption)."""
-
-    def __init__(self, reason: ParseReason = "auth", detail: str = "") -> None:
-        super().__init__(reason, detail)
-
-
-class ReplayError(ParseError):
-    """Duplicate packet number (``replay``) or one older than the window (``too_old``)."""
 
 
 # --------------------------------------------------------------------------- messages
@@ -382,7 +376,7 @@ def _buflen(buf: bytes | bytearray | memoryview) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
-def _body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
+def body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
     """(min, max) body size for a type; KeyError for an unknown type."""
     return {
         MsgType.SOURCE: (SOURCE_ID_SIZE + symbol_size, SOURCE_ID_SIZE + symbol_size),
@@ -396,7 +390,8 @@ def _body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
     }[_MSGTYPE_BY_INT[mtype]]
 
 
-def _check_symbol_size(symbol_size: int) -> None:
+def check_symbol_size(symbol_size: int) -> None:
+    """ValueError unless ``symbol_size`` is a session symbol size one datagram can carry."""
     if not isinstance(symbol_size, int) or not 1 <= symbol_size <= DEFAULT_SYMBOL_SIZE:
         raise ValueError(f"symbol_size must be an int in [1, {DEFAULT_SYMBOL_SIZE}], got {symbol_size!r}")
 
@@ -430,89 +425,166 @@ def _check_parts(part_index: int, part_count: int, what: str) -> None:
         raise ValueError(f"{what}: need 0 <= part_index < part_count <= 65535, got {part_index}/{part_count}")
 
 
+def repair_fec_id(repair_key: int, dt: int, nss: int, fss_esi: int) -> bytes:
+    """The 8-byte REPAIR FEC Payload ID (RFC 8681); ValueError for a field out of its domain."""
+    if type(dt) is not int or type(nss) is not int or not (0 <= dt <= 15 and 1 <= nss <= 0xFFF):
+        raise ValueError(f"REPAIR: need 0 <= dt <= 15 and 1 <= nss <= 4095, got {dt!r}, {nss!r}")
+    try:
+        return _REPAIR_ID_PACK(repair_key, (dt << 12) | nss, fss_esi)
+    except struct.error as exc:
+        raise ValueError(f"REPAIR: field out of range: {exc}") from exc
+
+
+def _enc_symbol(msg: Source | Repair, symbol_size: int | None) -> bytes:
+    n = _buflen(msg.symbol)
+    if symbol_size is None:
+        if not 1 <= n <= DEFAULT_SYMBOL_SIZE:
+            raise ValueError(f"symbol of {n} B: must be 1..{DEFAULT_SYMBOL_SIZE}")
+    elif n != symbol_size:
+        raise ValueError(f"symbol of {n} B, session symbol_size is {symbol_size}")
+    if isinstance(msg, Source):
+        return _pack(_U32, "SOURCE", msg.esi) + msg.symbol
+    return repair_fec_id(msg.repair_key, msg.dt, msg.nss, msg.fss_esi) + msg.symbol
+
+
+def _enc_ack(msg: Ack) -> bytes:
+    deficit, unknowns = msg.deficit, msg.unknowns
+    if not (0 <= msg.hole_bits <= MAX_HOLE_BITS and len(msg.holes) == (msg.hole_bits + 7) // 8):
+        raise ValueError(
+            f"ACK: hole map of {len(msg.holes)} bytes does not fit hole_bits {msg.hole_bits!r} "
+            f"(<= {MAX_HOLE_BITS})"
+        )
+    if not (isinstance(deficit, int) and isinstance(unknowns, int) and deficit >= 0 and unknowns >= 0):
+        raise ValueError(f"ACK: deficit/unknowns must be non-negative ints, got {deficit!r}/{unknowns!r}")
+    return _pack(
+        _ACK,
+        "ACK",
+        msg.decoded_prefix,
+        msg.seen_end,
+        msg.decoded_count,
+        min(deficit, _U16_MAX),
+        min(unknowns, _U16_MAX),
+        msg.largest_pn,
+        msg.ack_delay_us,
+        msg.received,
+        msg.lost,
+        msg.loss_runs,
+        msg.hole_bits,
+    ) + bytes(msg.holes)
+
+
+def _enc_offer(msg: Offer) -> bytes:
+    if not isinstance(msg.fingerprint, (bytes, bytearray)) or len(msg.fingerprint) != FINGERPRINT_SIZE:
+        raise ValueError(f"OFFER: fingerprint must be {FINGERPRINT_SIZE} bytes")
+    _check_parts(msg.part_index, msg.part_count, "OFFER")
+    if not (isinstance(msg.symbol_size, int) and 1 <= msg.symbol_size <= DEFAULT_SYMBOL_SIZE):
+        raise ValueError(f"OFFER: symbol_size must be 1..{DEFAULT_SYMBOL_SIZE}, got {msg.symbol_size!r}")
+    if len(msg.app) > max_app_chunk(MsgType.OFFER):
+        raise ValueError(f"OFFER: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.OFFER)}")
+    fixed = _pack(
+        _OFFER,
+        "OFFER",
+        msg.symbol_size,
+        msg.window_cap,
+        msg.n_source,
+        msg.budget_us,
+        bytes(msg.fingerprint),
+        msg.part_index,
+        msg.part_count,
+    )
+    return fixed + msg.app
+
+
+def _enc_result(msg: Result) -> bytes:
+    _check_parts(msg.part_index, msg.part_count, "RESULT")
+    if len(msg.app) > max_app_chunk(MsgType.RESULT):
+        raise ValueError(f"RESULT: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.RESULT)}")
+    return _pack(_RESULT, "RESULT", msg.decoded_count, msg.part_index, msg.part_count) + msg.app
+
+
+def _enc_coded_text(msg: Refuse | Close) -> bytes:
+    what, codes = ("REFUSE", _REFUSE_BY_INT) if isinstance(msg, Refuse) else ("CLOSE", _CLOSE_BY_INT)
+    if msg.code not in codes:
+        raise ValueError(f"{what}: unknown code {msg.code!r}")
+    return _encode_text(msg.code, msg.text, what)
+
+
 def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
     """Plaintext body of ``msg``. ``symbol_size`` (if given) fixes SOURCE/REPAIR symbol length.
 
     Raises ValueError for out-of-range fields or a body that would not fit MAX_DATAGRAM.
     """
     if isinstance(msg, (Source, Repair)):
-        n = _buflen(msg.symbol)
-        if symbol_size is None:
-            if not 1 <= n <= DEFAULT_SYMBOL_SIZE:
-                raise ValueError(f"symbol of {n} B: must be 1..{DEFAULT_SYMBOL_SIZE}")
-        elif n != symbol_size:
-            raise ValueError(f"symbol of {n} B, session symbol_size is {symbol_size}")
-        if isinstance(msg, Source):
-            return _pack(_U32, "SOURCE", msg.esi) + msg.symbol
-        if not (isinstance(msg.dt, int) and 0 <= msg.dt <= 15):
-            raise ValueError(f"REPAIR: dt must be 0..15, got {msg.dt!r}")
-        if not (isinstance(msg.nss, int) and 1 <= msg.nss <= 0xFFF):
-            raise ValueError(f"REPAIR: nss must be 1..4095, got {msg.nss!r}")
-        return _pack(_REPAIR_ID, "REPAIR", msg.repair_key, (msg.dt << 12) | msg.nss, msg.fss_esi) + msg.symbol
+        return _enc_symbol(msg, symbol_size)
     if isinstance(msg, Ack):
-        deficit, unknowns = msg.deficit, msg.unknowns
-        if not (0 <= msg.hole_bits <= MAX_HOLE_BITS and len(msg.holes) == (msg.hole_bits + 7) // 8):
-            raise ValueError(
-                f"ACK: hole map of {len(msg.holes)} bytes does not fit hole_bits {msg.hole_bits!r} "
-                f"(<= {MAX_HOLE_BITS})"
-            )
-        if not (isinstance(deficit, int) and isinstance(unknowns, int) and deficit >= 0 and unknowns >= 0):
-            raise ValueError(f"ACK: deficit/unknowns must be non-negative ints, got {deficit!r}/{unknowns!r}")
-        return _pack(
-            _ACK,
-            "ACK",
-            msg.decoded_prefix,
-            msg.seen_end,
-            msg.decoded_count,
-            min(deficit, _U16_MAX),
-            min(unknowns, _U16_MAX),
-            msg.largest_pn,
-            msg.ack_delay_us,
-            msg.received,
-            msg.lost,
-            msg.loss_runs,
-            msg.hole_bits,
-        ) + bytes(msg.holes)
+        return _enc_ack(msg)
     if isinstance(msg, Offer):
-        if not isinstance(msg.fingerprint, (bytes, bytearray)) or len(msg.fingerprint) != FINGERPRINT_SIZE:
-            raise ValueError(f"OFFER: fingerprint must be {FINGERPRINT_SIZE} bytes")
-        _check_parts(msg.part_index, msg.part_count, "OFFER")
-        if not (isinstance(msg.symbol_size, int) and 1 <= msg.symbol_size <= DEFAULT_SYMBOL_SIZE):
-            raise ValueError(f"OFFER: symbol_size must be 1..{DEFAULT_SYMBOL_SIZE}, got {msg.symbol_size!r}")
-        if len(msg.app) > max_app_chunk(MsgType.OFFER):
-            raise ValueError(f"OFFER: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.OFFER)}")
-        fixed = _pack(
-            _OFFER,
-            "OFFER",
-            msg.symbol_size,
-            msg.window_cap,
-            msg.n_source,
-            msg.budget_us,
-            bytes(msg.fingerprint),
-            msg.part_index,
-            msg.part_count,
-        )
-        return fixed + msg.app
+        return _enc_offer(msg)
     if isinstance(msg, Accept):
         return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source)
-    if isinstance(msg, Refuse):
-        if msg.code not in _REFUSE_BY_INT:
-            raise ValueError(f"REFUSE: unknown code {msg.code!r}")
-        return _encode_text(msg.code, msg.text, "REFUSE")
     if isinstance(msg, Result):
-        _check_parts(msg.part_index, msg.part_count, "RESULT")
-        if len(msg.app) > max_app_chunk(MsgType.RESULT):
-            raise ValueError(f"RESULT: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.RESULT)}")
-        return _pack(_RESULT, "RESULT", msg.decoded_count, msg.part_index, msg.part_count) + msg.app
-    if isinstance(msg, Close):
-        if msg.code not in _CLOSE_BY_INT:
-            raise ValueError(f"CLOSE: unknown code {msg.code!r}")
-        return _encode_text(msg.code, msg.text, "CLOSE")
+        return _enc_result(msg)
+    if isinstance(msg, (Refuse, Close)):
+        return _enc_coded_text(msg)
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
 # --------------------------------------------------------------------------- decoding
-# Decoders assume the body length was already checked against _body_bounds.
+# Messages made per packet skip the generated __init__ of their frozen dataclass.
+
+
+def _fast_ctor2(cls: type[Any]) -> Callable[[Any, Any], Any]:
+    """Constructor for a frozen slots dataclass of 2 fields that skips the generated
+    __init__ (which pays for frozen-object __setattr__ per field); used on the hot path."""
+    a, b = (cls.__dict__[f.name].__set__ for f in fields(cls))
+    new = object.__new__
+
+    def make(x: Any, y: Any) -> Any:
+        obj = new(cls)
+        a(obj, x)
+        b(obj, y)
+        return obj
+
+    return make
+
+
+def _fast_ctor4(cls: type[Any]) -> Callable[[Any, Any, Any, Any], Any]:
+    a, b, c, d = (cls.__dict__[f.name].__set__ for f in fields(cls))
+    new = object.__new__
+
+    def make(w: Any, x: Any, y: Any, z: Any) -> Any:
+        obj = new(cls)
+        a(obj, w)
+        b(obj, x)
+        c(obj, y)
+        d(obj, z)
+        return obj
+
+    return make
+
+
+def _fast_ctor5(cls: type[Any]) -> Callable[[Any, Any, Any, Any, Any], Any]:
+    a, b, c, d, e = (cls.__dict__[f.name].__set__ for f in fields(cls))
+    new = object.__new__
+
+    def make(v: Any, w: Any, x: Any, y: Any, z: Any) -> Any:
+        obj = new(cls)
+        a(obj, v)
+        b(obj, w)
+        c(obj, x)
+        d(obj, y)
+        e(obj, z)
+        return obj
+
+    return make
+
+
+new_header: Final[Callable[[int, MsgType, int, int], Header]] = _fast_ctor4(Header)
+_new_source: Final[Callable[[int, memoryview], Source]] = _fast_ctor2(Source)
+_new_repair: Final[Callable[[int, int, int, int, memoryview], Repair]] = _fast_ctor5(Repair)
+
+
+# Decoders assume the body length was already checked against body_bounds.
 
 _Body: TypeAlias = bytes | memoryview
 
@@ -601,7 +673,7 @@ def decode_body(mtype: int, body: bytes | memoryview, symbol_size: int) -> Messa
     """
     if mtype not in _MSGTYPE_BY_INT:
         raise ParseError("bad_type", f"type {mtype}")
-    lo, hi = _body_bounds(mtype, symbol_size)
+    lo, hi = body_bounds(mtype, symbol_size)
     n = _buflen(body)
     if n < lo:
         raise ParseError("truncated", f"{MsgType(mtype).name} body {n} B < {lo}")
@@ -610,299 +682,39 @@ def decode_body(mtype: int, body: bytes | memoryview, symbol_size: int) -> Messa
     return _DECODERS[mtype](body)
 
 
-def peek_header(datagram: bytes | bytearray | memoryview) -> Header:
-    """Parse and sanity-check the cleartext header only (for dispatch by session id).
+def decode_checked_body(mtype: int, body: memoryview) -> Message:
+    """Parse the opened body of a datagram whose type and body length the protector already checked.
 
-    Nothing here is authenticated yet: use it to pick a protector, then call its open().
+    Raises ParseError (bad field values) only; SOURCE/REPAIR ``symbol`` is a view into ``body``.
     """
+    if mtype == 1:  # SOURCE, most datagrams: no decoder lookup
+        return _new_source(_U32_UNPACK_FROM(body)[0], body[SOURCE_ID_SIZE:])
+    return _DECODERS[mtype](body)
+
+
+def unpack_header(datagram: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+    """(version, type, session id, packet number) of a datagram of a possible size and our version;
+    ParseError otherwise. The checks of the type and the packet number are the caller's."""
     n = _buflen(datagram)
     if n < OVERHEAD:
         raise ParseError("truncated", f"{n} B datagram")
     if n > MAX_DATAGRAM:
         raise ParseError("oversized", f"{n} B datagram")
-    version, mtype, sid, pn = _HEADER.unpack_from(datagram)
-    if version != WIRE_VERSION:
-        raise ParseError("bad_version", f"version {version}")
+    fields = _HEADER_UNPACK_FROM(datagram)
+    if fields[0] != WIRE_VERSION:
+        raise ParseError("bad_version", f"version {fields[0]}")
+    return fields
+
+
+def peek_header(datagram: bytes | bytearray | memoryview) -> Header:
+    """Parse and sanity-check the cleartext header only (for dispatch by session id).
+
+    Nothing here is authenticated yet: use it to pick a protector, then call its ``open_peeked()``.
+    """
+    version, mtype, sid, pn = unpack_header(datagram)
     t = _MSGTYPE_BY_INT.get(mtype)
     if t is None:
         raise ParseError("bad_type", f"type {mtype}")
     if pn == 0:
         raise ParseError("bad_field", "packet number 0")
-    return Header(version, t, sid, pn)
-
-
-# --------------------------------------------------------------------------- protection
-
-
-def derive_key(psk: bytes, session_id: int, direction: Literal["s2r", "r2s"]) -> bytes:
-    """HKDF-SHA256 key for one session and direction (s2r: sender -> receiver)."""
-    if not isinstance(psk, (bytes, bytearray)) or len(psk) < MIN_PSK_SIZE:
-        raise ValueError(f"psk must be at least {MIN_PSK_SIZE} bytes")
-    if direction not in ("s2r", "r2s"):
-        raise ValueError(f"direction must be 's2r' or 'r2s', got {direction!r}")
-    if not isinstance(session_id, int) or not 0 <= session_id <= _U64_MAX:
-        raise ValueError(f"session_id must be a u64, got {session_id!r}")
-    info = b"pfec/1 " + direction.encode("ascii") + _SID.pack(session_id)
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_SIZE, salt=b"pfec/1", info=info).derive(bytes(psk))
-
-
-def _fast_ctor2(cls: type[Any]) -> Callable[[Any, Any], Any]:
-    """Constructor for a frozen slots dataclass of 2 fields that skips the generated
-    __init__ (which pays for frozen-object __setattr__ per field); used on the hot path."""
-    a, b = (cls.__dict__[f.name].__set__ for f in fields(cls))
-    new = object.__new__
-
-    def make(x: Any, y: Any) -> Any:
-        obj = new(cls)
-        a(obj, x)
-        b(obj, y)
-        return obj
-
-    return make
-
-
-def _fast_ctor4(cls: type[Any]) -> Callable[[Any, Any, Any, Any], Any]:
-    a, b, c, d = (cls.__dict__[f.name].__set__ for f in fields(cls))
-    new = object.__new__
-
-    def make(w: Any, x: Any, y: Any, z: Any) -> Any:
-        obj = new(cls)
-        a(obj, w)
-        b(obj, x)
-        c(obj, y)
-        d(obj, z)
-        return obj
-
-    return make
-
-
-def _fast_ctor5(cls: type[Any]) -> Callable[[Any, Any, Any, Any, Any], Any]:
-    a, b, c, d, e = (cls.__dict__[f.name].__set__ for f in fields(cls))
-    new = object.__new__
-
-    def make(v: Any, w: Any, x: Any, y: Any, z: Any) -> Any:
-        obj = new(cls)
-        a(obj, v)
-        b(obj, w)
-        c(obj, x)
-        d(obj, y)
-        e(obj, z)
-        return obj
-
-    return make
-
-
-_new_header: Final[Callable[[int, MsgType, int, int], Header]] = _fast_ctor4(Header)
-_new_source: Final[Callable[[int, memoryview], Source]] = _fast_ctor2(Source)
-_new_repair: Final[Callable[[int, int, int, int, memoryview], Repair]] = _fast_ctor5(Repair)
-
-
-class PacketProtector:
-    """Seals outgoing and opens incoming datagrams of one session for one local role.
-
-    Never build two protectors for the same (psk, session_id, role): the packet number
-    is the nonce, so a second sealer would reuse nonces. Session ids must be fresh.
-
-    In ``open`` the order of checks is: size, version, session id, type (and direction),
-    body length, packet number 0, AEAD tag, replay window (updated only after the tag
-    verified), body fields. SOURCE/REPAIR symbols are memoryviews into the decrypted
-    plaintext (authenticated mode) or into ``datagram`` itself (``authenticate=False``):
-    in the latter case do not reuse a receive buffer while the message is alive.
-    ``datagram`` must be a byte buffer (bytes, bytearray or a format-"B" memoryview).
-
-    Replay window: ``ring[pn % W]`` holds the last packet number stored in that slot. A
-    packet with ``largest - W < pn <= largest`` was received iff ``ring[pn % W] == pn``
-    (a later writer of that slot would be >= pn + W > largest), so duplicate detection is
-    O(1) with no bitmap shifting.
-    """
-
-    __slots__ = (
-        "_bounds",
-        "_largest",
-        "_next_pn",
-        "_opener",
-        "_ring",
-        "_role",
-        "_sealer",
-        "_send_types",
-        "_sends_source",
-        "_session_id",
-        "_symbol_size",
-        "_window",
-    )
-
-    def __init__(
-        self,
-        psk: bytes,
-        session_id: int,
-        role: Role,
-        symbol_size: int,
-        *,
-        authenticate: bool = True,
-        replay_window: int = 1024,
-    ) -> None:
-        if not isinstance(role, Role):
-            raise ValueError(f"role must be a Role, got {role!r}")
-        _check_symbol_size(symbol_size)
-        if not isinstance(replay_window, int) or not 1 <= replay_window <= 1 << 20:
-            raise ValueError(f"replay_window must be an int in [1, 2**20], got {replay_window!r}")
-        k_s2r = derive_key(psk, session_id, "s2r")
-        k_r2s = derive_key(psk, session_id, "r2s")
-        k_out, k_in = (k_s2r, k_r2s) if role is Role.SENDER else (k_r2s, k_s2r)
-        self._sealer: AESGCM | None = AESGCM(k_out) if authenticate else None
-        self._opener: AESGCM | None = AESGCM(k_in) if authenticate else None
-        self._role = role
-        self._session_id = session_id
-        self._symbol_size = symbol_size
-        self._window = replay_window
-        self._ring = [0] * replay_window
-        self._largest = 0
-        self._next_pn = 1
-        send = _S2R_TYPES if role is Role.SENDER else _R2S_TYPES
-        recv = _R2S_TYPES if role is Role.SENDER else _S2R_TYPES
-        self._send_types = frozenset(int(t) for t in send)
-        self._sends_source = MsgType.SOURCE in send
-        self._bounds = {int(t): _body_bounds(t, symbol_size) for t in recv}
-
-    # read-only view -------------------------------------------------------------
-    @property
-    def session_id(self) -> int:
-        return self._session_id
-
-    @property
-    def role(self) -> Role:
-        return self._role
-
-    @property
-    def symbol_size(self) -> int:
-        return self._symbol_size
-
-    @property
-    def authenticate(self) -> bool:
-        return self._sealer is not None
-
-    @property
-    def replay_window(self) -> int:
-        return self._window
-
-    @property
-    def packets_sealed(self) -> int:
-        return self._next_pn - 1
-
-    @property
-    def largest_received_pn(self) -> int:
-        """Largest authenticated packet number received (0 before any)."""
-        return self._largest
-
-    # sealing --------------------------------------------------------------------
-    def seal(self, msg: Message) -> bytes:
-        """Encode and protect ``msg`` with the next packet number.
-
-        ValueError for out-of-range fields, a wrong symbol length, a type this role
-        never sends, or an exhausted packet-number space; the number is then not used.
-        """
-        pn = self._next_pn
-        if pn > _U32_MAX:
-            raise ValueError("packet number space exhausted; start a new session")
-        if type(msg) is Source and self._sends_source:
-            return self.seal_source(msg.esi, msg.symbol)
-        if type(msg) is Repair and self._sends_source:
-            symbol = msg.symbol
-            if len(symbol) != self._symbol_size or (type(symbol) is memoryview and symbol.itemsize != 1):
-                raise ValueError(f"REPAIR symbol of {_buflen(symbol)} B, symbol_size is {self._symbol_size}")
-            dt, nss = msg.dt, msg.nss
-            if type(dt) is not int or type(nss) is not int or not (0 <= dt <= 15 and 1 <= nss <= 0xFFF):
-                raise ValueError(f"REPAIR: need 0 <= dt <= 15 and 1 <= nss <= 4095, got {dt!r}, {nss!r}")
-            try:
-                prefix = _REPAIR_ID_PACK(msg.repair_key, (dt << 12) | nss, msg.fss_esi)
-            except struct.error as exc:
-                raise ValueError(f"REPAIR: field out of range: {exc}") from exc
-            header = _HEADER_PACK(WIRE_VERSION, 2, self._session_id, pn)
-            if self._sealer is None:
-                out = b"".join((header, prefix, symbol, _ZERO_TAG))
-            else:
-                out = header + self._sealer.encrypt(_NONCE_PACK(pn), prefix + symbol, header)
-        else:
-            body = encode_body(msg, self._symbol_size)
-            mtype = msg.TYPE
-            if mtype not in self._send_types:
-                raise ValueError(f"{self._role.name} never sends {mtype.name}")
-            header = _HEADER_PACK(WIRE_VERSION, mtype, self._session_id, pn)
-            if self._sealer is None:
-                out = b"".join((header, body, _ZERO_TAG))
-            else:
-                out = header + self._sealer.encrypt(_NONCE_PACK(pn), body, header)
-        self._next_pn = pn + 1
-        return out
-
-    def seal_source(self, esi: int, symbol: bytes | memoryview) -> bytes:
-        """``seal(Source(esi, symbol))`` without building the message: the sender's per-datagram path."""
-        pn = self._next_pn
-        if pn > _U32_MAX:
-            raise ValueError("packet number space exhausted; start a new session")
-        if not self._sends_source:
-            raise ValueError(f"{self._role.name} never sends SOURCE")
-        if len(symbol) != self._symbol_size or (type(symbol) is memoryview and symbol.itemsize != 1):
-            raise ValueError(f"SOURCE symbol of {_buflen(symbol)} B, symbol_size is {self._symbol_size}")
-        try:
-            prefix = _U32_PACK(esi)
-        except struct.error as exc:
-            raise ValueError(f"SOURCE: esi out of range: {esi!r}") from exc
-        header = _HEADER_PACK(WIRE_VERSION, 1, self._session_id, pn)
-        if self._sealer is None:
-            out = b"".join((header, prefix, symbol, _ZERO_TAG))
-        else:
-            out = header + self._sealer.encrypt(_NONCE_PACK(pn), prefix + symbol, header)
-        self._next_pn = pn + 1
-        return out
-
-    # opening --------------------------------------------------------------------
-    def open(self, datagram: bytes | bytearray | memoryview) -> tuple[Header, Message]:
-        """Verify and parse one datagram; raises ParseError (or a subclass) only."""
-        n = len(datagram)
-        if n < OVERHEAD:
-            raise ParseError("truncated", f"{n} B datagram")
-        if n > MAX_DATAGRAM:
-            raise ParseError("oversized", f"{n} B datagram")
-        version, mtype, sid, pn = _HEADER_UNPACK_FROM(datagram)
-        if version != WIRE_VERSION:
-            raise ParseError("bad_version", f"version {version}")
-        if sid != self._session_id:
-            raise ParseError("wrong_session", f"session {sid:#x}")
-        bounds = self._bounds.get(mtype)
-        if bounds is None:
-            raise ParseError("bad_type", f"type {mtype} not accepted by {self._role.name}")
-        blen = n - OVERHEAD
-        if blen < bounds[0]:
-            raise ParseError("truncated", f"type {mtype} body {blen} B < {bounds[0]}")
-        if blen > bounds[1]:
-            raise ParseError("bad_length", f"type {mtype} body {blen} B > {bounds[1]}")
-        if pn == 0:
-            raise ParseError("bad_field", "packet number 0")
-        view = memoryview(datagram)
-        body: memoryview
-        if self._opener is not None:
-            try:
-                plain = self._opener.decrypt(_NONCE_PACK(pn), view[HEADER_SIZE:], view[:HEADER_SIZE])
-                body = memoryview(plain)
-            except InvalidTag:
-                raise AuthError("auth", f"packet {pn}") from None
-        else:
-            if view[n - TAG_SIZE :] != _ZERO_TAG:
-                raise AuthError("auth", f"packet {pn}: non-zero tag in unauthenticated mode")
-            body = view[HEADER_SIZE : n - TAG_SIZE]
-        # Replay window: checked now that the packet is authentic, updated once it also parsed.
-        largest = self._largest
-        if pn <= largest:
-            if largest - pn >= self._window:
-                raise ReplayError("too_old", f"packet {pn}, largest {largest}")
-            if self._ring[pn % self._window] == pn:
-                raise ReplayError("replay", f"packet {pn}")
-        if mtype == 1:
-            msg: Message = _new_source(_U32_UNPACK_FROM(body)[0], body[SOURCE_ID_SIZE:])
-        else:
-            msg = _DECODERS[mtype](body)
-        if pn > largest:
-            self._largest = pn
-        self._ring[pn % self._window] = pn
-        return _new_header(version, _MSGTYPE_BY_INT[mtype], sid, pn), msg
+    return new_header(version, t, sid, pn)

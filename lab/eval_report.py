@@ -1,15 +1,22 @@
-"""Outputs of ``pfec eval``: JSON, figures (matplotlib, Agg) and the generated section of docs/RESULTS.md."""
+"""Outputs of ``pfec eval``: CSV + JSON, figures (matplotlib, Agg) and the generated part of docs/RESULTS.md.
+
+``write_outputs`` writes them all; the section between ``RESULTS_BEGIN`` and ``RESULTS_END`` states the
+inputs, the utility tables, the acceptance claims with paired differences, the comparison with the paper,
+the task, ablation and overhead tables, and how to replay a loss capture.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-from pfec.lab.evaluate import ABLATION_RHOS, FALLBACK, PAPER, RESULTS_BEGIN, RESULTS_END
-from pfec.lab.sim import mean_ci95
+from pfec.lab.eval_config import ABLATION_RHOS, FALLBACK, PAPER, RESULTS_BEGIN, RESULTS_END
+from pfec.lab.figures import pyplot, save_figure
+from pfec.lab.stats import mean_ci95
 
 # The paper's compared transports (V-A): the "best baseline" of the comparison is the best of these. The
 # ablation variants (priority, priority-fixed, rl-fec), our heuristic and the idealised bounds are not.
@@ -19,24 +26,81 @@ CLAIM_GAIN_POINTS = 5.0
 CLAIM_EFFICIENCY = 0.97
 
 
+CSV_FIELDS = (
+    "scheme",
+    "config",
+    "rho",
+    "recovered_utility_mean",
+    "ci95_low",
+    "ci95_high",
+    "efficiency_mean",
+    "efficiency_ci95_low",
+    "efficiency_ci95_high",
+    "n",
+    "repair_sent_mean",
+    "source_sent_mean",
+)
+
+
+def write_outputs(
+    result: dict[str, Any], out_dir: Path, figures_dir: Path, results_md: Path | None
+) -> dict[str, str]:
+    """CSV + JSON into ``out_dir``, figures into ``figures_dir``, and (unless None) the RESULTS section."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "csv": str(write_csv(result, out_dir / "eval_utility.csv")),
+        "json": str(write_json(result, out_dir / "eval.json")),
+        "utility_plot": str(plot_utility(result, figures_dir / "eval_utility.png")),
+    }
+    if result["task"].get("summary"):
+        paths["task_plot"] = str(plot_task(result, figures_dir / "eval_task_f1.png"))
+    if results_md is not None:
+        section = render_section(result, paths, results_md.parent)
+        update_results_md(results_md, section)
+        paths["results_md"] = str(results_md)
+    return paths
+
+
+def write_csv(result: dict[str, Any], path: Path) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for cell in result["cells"]:
+            for name, s in cell["schemes"].items():
+                ci = s.get("recovered_utility_ci95") or [None, None]
+                eff_ci = s.get("efficiency_ci95") or [None, None]
+                writer.writerow(
+                    {
+                        "scheme": name,
+                        "config": cell["config"],
+                        "rho": cell["rho"],
+                        "recovered_utility_mean": s["recovered_utility_mean"],
+                        "ci95_low": ci[0],
+                        "ci95_high": ci[1],
+                        "efficiency_mean": s.get("efficiency_mean"),
+                        "efficiency_ci95_low": eff_ci[0],
+                        "efficiency_ci95_high": eff_ci[1],
+                        "n": s.get("n"),
+                        "repair_sent_mean": s.get("repair_sent_mean"),
+                        "source_sent_mean": s.get("source_sent_mean"),
+                    }
+                )
+    return path
+
+
 def write_json(result: dict[str, Any], path: Path) -> Path:
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return path
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+# --------------------------------------------------------------------------- figures
 
 
 def plot_utility(result: dict[str, Any], path: Path) -> Path:
     """Recovered utility vs rho per scheme with 95% CIs, one panel per loss config; one colour and marker
     per scheme across panels, one legend for all of them."""
-    plt = _pyplot()
+    plt = pyplot()
     configs = list(dict.fromkeys(c["config"] for c in result["cells"]))
     everyone = list(dict.fromkeys(name for c in result["cells"] for name in c["schemes"]))
     colours = plt.get_cmap("tab20")
@@ -68,14 +132,12 @@ def plot_utility(result: dict[str, Any], path: Path) -> Path:
     ncol = min(len(handles), 7)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=7)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=130)
 
 
 def plot_task(result: dict[str, Any], path: Path) -> Path:
     """Needle-QA F1 (vs the gold answer) vs rho per scheme, one panel per receiver mode."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = result["task"]["summary"]
     modes = list(dict.fromkeys(r["mode"] for r in summary))
     fig, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.6), squeeze=False, sharey=True)
@@ -98,9 +160,7 @@ def plot_task(result: dict[str, Any], path: Path) -> Path:
     axes[0][0].set_ylabel("needle-QA F1 vs gold (%)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=130)
 
 
 def _label(name: str, row: dict[str, Any]) -> str:
@@ -428,7 +488,7 @@ def _trace_howto() -> list[str]:
         "phases; written by `pfec eval-trace --out profiles/example-loss.trace`). To replay a capture: send "
         "numbered probes at a fixed rate (e.g. a UDP ping), and write one line `time_s,lost` per probe "
         "(send time in seconds from the start, 1 when its echo or arrival is missing) below the first line "
-        "`# pfec-loss-trace v1` (format: `common/channel.py`); repeated states may be dropped, each entry "
+        "`# pfec-loss-trace v1` (format: `lab/channel.py`); repeated states may be dropped, each entry "
         "holds until the next. Then run `pfec eval --configs main,mine=trace:PATH` (or `pfec sim --loss "
         "trace:PATH`). A KV packet takes the state of the probe period it is sent in.",
         "",

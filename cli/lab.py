@@ -1,0 +1,365 @@
+"""The lab's commands: `pfec sim`, `demo`, `emulate`, `reliable`, `train`, `bench ...` and `tune ...`.
+
+Each parses its options, calls the lab module that does the work and prints the result (one JSON object on
+stdout with ``--json``; progress always on stderr). The lab modules that pull numba, torch or the daemons
+are imported inside the commands, so `pfec --help` does not load them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pfec.cli.shared import DOCS_BENCH, fail
+from pfec.common.node.config import parse_host_port
+from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
+from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
+from pfec.lab.channel import Bernoulli, parse_loss_spec
+from pfec.lab.emulator import emulate
+from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig, parse_loss
+from pfec.lab.emulator_netns import NetnsSpec
+from pfec.lab.progress import progress_line
+from pfec.lab.report import format_reliable_summary, format_sim_table
+
+MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+ResultJsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+TokensOpt = Annotated[int, typer.Option(help="Context tokens handed off.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the loss realizations.")]
+RttOpt = Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")]
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def sim_cmd(
+    scheme: Annotated[str, typer.Option(help="Comma-separated schemes, e.g. udp,priority,heuristic.")] = (
+        "udp,priority,uniform-fec,priority-fixed,heuristic"
+    ),
+    rho: Annotated[float | None, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = None,
+    deadline_ms: Annotated[float | None, typer.Option(help="Deadline D in ms (instead of --rho).")] = None,
+    loss: Annotated[str, typer.Option(help="ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH")] = MAIN_LOSS,
+    rate_mbps: Annotated[float, typer.Option(help="Bottleneck link rate.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: RttOpt = DEFAULT_RTT_MS,
+    tokens: TokensOpt = 1536,
+    realizations: Annotated[int, typer.Option(help="Paired loss realizations per scheme.")] = 10,
+    seed: SeedOpt = 1,
+    repair_budget: Annotated[
+        float, typer.Option(help="Repair budget, fraction of source symbols.")
+    ] = DEFAULT_REPAIR_BUDGET,
+    window: Annotated[int, typer.Option(help="Coding window cap K (symbols).")] = 64,
+    profile: Annotated[
+        str,
+        typer.Option(
+            help="Utility profile: 'shipped' (profiles/smollm2-135m-instruct.json), a JSON path, or "
+            "'synthetic' (documented stand-in)."
+        ),
+    ] = "shipped",
+    authenticate: Annotated[bool, typer.Option(help="AEAD-protect every simulated datagram.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
+    from pfec.lab.sim import SimConfig, simulate  # deferred: numba (keeps `pfec --help` fast)
+
+    profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
+    names = [s.strip() for s in scheme.split(",") if s.strip()]
+    if not names:
+        raise fail("--scheme is empty; give at least one scheme name")
+    if rho is None and deadline_ms is None:
+        rho = DEFAULT_RHO
+    try:
+        config = SimConfig(
+            loss=parse_loss_spec(loss),
+            rate_mbps=rate_mbps,
+            rtt_ms=rtt_ms,
+            rho=rho if deadline_ms is None else None,
+            deadline_ms=deadline_ms,
+            tokens=tokens,
+            repair_budget=repair_budget,
+            window_cap=window,
+            authenticate=authenticate,
+            profile=None if profile == "synthetic" else UtilityProfile.load(profile_path),
+            seed=seed,
+        )
+        result = simulate(config, names, realizations, progress=progress_line("sim"))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    result["inputs"]["loss"] = loss  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
+    result["inputs"]["profile_path"] = None if profile == "synthetic" else profile_path
+    typer.echo(json.dumps(result, indent=2) if as_json else format_sim_table(result))
+
+
+# --------------------------------------------------------------------------- real handoffs and links
+
+
+def demo_cmd(
+    scheme: Annotated[str, typer.Option(help="Scheme.")] = "heuristic",
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = DEFAULT_RHO,
+    loss: Annotated[str, typer.Option(help="Forward loss of the emulated link.")] = MAIN_LOSS,
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: Annotated[float, typer.Option(help="Emulated round-trip time.")] = DEFAULT_RTT_MS,
+    tokens: Annotated[int, typer.Option(help="Approximate context tokens (needle QA over essays).")] = 1500,
+    seed: Annotated[int, typer.Option(help="Workload and loss seed.")] = 1,
+    reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
+    compare_sim: Annotated[bool, typer.Option(help="Also run `pfec sim` on the same link (10 runs).")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
+    from pfec.lab.demo import DemoConfig, format_demo, run_demo  # deferred: numba + the daemons
+
+    try:
+        cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
+                         tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim)
+        result = run_demo(cfg)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    typer.echo(json.dumps(result, indent=2) if as_json else format_demo(result))
+
+
+def emulate_cmd(
+    mode: Annotated[
+        str, typer.Option(help="relay: UDP relay (no root); netns: TUN between two namespaces (root).")
+    ] = "relay",
+    listen: Annotated[str, typer.Option(help="relay: HOST:PORT the sender sends to.")] = "0.0.0.0:7401",
+    forward_to: Annotated[str, typer.Option(help="relay: the receiver's HOST:PORT.")] = "127.0.0.1:7400",
+    rate_mbps: Annotated[float, typer.Option(help="Link rate, Mbit/s (0 = unlimited).")] = 100.0,
+    reverse_rate_mbps: Annotated[
+        float | None, typer.Option(help="Reverse link rate, Mbit/s (default: --rate-mbps).")
+    ] = None,
+    rtt_ms: Annotated[float, typer.Option(help="Round-trip time; each direction delays RTT/2.")] = 20.0,
+    owd_ms: Annotated[
+        float | None, typer.Option(help="One-way delay per direction (overrides --rtt-ms).")
+    ] = None,
+    loss: Annotated[
+        str, typer.Option(help="Forward loss: none | bernoulli:P | ge:EG,EB,PGB,PBG | trace:PATH.")
+    ] = "none",
+    reverse_loss: Annotated[str, typer.Option(help="Reverse (ACK path) loss, same forms.")] = "none",
+    seed: Annotated[int, typer.Option(help="Seed of the loss realizations (streams forward/reverse).")] = 1,
+    realization: Annotated[int, typer.Option(help="Realization index (pairs runs with `pfec sim`).")] = 0,
+    queue_packets: Annotated[
+        int, typer.Option(help="Drop-tail queue limit per direction, datagrams.")
+    ] = 1000,
+    stats_interval: Annotated[
+        float, typer.Option(help="Seconds between stats lines on stderr (0: none).")
+    ] = 1.0,
+    duration: Annotated[
+        float, typer.Option(help="Stop after this many seconds (0: until SIGINT/SIGTERM).")
+    ] = 0.0,
+    ns_a: Annotated[str, typer.Option(help="netns: the sender's namespace.")] = "pfec-a",
+    ns_b: Annotated[str, typer.Option(help="netns: the receiver's namespace.")] = "pfec-b",
+    keep_namespaces: Annotated[
+        bool, typer.Option(help="netns: leave the namespaces in place on exit.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the final counters as one JSON object.")
+    ] = False,
+) -> None:
+    """Emulate a rate-limited, delayed, lossy link between a sender and a receiver (lab/emulator.py)."""
+    if mode not in ("relay", "netns"):
+        raise fail(f"--mode {mode!r}: use 'relay' or 'netns'")
+    try:
+        owd_s = (owd_ms if owd_ms is not None else rtt_ms / 2.0) / 1000.0
+        rev_rate = rate_mbps if reverse_rate_mbps is None else reverse_rate_mbps
+        config = EmulatorConfig(
+            forward=DirectionSpec(rate_mbps * 1e6, owd_s, parse_loss(loss), queue_packets),
+            reverse=DirectionSpec(rev_rate * 1e6, owd_s, parse_loss(reverse_loss), queue_packets),
+            seed=seed,
+            realization=realization,
+        )
+        listen_hp = parse_host_port(listen, allow_port_zero=True) if mode == "relay" else ("", 0)
+        fwd_hp = parse_host_port(forward_to) if mode == "relay" else ("", 0)
+        spec = NetnsSpec(ns_a=ns_a, ns_b=ns_b)
+        if seed < 0 or realization < 0:
+            raise ValueError(f"--seed and --realization must be >= 0, got {seed} and {realization}")
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    try:
+        stats = emulate("relay" if mode == "relay" else "netns", config, listen_hp, fwd_hp, spec,
+                        stats_interval, duration, quiet=as_json, keep_namespaces=keep_namespaces)
+    except OSError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2))
+    else:
+        for name in ("forward", "reverse"):
+            typer.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in stats[name].items()), err=True)
+        typer.echo(f"cpu {stats['cpu_s']} s over {stats['elapsed_s']} s", err=True)
+
+
+def reliable_cmd(
+    proto: Annotated[str, typer.Option(help="tcp (kernel TCP, netns; root) | quic (aioquic).")] = "tcp",
+    rho: Annotated[
+        float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")
+    ] = DEFAULT_RHO,
+    loss: Annotated[
+        str, typer.Option(help="Forward loss: none | ge:EG,EB,PGB,PBG | bernoulli:P")
+    ] = MAIN_LOSS,
+    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate, each direction.")] = DEFAULT_RATE_MBPS,
+    rtt_ms: RttOpt = DEFAULT_RTT_MS,
+    tokens: TokensOpt = 1536,
+    realizations: Annotated[int, typer.Option(help="Loss realizations (paired with `pfec sim`).")] = 3,
+    seed: SeedOpt = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
+    from pfec.lab.reliable import run_reliable  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.sim import SimConfig  # deferred: numba
+
+    if proto not in ("tcp", "quic"):
+        raise fail(f"--proto {proto!r}: use 'tcp' or 'quic'")
+    try:
+        loss_model = Bernoulli(0.0) if loss.strip().lower() == "none" else parse_loss_spec(loss)
+        config = SimConfig(loss=loss_model, rate_mbps=rate_mbps, rtt_ms=rtt_ms, rho=rho, tokens=tokens,
+                           seed=seed)
+        if seed < 0 or realizations < 1:
+            raise ValueError(f"--seed must be >= 0 and --realizations >= 1, got {seed} and {realizations}")
+        result = run_reliable(proto, config, realizations, progress=progress_line(f"reliable {proto}"))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        hint = "; run as root or use --proto quic" if proto == "tcp" else ""
+        raise fail(f"{exc}{hint}") from None
+    result["inputs"]["loss"] = loss
+    typer.echo(json.dumps(result, indent=2) if as_json else format_reliable_summary(result, proto))
+
+
+# --------------------------------------------------------------------------- learning and tuning
+
+
+def train_cmd(
+    episodes: Annotated[int, typer.Option(help="Learning episodes (after the heuristic seeding).")] = 600,
+    heuristic_episodes: Annotated[int, typer.Option(help="Heuristic episodes seeding the replay.")] = 40,
+    pretrain_updates: Annotated[
+        int, typer.Option(help="Updates on the heuristic's transitions before the first own episode.")
+    ] = 5000,
+    validate_every: Annotated[
+        int, typer.Option(help="Episodes between validations; the best validated weights are kept (0: last).")
+    ] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of episodes, exploration and network init.")] = 0,
+    init: Annotated[Path | None, typer.Option(help="Start from these weights (npz).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Weights (default common/sched/ddqn_weights.npz).")] = None,
+    log: Annotated[Path | None, typer.Option(help="JSON-lines log (default next to the weights).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Train the Double-DQN repair scheduler on simulated handoffs (torch; run under nice)."""
+    from pfec.common.sched.ddqn import WEIGHTS_PATH  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.train import LOG_PATH, TrainConfig, train  # deferred: torch
+
+    if init is not None and not init.exists():
+        raise fail(f"--init {str(init)!r} does not exist; give a weights file written by `pfec train`")
+    try:
+        cfg = TrainConfig(episodes=episodes, heuristic_episodes=heuristic_episodes, seed=seed,
+                          pretrain_updates=pretrain_updates, validate_every=validate_every,
+                          init=str(init) if init is not None else None)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    summary = train(cfg, out or WEIGHTS_PATH, log or LOG_PATH, progress=progress_line("train"))
+    typer.echo(json.dumps(summary, indent=2) if as_json else
+               "\n".join(f"{k}: {v}" for k, v in summary.items()))
+
+
+def tune_flec_rt_cmd(
+    realizations: Annotated[int, typer.Option(help="Paired realizations per combination.")] = 4,
+    seed: Annotated[int, typer.Option(help="Tuning seed (keep it apart from the evaluation seed 1).")] = 101,
+    rho: Annotated[float, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = DEFAULT_RHO,
+    loss: Annotated[str, typer.Option(help="Loss spec.")] = MAIN_LOSS,
+    burst_weight: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
+    fill: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
+    deadline_rtts: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
+    inflate: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Grid search of FlEC-RT's parameters on paired realizations, best first (lab/flec_tune.py)."""
+    from pfec.lab.flec_tune import format_ranking, tune, tuning_grid  # deferred: numba
+    from pfec.lab.sim import SimConfig  # deferred: numba
+
+    if realizations < 1:
+        raise typer.BadParameter(f"--realizations must be >= 1, got {realizations}")
+    try:
+        grid = tuning_grid(
+            {"burst_weight": burst_weight, "fill": fill, "deadline_rtts": deadline_rtts, "inflate": inflate}
+        )
+        config = SimConfig(
+            loss=parse_loss_spec(loss), rho=rho, profile=UtilityProfile.load(SHIPPED_PROFILE), seed=seed
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    rows = tune(config, realizations, grid, progress_line("flec-rt tuning"))
+    if as_json:
+        typer.echo(json.dumps({"loss": loss, "rho": rho, "seed": seed, "realizations": realizations,
+                               "ranking": rows}, indent=2))  # fmt: skip
+    else:
+        typer.echo(format_ranking(rows))
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def bench_codec_cmd(
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where codec.json and codec.md are written.")] = DOCS_BENCH,
+    realizations: Annotated[
+        int, typer.Option(min=1, help="Simulated handoffs for the overhead figure (the median is reported).")
+    ] = 5,
+) -> None:
+    """Codec speed: repair encode, decoder insert, and sender+receiver CPU per 1000 packets."""
+    from pfec.lab.bench import run_codec_bench, write_codec_bench  # deferred: numba
+
+    result = run_codec_bench(realizations=realizations, progress=progress_line("bench codec"))
+    _write_bench(result, write_codec_bench, out_dir, "codec.md", as_json)
+
+
+def bench_scheduler_cmd(
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where scheduler.json and .md are written.")] = DOCS_BENCH,
+    realizations: Annotated[int, typer.Option(help="Simulated handoffs whose states are timed.")] = 2,
+    passes: Annotated[int, typer.Option(help="Timed passes over the recorded states.")] = 20,
+) -> None:
+    """DDQN decision latency (features + network + mask) over states recorded from simulated handoffs."""
+    from pfec.lab.sched_bench import run_scheduler_bench, write_scheduler_bench  # deferred: numba
+
+    if realizations < 1 or passes < 1:
+        raise fail(f"--realizations {realizations} and --passes {passes} must both be >= 1")
+    try:
+        result = run_scheduler_bench(realizations, passes, progress=progress_line("bench scheduler"))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_scheduler_bench, out_dir, "scheduler.md", as_json)
+
+
+def bench_transport_cmd(
+    handoffs: Annotated[int, typer.Option(help="Handoffs (>= 30 for the lateness percentiles).")] = 30,
+    tokens: Annotated[int, typer.Option(help="Synthetic KV tokens per handoff.")] = 384,
+    rate_mbps: Annotated[float, typer.Option(help="Pacing rate of the sender.")] = 1000.0,
+    deadline_ms: Annotated[float, typer.Option(help="Deadline of each handoff.")] = 1000.0,
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where transport.json and transport.md go.")] = DOCS_BENCH,
+) -> None:
+    """Transport only (synthetic KV, FEC + AEAD on): goodput, pps, CPU per packet, deadline lateness."""
+    from pfec.lab.bench_transport import run_transport_bench, write_transport_bench  # deferred: daemons
+
+    try:
+        result = run_transport_bench(handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps,
+                                     deadline_ms=deadline_ms)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_transport_bench, out_dir, "transport.md", as_json)
+
+
+def _write_bench(
+    result: dict[str, Any],
+    write: Callable[[dict[str, Any], Path], None],
+    out_dir: Path,
+    markdown: str,
+    as_json: bool,
+) -> None:
+    """Stamp the machine, write the benchmark's files, print the JSON or the Markdown it wrote."""
+    from pfec.lab.bench import machine_info  # deferred: numba (keeps `pfec --help` fast)
+
+    result["machine"] = machine_info()
+    write(result, out_dir)
+    typer.echo(json.dumps(result, indent=2) if as_json else (out_dir / markdown).read_text())

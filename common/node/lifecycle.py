@@ -1,0 +1,63 @@
+"""What ``pfec sender serve`` and ``pfec receiver serve`` share around their daemon: compile the codec and
+load the model before anything listens, then run the control API and the metrics endpoint until
+SIGINT/SIGTERM, and take it all down in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from aiohttp import web
+
+from pfec.common.codec import fec
+from pfec.common.model.runtime import load_runtime
+from pfec.common.node.config import DaemonConfig, ModelConfig
+from pfec.common.node.control import ControlServer
+from pfec.common.node.metrics import NodeMetrics
+from pfec.common.node.signals import wait_for_signal
+from pfec.common.plan.handoff import ModelIdentity
+
+if TYPE_CHECKING:
+    from pfec.common.model.llm import ModelRuntime
+
+
+class NodeDaemon(Protocol):
+    """What ``run_node`` needs of a daemon."""
+
+    @property
+    def metrics(self) -> NodeMetrics: ...
+
+    async def close(self) -> None: ...
+
+
+D = TypeVar("D", bound=NodeDaemon)
+
+
+async def load_node_model(model: ModelConfig) -> tuple[ModelRuntime | None, ModelIdentity]:
+    """Compile the codec kernels, then load and warm the configured model in a thread (seconds)."""
+    fec.warm_up()
+    return await asyncio.get_running_loop().run_in_executor(
+        None, load_runtime, model.path, model.device, model.cache_dir
+    )
+
+
+async def run_node(daemon: D, routes: list[web.RouteDef], config: DaemonConfig, token: str | None = None,
+                   ready: Callable[[D], None] | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve ``routes`` on the configured control sockets and the metrics endpoint, call ``ready``, wait
+    for SIGINT/SIGTERM (or ``stop``), then close the control API, the metrics endpoint and the daemon."""
+    control = ControlServer(routes)
+    await control.start(config.control.socket, config.control.tcp_address, token)
+    metrics_runner = None
+    if config.metrics.enabled:
+        metrics_runner = await daemon.metrics.serve(config.metrics.host, config.metrics.port)
+    if ready is not None:
+        ready(daemon)
+    try:
+        await wait_for_signal(stop)
+    finally:
+        await control.close()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
+        await daemon.close()

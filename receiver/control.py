@@ -1,0 +1,27 @@
+"""The receiver's control API: ``GET /sessions`` (live sessions), ``GET /results`` (the last results),
+``GET /healthz`` and ``GET /metrics``. The server, the bearer token and the client are
+``common/node/control.py``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from pfec.receiver.daemon import ReceiverDaemon
+
+
+def receiver_routes(daemon: ReceiverDaemon) -> list[web.RouteDef]:
+    async def sessions(_request: web.Request) -> web.Response:
+        return web.json_response({"sessions": daemon.session_views()})
+
+    async def results(_request: web.Request) -> web.Response:
+        return web.json_response({"results": list(daemon.results)})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response(daemon.health())
+
+    return [
+        web.get("/sessions", sessions),
+        web.get("/results", results),
+        web.get("/healthz", healthz),
+        web.get("/metrics", daemon.metrics.aiohttp_handler()),
+    ]

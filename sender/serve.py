@@ -1,0 +1,35 @@
+"""``pfec sender serve``: the sender daemon behind its control API and metrics endpoint, from a
+``SenderDaemonConfig``, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pfec.common.node.config import SenderDaemonConfig
+from pfec.common.node.lifecycle import load_node_model, run_node
+from pfec.sender.control import sender_routes
+from pfec.sender.daemon import SenderDaemon
+from pfec.sender.metrics import SenderMetrics
+
+log = logging.getLogger("pfec.sender")
+
+
+async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None,
+                ready: Callable[[SenderDaemon], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run a sender from ``config`` until SIGINT/SIGTERM (or ``stop``); ``ready`` once it serves."""
+    runtime, identity = await load_node_model(config.model)
+    daemon = SenderDaemon(
+        identity, psk, runtime=runtime, rate_mbps=config.link.rate_mbps, owd_ms=config.link.owd_ms,
+        scheme=config.fec.scheme, window_cap=config.fec.window_cap, repair_budget=config.fec.repair_budget,
+        sndbuf=config.udp.sndbuf_bytes, metrics=SenderMetrics(),
+    )
+
+    def announce(daemon: SenderDaemon) -> None:
+        log.info("sender ready: model %s, fingerprint %s", identity.model_id, daemon.fingerprint.hex()[:16])
+        if ready is not None:
+            ready(daemon)
+
+    await run_node(daemon, sender_routes(daemon), config, token, announce, stop)

@@ -1,0 +1,96 @@
+"""The one place a sender session is assembled: plan + send order + scheme policy + codec + sealing, with
+the time budget from ``common/plan/deadline.py``.
+
+The sender daemon (``SenderDaemon``) and the simulator (``lab/sim.py``) both build their sessions here, so
+what the simulator measures is what the daemon sends: same deadline and slot arithmetic, same repair
+budget rounding, same OFFER parameters. Sans-IO like the session itself: no clock is read here (the caller
+passes a ``CpuMeter`` built on its own clock, or none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from pfec.common.events import CpuMeter
+from pfec.common.plan.deadline import budget_seconds, rho_of, serialisation_s, slot_seconds
+from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.sched.policies import Scheme
+from pfec.common.wire.frames import Role
+from pfec.common.wire.seal import PacketProtector
+from pfec.sender.session import SenderConfig, SenderSession, SourceInfo
+
+
+@dataclass(frozen=True)
+class LinkBudget:
+    """A handoff's time on its link: serialisation time T_ser, the deadline D (from the first datagram)
+    and the slot (link time of one full-size data datagram)."""
+
+    rate_bps: float
+    owd_s: float
+    t_ser_s: float
+    deadline_s: float
+    slot_s: float
+
+    @classmethod
+    def for_plan(cls, plan: BlockPlan, rate_bps: float, owd_s: float, rho: float | None = None,
+                 deadline_ms: float | None = None) -> LinkBudget:
+        """The budget of ``plan``'s KV at ``rate_bps``: exactly one of ``rho`` and ``deadline_ms``."""
+        t_ser = serialisation_s(plan.kv_bytes, rate_bps)
+        deadline = budget_seconds(t_ser, owd_s, rho, deadline_ms)
+        return cls(rate_bps, owd_s, t_ser, deadline, slot_seconds(plan.symbol_size, rate_bps))
+
+    @property
+    def rho(self) -> float:
+        """The rho this deadline stands for, (D - T_ow) / T_ser."""
+        return rho_of(self.deadline_s, self.owd_s, self.t_ser_s)
+
+
+@dataclass(frozen=True)
+class SendQueue:
+    """What one handoff sends: every fragment of ``plan`` in send order, with the blocks' utilities."""
+
+    plan: BlockPlan
+    queue: npt.NDArray[np.int64]  # fragment ids in send order
+    symbols: npt.NDArray[np.uint8]  # [n_fragments, symbol size], row i = the symbol of queue[i]
+    block_utility: npt.NDArray[np.float64]  # per block id
+
+
+@dataclass(frozen=True)
+class SenderSetup:
+    """The sender's knobs for one session (the daemon's configuration, or a simulation's)."""
+
+    scheme: Scheme
+    repair_budget: float  # B_rep as a fraction of the source symbols
+    window_cap: int
+    fingerprint: bytes
+    psk: bytes
+    result_wait_s: float  # how long to wait for the RESULT after the deadline
+    target_nonzeros: int | None = 8
+    app_blob: bytes = b""  # the OFFER's application part
+    authenticate: bool = True  # AEAD on every datagram (the simulator may turn it off for speed)
+
+
+def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup: SenderSetup,
+                    cpu: CpuMeter | None = None) -> SenderSession:
+    """A ready-to-start ``SenderSession`` for ``send`` within ``budget``."""
+    plan = send.plan
+    config = SenderConfig(
+        budget_s=budget.deadline_s,
+        slot_s=budget.slot_s,
+        owd_s=budget.owd_s,
+        repair_budget=round(setup.repair_budget * plan.n_fragments),
+        fingerprint=setup.fingerprint,
+        window_cap=setup.window_cap,
+        target_nonzeros=setup.target_nonzeros,
+        app_blob=setup.app_blob,
+        rate_bps=budget.rate_bps,
+        result_wait_s=setup.result_wait_s,
+    )
+    protector = PacketProtector(setup.psk, session_id, Role.SENDER, plan.symbol_size,
+                                authenticate=setup.authenticate)
+    source_info = SourceInfo(plan.fragment_block[send.queue], send.block_utility)
+    return SenderSession(session_id, config, send.symbols, setup.scheme.make_policy(), protector, source_info,
+                         cpu)
