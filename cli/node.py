@@ -12,8 +12,8 @@ import typer
 
 from pfec.cli.shared import fail
 from pfec.common.node.config import ConfigError, ReceiverDaemonConfig, SenderDaemonConfig, load_config
+from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.keys import keygen_cmd, read_psk, read_token
-from pfec.lab.emulator import run_event_loop
 
 __all__ = ["keygen_cmd", "receiver_serve_cmd", "sender_serve_cmd"]
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from pfec.common.codec.fec import warm_up
 from pfec.common.model.runtime import load_runtime
-from pfec.lab.emulator import run_event_loop
+from pfec.common.node.eventloop import run_event_loop
 from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec

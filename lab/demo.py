@@ -21,12 +21,12 @@ from typing import Any
 from pfec.common.codec.fec import warm_up
 from pfec.common.model import llm
 from pfec.common.model.runtime import load_runtime
+from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.channel import parse_loss_spec
-from pfec.lab.emulator import run_event_loop
 from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
 from pfec.lab.report import format_handoff_report
 from pfec.lab.sim import SimConfig, simulate

@@ -20,8 +20,8 @@ import numpy as np
 
 from pfec.common.codec.fec import warm_up
 from pfec.common.model.runtime import load_runtime
+from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.kvlayout import KVGeometry
-from pfec.lab.emulator import run_event_loop
 from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig, parse_loss
 from pfec.lab.emulator_relay import UdpRelay
 from pfec.receiver.daemon import ReceiverDaemon

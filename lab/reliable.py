@@ -54,7 +54,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from pfec.lab.emulator import run_event_loop
+from pfec.common.node.eventloop import run_event_loop
 from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig
 from pfec.lab.emulator_netns import (
     NetnsSpec,

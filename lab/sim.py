@@ -40,7 +40,7 @@ from pfec.common.plan.utility import (
     utility_order,
 )
 from pfec.common.sched.policies import SCHEMES, Scheme, get_scheme
-from pfec.common.wire.frames import (
+from pfec.common.wire.messages import (
     DEFAULT_SYMBOL_SIZE,
     HEADER_SIZE,
     OFFER_FIXED_SIZE,

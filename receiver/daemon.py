@@ -39,7 +39,7 @@ from pfec.common.node.metrics import TYPE_BYTE_LABELS, DropExporter
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, load_profile
 from pfec.common.plan.utility import UtilityProfile
-from pfec.common.wire.frames import MsgType, RefuseCode
+from pfec.common.wire.messages import MsgType, RefuseCode
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import AtDeadline, Reconstructed, error_result, reconstruct, result_of

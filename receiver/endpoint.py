@@ -17,17 +17,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
-from pfec.common.wire.frames import (
-    Header,
-    MsgType,
-    Offer,
-    ParseError,
-    Refuse,
-    RefuseCode,
-    Role,
-    clip_text,
-    peek_header,
-)
+from pfec.common.wire.frames import peek_header
+from pfec.common.wire.messages import Header, MsgType, Offer, ParseError, Refuse, RefuseCode, Role, clip_text
 from pfec.common.wire.seal import PacketProtector
 from pfec.receiver.session import ReceiverConfig, ReceiverEvent, ReceiverSession, SessionClosed
 

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import Decoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
-from pfec.common.wire.frames import (
+from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
     Accept,
     Ack,

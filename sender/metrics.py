@@ -15,7 +15,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry
 
 from pfec.common.node.metrics import DATAGRAM_TYPES, NodeMetrics, check_label
-from pfec.common.wire.frames import PARSE_REASONS
+from pfec.common.wire.messages import PARSE_REASONS
 
 __all__ = [
     "DATAGRAM_TYPES",

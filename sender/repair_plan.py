@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from pfec.common.codec import fec
 from pfec.common.codec.gf256 import entry_point, njit_cached
-from pfec.common.wire.frames import MAX_HOLE_BITS
+from pfec.common.wire.messages import MAX_HOLE_BITS
 
 # Expected nonzero coefficients on the holes of a region: ln(holes) + REPAIR_HITS_MARGIN. Sparser repairs
 # miss holes (2 holes in 64 symbols at 8 nonzeros: one is hit only 23% of the time) and leave the holes'

@@ -34,7 +34,7 @@ from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder
 from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.policies import Policy
-from pfec.common.wire.frames import (
+from pfec.common.wire.messages import (
     Accept,
     Ack,
     Close,

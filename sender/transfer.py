@@ -18,7 +18,7 @@ from pfec.common.events import CpuMeter
 from pfec.common.plan.deadline import budget_seconds, rho_of, serialisation_s, slot_seconds
 from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.sched.policies import Scheme
-from pfec.common.wire.frames import Role
+from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector
 from pfec.sender.session import SenderConfig, SenderSession, SourceInfo
 

@@ -33,13 +33,14 @@ from pfec.common.codec import fec
 from pfec.common.model import llm
 from pfec.common.model.runtime import runtime_identity
 from pfec.common.node.control import ControlClient, ControlServer
+from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
-from pfec.common.wire.frames import Role, Source, peek_header
+from pfec.common.wire.frames import peek_header
+from pfec.common.wire.messages import Role, Source
 from pfec.common.wire.seal import PacketProtector
 from pfec.lab.channel import Bernoulli
-from pfec.lab.emulator import run_event_loop
 from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig
 from pfec.lab.emulator_netns import (
     NetnsSpec,

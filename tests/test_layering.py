@@ -107,6 +107,23 @@ def violations(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
     return out
 
 
+def undeclared_local_imports(path: Path) -> list[str]:
+    """Imports inside a function body without a ``deferred`` comment on that line or the one above:
+    a function-local import is only for a heavy dependency deferred on purpose, and says so."""
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines), filename=str(path))
+    out = []
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                near = lines[node.lineno - 1] + (lines[node.lineno - 2] if node.lineno > 1 else "")
+                if "deferred" not in near:
+                    out.append(f"{path.name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return out
+
+
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a list of modules (first == last), or None."""
     state: dict[str, int] = {}
@@ -144,6 +161,12 @@ def test_module_follows_the_layering_table(module: str) -> None:
     assert not bad, "layering broken (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_function_local_imports_say_why(module: str) -> None:
+    bad = undeclared_local_imports(MODULES[module])
+    assert not bad, "function-local import without a '# deferred: <why>' comment:\n" + "\n".join(bad)
+
+
 def test_no_import_cycle() -> None:
     cycle = find_cycle(internal_edges(MODULES))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
@@ -172,6 +195,11 @@ def test_checker_catches_a_forbidden_import_in_each_group(tmp_path: Path) -> Non
         assert violations(module, _probe(tmp_path, text), MODULES), (module, text)
     assert not violations("pfec.lab.probe", _probe(tmp_path, "import torch\nimport pfec.sender.daemon\n"),
                           MODULES)
+
+
+def test_checker_catches_an_undeclared_local_import(tmp_path: Path) -> None:
+    probe = _probe(tmp_path, "def f():\n    import os\n\ndef g():\n    import torch  # deferred: torch\n")
+    assert undeclared_local_imports(probe) == ["probe.py:2: import os"]
 
 
 def test_checker_names_a_cycle() -> None:

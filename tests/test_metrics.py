@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pfec.common.codec.fec import FEC_ERROR_REASONS
-from pfec.common.wire.frames import PARSE_REASONS, MsgType
+from pfec.common.wire.messages import PARSE_REASONS, MsgType
 from pfec.receiver.metrics import FEC_DROP_REASONS, RECEIVER_DROP_REASONS, ReceiverMetrics
 from pfec.sender.metrics import DATAGRAM_TYPES, SENDER_DROP_REASONS, SenderMetrics
 

@@ -13,7 +13,7 @@ import pytest
 
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
-from pfec.common.wire.frames import Header, Message, MsgType, RefuseCode, Role, Source
+from pfec.common.wire.messages import Header, Message, MsgType, RefuseCode, Role, Source
 from pfec.common.wire.seal import PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import ReceiverEndpoint

@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from pfec.common.wire.frames import MsgType
+from pfec.common.wire.messages import MsgType
 
 DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close")
 #: Wire type byte (``datagram[1]``) -> its label, for the daemons' per-datagram paths.

@@ -11,7 +11,7 @@ budgets from here, so the simulator and the daemons cannot disagree about what "
 
 from __future__ import annotations
 
-from pfec.common.wire.frames import HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE
+from pfec.common.wire.messages import HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE
 
 DEFAULT_RHO = 0.8
 DEFAULT_RATE_MBPS = 100.0

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, synthetic_profile
-from pfec.common.wire.frames import DEFAULT_SYMBOL_SIZE, WIRE_VERSION
+from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, WIRE_VERSION
 
 APP_VERSION = 1
 BLOCK_TOKENS = 16

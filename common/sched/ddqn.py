@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from pfec.common.codec.gf256 import entry_point
 from pfec.common.sched.actions import N_ACTIONS, Action, SchedulerView
 from pfec.common.sched.features import N_FEATURES, WINDOW_SCALE
 
@@ -192,8 +193,6 @@ def decide_compiled(
 
 def _bind_decide(params: Float32Array, scratch: Float32Array) -> Callable[..., int]:
     """decide_compiled through its bound entry point (numba's dispatch would cost as much as the net)."""
-    from pfec.common.codec.gf256 import entry_point
-
     example: tuple[Any, ...] = (params, scratch, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 1.0, 0, 0, 0.0, 0.0, 0.0,
                                 0.0, 0.0, 0.0, True, True, True, True)
     return entry_point(decide_compiled, *example)

@@ -22,9 +22,9 @@ Decision rule (sans-IO, only ``SchedulerView``):
   symbol; ``fill`` > 1 holds bursts back until the need is larger than the burst), and continues the
   source stream when no burst qualifies.
 
-Tuning (common/flec_tune.py: the real sessions on paired realizations of seed 101, kept apart from the
+Tuning (lab/flec_tune.py: the real sessions on paired realizations of seed 101, kept apart from the
 evaluation seed 1; main GE config ge:0.001,0.5,0.02,0.1, rho 0.8, 1536 tokens, 100 Mbit/s, RTT 20 ms,
-shipped SmolLM2 profile, 4 realizations per point). ``python -m common.flec_tune --json`` over
+shipped SmolLM2 profile, 4 realizations per point). ``pfec tune flec-rt --json`` over
 burst_weight {0, 1, 3} x fill {0.5, 0.75, 1} x deadline_rtts {1.5, 3}, then ``--burst-weight 0
 --fill 1,1.5,2,3 --deadline-rtts 1.5`` (the first grid ran while a single repair still needed
 ``max(fill, 1/2)``; the second with 1/2, as shipped): mean utility 0.827-0.835 over the whole grid

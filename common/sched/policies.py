@@ -110,7 +110,7 @@ class DeficitHeuristic:
 
 def ddqn_policy() -> Policy:
     """The trained Double-DQN scheduler (imported lazily: it loads numba kernels and the weights)."""
-    from pfec.common.sched.ddqn import DDQNPolicy
+    from pfec.common.sched.ddqn import DDQNPolicy  # deferred: compiles kernels and loads the weights
 
     return DDQNPolicy()
 

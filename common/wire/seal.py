@@ -23,6 +23,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pfec.common.wire.frames import (
+    decode_checked_body,
+    encode_body,
+    new_header,
+    pack_header,
+    pack_source_id,
+    repair_fec_id,
+    unpack_header,
+)
+from pfec.common.wire.messages import (
     HEADER_SIZE,
     OVERHEAD,
     TAG_SIZE,
@@ -38,15 +47,8 @@ from pfec.common.wire.frames import (
     Source,
     body_bounds,
     check_symbol_size,
-    decode_checked_body,
-    encode_body,
-    new_header,
-    pack_header,
-    pack_source_id,
-    repair_fec_id,
     types_received_by,
     types_sent_by,
-    unpack_header,
 )
 
 __all__ = [

@@ -1,0 +1,264 @@
+"""What travels between the two nodes: sizes, message types and codes, the message dataclasses, the
+one parse error, and small helpers over them (sans-IO, no bytes parsed here).
+
+The byte layouts, encoding and the one parser are :mod:`.frames`'; sealing and opening are :mod:`.seal`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Final, Literal, TypeAlias
+
+# --------------------------------------------------------------------------- constants
+
+WIRE_VERSION: Final = 1
+HEADER_SIZE: Final = 14
+TAG_SIZE: Final = 16
+OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
+MAX_DATAGRAM: Final = 1400
+SOURCE_ID_SIZE: Final = 4
+REPAIR_ID_SIZE: Final = 8
+DEFAULT_SYMBOL_SIZE: Final = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE - REPAIR_ID_SIZE  # 1362
+ACK_BODY_SIZE: Final = 38  # fixed part; the hole map follows
+MAX_HOLE_BITS: Final = 4096
+OFFER_FIXED_SIZE: Final = 48
+ACCEPT_BODY_SIZE: Final = 6
+RESULT_FIXED_SIZE: Final = 8
+FINGERPRINT_SIZE: Final = 32
+MAX_TEXT: Final = 512
+MAX_BODY: Final = MAX_DATAGRAM - OVERHEAD
+
+U32_MAX: Final = 0xFFFF_FFFF  # also the last packet number
+_U16_MAX: Final = 0xFFFF
+
+
+class MsgType(enum.IntEnum):
+    SOURCE = 1
+    REPAIR = 2
+    ACK = 3
+    OFFER = 4
+    ACCEPT = 5
+    REFUSE = 6
+    RESULT = 7
+    CLOSE = 8
+
+
+class RefuseCode(enum.IntEnum):
+    FINGERPRINT_MISMATCH = 1
+    OVERLOADED = 2
+    BAD_PARAMETERS = 3
+    UNSUPPORTED_VERSION = 4
+    OTHER = 5
+
+
+class CloseCode(enum.IntEnum):
+    DONE = 0
+    CANCELLED = 1
+    ERROR = 2
+    TIMEOUT = 3
+
+
+class Role(enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+MSGTYPE_BY_INT: Final = {int(t): t for t in MsgType}
+REFUSE_BY_INT: Final = {int(c): c for c in RefuseCode}
+CLOSE_BY_INT: Final = {int(c): c for c in CloseCode}
+
+# Types each direction may carry (s2r = sealed by the sender, opened by the receiver).
+_S2R_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR, MsgType.OFFER, MsgType.CLOSE})
+_R2S_TYPES: Final = frozenset({MsgType.ACK, MsgType.ACCEPT, MsgType.REFUSE, MsgType.RESULT, MsgType.CLOSE})
+
+
+def types_sent_by(role: Role) -> frozenset[MsgType]:
+    """The message types ``role`` seals."""
+    return _S2R_TYPES if role is Role.SENDER else _R2S_TYPES
+
+
+def types_received_by(role: Role) -> frozenset[MsgType]:
+    """The message types ``role`` opens (the peer's)."""
+    return _R2S_TYPES if role is Role.SENDER else _S2R_TYPES
+
+
+# --------------------------------------------------------------------------- errors
+
+ParseReason: TypeAlias = Literal[
+    "truncated",  # shorter than the header+tag or than the type's minimum body
+    "oversized",  # datagram longer than MAX_DATAGRAM
+    "bad_version",  # version byte != WIRE_VERSION
+    "bad_type",  # unknown type, or a type the peer's role never sends
+    "bad_length",  # body longer than the type allows / not the fixed size
+    "wrong_session",  # header session id is not this protector's
+    "auth",  # AEAD tag (or the all-zero tag in unauthenticated mode) does not verify
+    "replay",  # packet number already received
+    "too_old",  # packet number left of the replay window
+    "bad_field",  # field value out of its domain (pn 0, NSS 0, unknown code, bad UTF-8, ...)
+]
+PARSE_REASONS: Final[frozenset[str]] = frozenset(
+    {
+        "truncated",
+        "oversized",
+        "bad_version",
+        "bad_type",
+        "bad_length",
+        "wrong_session",
+        "auth",
+        "replay",
+        "too_old",
+        "bad_field",
+    }
+)
+
+
+class ParseError(Exception):
+    """A received datagram was rejected. ``reason`` is a short snake_case code."""
+
+    reason: ParseReason
+
+    def __init__(self, reason: ParseReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    version: int
+    type: MsgType
+    session_id: int
+    packet_number: int
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    TYPE: ClassVar[MsgType] = MsgType.SOURCE
+    esi: int
+    symbol: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    TYPE: ClassVar[MsgType] = MsgType.REPAIR
+    repair_key: int
+    dt: int
+    nss: int
+    fss_esi: int
+    symbol: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    TYPE: ClassVar[MsgType] = MsgType.ACK
+    decoded_prefix: int
+    seen_end: int
+    decoded_count: int
+    deficit: int  # saturates at 65535 when encoded
+    unknowns: int  # saturates at 65535 when encoded
+    largest_pn: int
+    ack_delay_us: int
+    received: int
+    lost: int
+    loss_runs: int
+    hole_bits: int = 0  # length of the hole map in bits
+    holes: bytes = b""  # packed map of undecoded ESIs from decoded_prefix (see module doc)
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    TYPE: ClassVar[MsgType] = MsgType.OFFER
+    symbol_size: int
+    window_cap: int
+    n_source: int
+    budget_us: int
+    fingerprint: bytes
+    part_index: int = 0
+    part_count: int = 1
+    app: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    TYPE: ClassVar[MsgType] = MsgType.ACCEPT
+    window_cap: int
+    n_source: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    TYPE: ClassVar[MsgType] = MsgType.REFUSE
+    code: RefuseCode
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+    decoded_count: int
+    part_index: int = 0
+    part_count: int = 1
+    app: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    TYPE: ClassVar[MsgType] = MsgType.CLOSE
+    code: CloseCode
+    text: str = ""
+
+
+Message: TypeAlias = Source | Repair | Ack | Offer | Accept | Refuse | Result | Close
+
+# --------------------------------------------------------------------------- helpers
+
+
+def max_app_chunk(kind: MsgType) -> int:
+    """Largest app-bytes chunk an OFFER or RESULT part can carry within MAX_DATAGRAM."""
+    if kind == MsgType.OFFER:
+        return MAX_BODY - OFFER_FIXED_SIZE
+    if kind == MsgType.RESULT:
+        return MAX_BODY - RESULT_FIXED_SIZE
+    raise ValueError(f"max_app_chunk: kind must be MsgType.OFFER or MsgType.RESULT, got {kind!r}")
+
+
+def split_app(blob: bytes, kind: MsgType) -> list[bytes]:
+    """Split an application blob into OFFER/RESULT part chunks (at least one, maybe empty)."""
+    size = max_app_chunk(kind)
+    chunks = [bytes(blob[i : i + size]) for i in range(0, len(blob), size)] or [b""]
+    if len(chunks) > _U16_MAX:
+        raise ValueError(f"app blob of {len(blob)} B needs {len(chunks)} parts; at most {_U16_MAX} fit")
+    return chunks
+
+
+def clip_text(text: str, limit: int = MAX_TEXT) -> str:
+    """Longest prefix of ``text`` whose UTF-8 encoding fits ``limit`` bytes (REFUSE/CLOSE)."""
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode("utf-8", errors="ignore")
+
+
+def body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
+    """(min, max) body size for a type; KeyError for an unknown type."""
+    return {
+        MsgType.SOURCE: (SOURCE_ID_SIZE + symbol_size, SOURCE_ID_SIZE + symbol_size),
+        MsgType.REPAIR: (REPAIR_ID_SIZE + symbol_size, REPAIR_ID_SIZE + symbol_size),
+        MsgType.ACK: (ACK_BODY_SIZE, ACK_BODY_SIZE + MAX_HOLE_BITS // 8),
+        MsgType.OFFER: (OFFER_FIXED_SIZE, MAX_BODY),
+        MsgType.ACCEPT: (ACCEPT_BODY_SIZE, ACCEPT_BODY_SIZE),
+        MsgType.REFUSE: (1, 1 + MAX_TEXT),
+        MsgType.RESULT: (RESULT_FIXED_SIZE, MAX_BODY),
+        MsgType.CLOSE: (1, 1 + MAX_TEXT),
+    }[MSGTYPE_BY_INT[mtype]]
+
+
+def check_symbol_size(symbol_size: int) -> None:
+    """ValueError unless ``symbol_size`` is a session symbol size one datagram can carry."""
+    if not isinstance(symbol_size, int) or not 1 <= symbol_size <= DEFAULT_SYMBOL_SIZE:
+        raise ValueError(f"symbol_size must be an int in [1, {DEFAULT_SYMBOL_SIZE}], got {symbol_size!r}")
+
+
