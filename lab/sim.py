@@ -22,6 +22,7 @@ for: every scheme's ``efficiency`` is its recovered utility / the oracle's on th
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,7 @@ from pfec.common.sched.policies import SCHEMES, Scheme, get_scheme
 from pfec.common.wire.messages import (
     DEFAULT_SYMBOL_SIZE,
     HEADER_SIZE,
+    NONCE_SIZE,
     OFFER_FIXED_SIZE,
     SOURCE_ID_SIZE,
     TAG_SIZE,
@@ -212,6 +214,12 @@ def _links(handoff: Handoff, realization: int) -> SimLinks:
     )
 
 
+def seeded_random_bytes(seed: int, realization: int, side: str) -> Callable[[int], bytes]:
+    """Reproducible handshake randomness (R_s, R_r, nonces) for one side of one simulated handoff: the
+    simulator's results must not depend on os.urandom. Never for real keys: the daemons use os.urandom."""
+    return random.Random(f"pfec-sim/{seed}/{realization}/{side}").randbytes
+
+
 def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = True) -> RunResult:
     cfg = handoff.config
     send = handoff.send_queue(scheme.order)
@@ -226,6 +234,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         result_wait_s=0.5 + 4 * cfg.owd_s,
         target_nonzeros=cfg.target_nonzeros,
         authenticate=cfg.authenticate,
+        random_bytes=seeded_random_bytes(cfg.seed, realization, "sender"),
     )
     sender = assemble_sender(session_id, send, handoff.budget, setup, cpu)
     endpoint = ReceiverEndpoint(
@@ -234,6 +243,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         ReceiverConfig(ack_every=cfg.ack_every),
         authenticate=cfg.authenticate,
         cpu=cpu,
+        random_bytes=seeded_random_bytes(cfg.seed, realization, "receiver"),
     )
     run = SimRun(sender, endpoint, _links(handoff, realization),
                  lambda event: _score(handoff, send, event, verify))
@@ -301,7 +311,7 @@ def forward_losses(handoff: Handoff, realization: int) -> npt.NDArray[np.bool_]:
 def data_timing(handoff: Handoff) -> DataTiming:
     """SOURCE datagram timing after the first OFFER (no app blob in the simulator), as the sessions send."""
     cfg = handoff.config
-    offer_bytes = HEADER_SIZE + OFFER_FIXED_SIZE + TAG_SIZE
+    offer_bytes = HEADER_SIZE + NONCE_SIZE + OFFER_FIXED_SIZE + TAG_SIZE
     source_bytes = HEADER_SIZE + SOURCE_ID_SIZE + handoff.plan.symbol_size + TAG_SIZE
     return DataTiming(
         first_send_s=offer_bytes * 8 / cfg.rate_bps,

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from pfec.common.wire.messages import TYPE_MASK
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverStats
 from pfec.sender.session import Failed, SenderSession
 
-_DATA_TYPES = (1, 2)  # wire type byte of SOURCE and REPAIR
+_DATA_TYPES = (1, 2)  # wire type (the type byte's low six bits) of SOURCE and REPAIR
 
 
 class SimLink:
@@ -116,7 +117,7 @@ class SimRun:
             self.sender_ready = False
             return False
         data, ctl = self.links.data, self.links.ctl
-        link = data if datagram[1] in _DATA_TYPES else ctl
+        link = data if datagram[1] & TYPE_MASK in _DATA_TYPES else ctl
         ctl.free_at = data.free_at  # one physical link: control waits for data too
         free_at, arrival = link.transmit(len(datagram), now)
         data.free_at = ctl.free_at = free_at

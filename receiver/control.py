@@ -1,5 +1,6 @@
-"""The receiver's control API: ``GET /sessions`` (live sessions), ``GET /results`` (the last results),
-``GET /healthz`` and ``GET /metrics``. The server, the bearer token and the client are
+"""The receiver's control API: ``GET /sessions`` (every live session, pending handshakes included),
+``GET /results`` (the last results), ``GET /healthz`` (liveness), ``GET /readyz`` (503 while the model
+worker is stuck) and ``GET /metrics``. The server, the bearer token and the client are
 ``common/node/control.py``."""
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ def receiver_routes(daemon: ReceiverDaemon) -> list[web.RouteDef]:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(daemon.health())
 
+    async def readyz(_request: web.Request) -> web.Response:
+        ready, body = daemon.readiness()
+        return web.json_response(body, status=200 if ready else 503)
+
     return [
         web.get("/sessions", sessions),
         web.get("/results", results),
         web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
         web.get("/metrics", daemon.metrics.aiohttp_handler()),
     ]

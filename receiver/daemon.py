@@ -14,6 +14,16 @@ each deadline run in a worker thread (``receiver/rebuild.py``).
   ``session.send_result``.
 - Results are kept (last ``RESULTS_KEPT``) for the control API; sessions are bounded by the endpoint's
   config and reaped by the endpoint (a vanished sender's session closes after its RESULT retries).
+- Every session ends: a sweep (``REAP_EVERY_S``) answers a session still without a RESULT at its deadline
+  plus ``limits.session_grace_s`` with an error RESULT, and closes (REFUSE) one still open after its
+  RESULT retries too, whatever the sender or the model worker does.
+- Bounds before allocation: an OFFER's budget and size are checked in the endpoint's admission (before
+  its session allocates a decoder); its application blob (``OfferApp.decode``) against the configured
+  maximum context and the model's, before any plan is built. The OFFER's profile is a NAME resolved in
+  this node's profile directory off the loop (``ProfileStore``); an unknown or unusable one is refused
+  with a REFUSE naming it and the reason.
+- Model work (rebuild, generation) runs on a ``ModelWorker`` with a bounded queue; ``readiness`` (the
+  control API's ``/readyz``) turns red when a job runs past ``limits.worker_stuck_s``.
 
 The control API is ``receiver/control.py``; ``receiver/serve.py`` runs it all (``pfec receiver serve``).
 """
@@ -35,11 +45,14 @@ import numpy as np
 
 from pfec.common.codec import fec
 from pfec.common.events import CpuMeter, Event
-from pfec.common.node.metrics import TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.config import LimitsConfig
+from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
-from pfec.common.plan.handoff import ModelIdentity, OfferApp, load_profile
-from pfec.common.plan.utility import UtilityProfile
-from pfec.common.wire.messages import MsgType, RefuseCode
+from pfec.common.node.worker import ModelWorker, WorkerBusy
+from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, pack_bits
+from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError, UtilityProfile
+from pfec.common.wire.messages import MsgType, Offer, RefuseCode
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import AtDeadline, Reconstructed, error_result, reconstruct, result_of
@@ -47,6 +60,8 @@ from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
     ReceiverConfig,
+    ReceiverSession,
+    ReceiverState,
     SessionClosed,
 )
 
@@ -62,6 +77,9 @@ TIMER_EARLY_S = 0.0015
 READ_BATCH = 32  # recvmsg calls per readable event before timers get their turn (each can be a GRO batch)
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
 _RECV_SIZE = 65535
+REAP_EVERY_S = 0.5  # the reaper's sweep period (sessions past their deadline plus grace)
+_JUNK = 256  # slot of the receive counters for junk (unparseable or unauthentic datagrams)
+_RX_LABELS = (*MSG_TYPE_LABELS.items(), (_JUNK, "junk"))
 
 
 @dataclass
@@ -73,6 +91,7 @@ class SessionInfo:
     app: OfferApp | None = None
     state: str = "receiving"
     result: dict[str, Any] | None = None
+    profile: UtilityProfile | None = None  # resolved off the loop after the OFFER (None: not yet, or unknown)
 
 
 @dataclass
@@ -94,6 +113,8 @@ class ReceiverDaemon:
         session_config: ReceiverConfig | None = None,
         metrics: ReceiverMetrics | None = None,
         default_mode: str = "mask",
+        limits: LimitsConfig | None = None,
+        profiles: ProfileStore | None = None,
     ) -> None:
         fec.warm_up()  # codec kernels compiled before any datagram, not mid-handoff
         self.identity = identity
@@ -101,7 +122,15 @@ class ReceiverDaemon:
         self.fingerprint = identity.fingerprint()
         self.metrics = metrics or ReceiverMetrics(process_metrics=False)
         self.cpu = CpuMeter(time.perf_counter_ns)
-        self.endpoint = ReceiverEndpoint(psk, self.fingerprint, session_config, admit=None, cpu=self.cpu)
+        self.limits = limits or LimitsConfig()
+        self.profiles = profiles or ProfileStore(DEFAULT_PROFILE_DIR)
+        # The largest context an OFFER may carry: the configured bound and the model's own.
+        self.max_tokens = self.limits.max_context_tokens
+        if runtime is not None:
+            self.max_tokens = min(self.max_tokens, int(runtime.max_context))
+        self._max_plan = identity.plan(self.max_tokens)
+        self.endpoint = ReceiverEndpoint(psk, self.fingerprint, session_config, admit=self._admit,
+                                         cpu=self.cpu)
         self.default_mode = default_mode
         self.sessions: dict[int, SessionInfo] = {}
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
@@ -109,16 +138,20 @@ class ReceiverDaemon:
         self._peers: dict[int, PeerAddress] = {}  # session id -> reply address (also pending refusals)
         self._sock: socket.socket | None = None
         self._gro = False
-        self._rx_count = [0] * 256  # datagrams and bytes per wire type byte, not yet exported
-        self._rx_bytes = [0] * 256
+        self._rx_count = [0] * 257  # datagrams and bytes per wire type (+ junk), not yet exported
+        self._rx_bytes = [0] * 257
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None
         self._timer_at: float | None = None
         self._service_pending = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfec-generate")
+        self.worker = ModelWorker("pfec-generate", self.limits.worker_queue, self.limits.worker_stuck_s)
+        # Profile files are read in a thread of their own: a slow file system never delays the model.
+        self._profile_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfec-profile")
         self._drops = DropExporter(self.metrics)
         self._jobs: set[asyncio.Future[Reconstructed]] = set()
-        self._profiles: dict[str, UtilityProfile | None] = {}
+        self._profile_jobs: set[asyncio.Future[UtilityProfile]] = set()
+        self._reaper: asyncio.TimerHandle | None = None
+        self._live_seen: tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> None:
@@ -127,6 +160,7 @@ class ReceiverDaemon:
         self._gro = enable_gro(sock)  # not Linux >= 5.0: one datagram per recvmsg
         self._sock = sock
         self._loop.add_reader(sock.fileno(), self._on_readable)
+        self._reaper = self._loop.call_later(REAP_EVERY_S, self._reap)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -137,6 +171,9 @@ class ReceiverDaemon:
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if self._sock is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._sock.fileno())
@@ -145,7 +182,8 @@ class ReceiverDaemon:
         for job in list(self._jobs):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(job), 30)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown()
+        self._profile_executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ receive path
     def _on_readable(self) -> None:
@@ -182,14 +220,24 @@ class ReceiverDaemon:
         now = clock()
         self.stats.received += 1
         self.stats.bytes_received += len(data)
+        drops = self.endpoint.drops
+        # Junk counters before, compared by identity after (no arithmetic: no allocation per datagram).
+        header_junk, auth_junk, version_junk = drops.get("junk_header"), drops.get("junk_auth"), drops.get(
+            "bad_version")
         header = self.endpoint.receive_datagram(data, now)  # the one parse of the header, shared with us
-        if header is not None and header.type is MsgType.OFFER and header.session_id not in self._peers:
-            # The OFFER's source: where this session's replies go (pruned with the session).
-            self._peers[header.session_id] = addr
-        if len(data) > 1:  # counted here, exported once per loop iteration (_deferred_service)
-            type_byte = data[1]
-            self._rx_count[type_byte] += 1
-            self._rx_bytes[type_byte] += len(data)
+        if header is not None:  # authenticated now: counted by its type
+            if header.type is MsgType.OFFER and header.session_id not in self._peers:
+                # The OFFER's source: where this session's replies go (pruned with the session).
+                self._peers[header.session_id] = addr
+            # Counted here, exported once per loop iteration (_deferred_service).
+            self._rx_count[header.type] += 1
+            self._rx_bytes[header.type] += len(data)
+        elif (drops.get("junk_header") is not header_junk or drops.get("junk_auth") is not auth_junk
+              or drops.get("bad_version") is not version_junk):
+            # Junk (no valid header, or not authentic) counts as junk, never by the type byte it claims;
+            # other drops and held early data are in the drop counters by reason.
+            self._rx_count[_JUNK] += 1
+            self._rx_bytes[_JUNK] += len(data)
         if not self._service_pending:  # once per loop iteration, after every datagram that was ready
             self._service_pending = True
             self._loop.call_soon(self._deferred_service)
@@ -201,7 +249,7 @@ class ReceiverDaemon:
 
     def _export_received(self) -> None:
         counts, sizes = self._rx_count, self._rx_bytes
-        for type_byte, kind in TYPE_BYTE_LABELS.items():
+        for type_byte, kind in _RX_LABELS:
             if counts[type_byte]:
                 self.metrics.datagrams_received(kind, counts[type_byte], sizes[type_byte])
                 counts[type_byte] = sizes[type_byte] = 0
@@ -213,7 +261,17 @@ class ReceiverDaemon:
             self._on_event(event, now)
         self._flush()
         self._drops.export(self.endpoint.drops)
+        self._export_live()
         self._arm_timer()
+
+    def _export_live(self) -> None:
+        live = (len(self.endpoint.sessions), self._pending_handshakes())
+        if live != self._live_seen:
+            self._live_seen = live
+            self.metrics.sessions_live(*live)
+
+    def _pending_handshakes(self) -> int:
+        return len(self.endpoint.pending_handshakes())
 
     def _flush(self) -> None:
         sock = self._sock
@@ -231,9 +289,9 @@ class ReceiverDaemon:
             kind = TYPE_BYTE_LABELS.get(datagram[1])
             if kind is not None:
                 self.metrics.datagram_sent(kind, len(datagram))
-        if len(self._peers) > len(self.endpoint.sessions):
-            live = self.endpoint.sessions
-            for sid in [s for s in self._peers if s not in live]:
+        endpoint = self.endpoint
+        if len(self._peers) > len(endpoint.sessions):  # keep the reply addresses of pending handshakes too
+            for sid in [s for s in self._peers if not endpoint.knows(s)]:
                 del self._peers[sid]
 
     # ------------------------------------------------------------------ timers
@@ -276,16 +334,29 @@ class ReceiverDaemon:
         elif isinstance(event, SessionClosed):
             self._on_closed(event)
 
+    def _admit(self, _sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
+        """The endpoint's admission check, before the session allocates anything: the budget and the KV
+        size against this node's limits (the blob's own fields are checked in ``_on_offer``)."""
+        max_us = self.limits.max_budget_ms * 1000
+        if offer.budget_us > max_us:
+            return (RefuseCode.BAD_PARAMETERS, f"OFFER budget {offer.budget_us / 1000:.0f} ms is above this "
+                    f"receiver's limits.max_budget_ms ({self.limits.max_budget_ms:g})")
+        if offer.n_source > self._max_plan.n_fragments or offer.symbol_size != self._max_plan.symbol_size:
+            return (RefuseCode.BAD_PARAMETERS, f"OFFER of {offer.n_source} symbols of {offer.symbol_size} B "
+                    f"exceeds this receiver's maximum context of {self.max_tokens} tokens "
+                    f"({self._max_plan.n_fragments} symbols of {self._max_plan.symbol_size} B)")
+        return None
+
     def _on_offer(self, event: OfferReceived, now: float) -> None:
         session = self.endpoint.sessions.get(event.session_id)
         if session is None:
             return
         info = SessionInfo(event.session_id, self._peers.get(event.session_id), now, session.deadline)
         self.sessions[event.session_id] = info
-        self.metrics.session_started()
         try:
-            app = OfferApp.decode(event.app_blob)
-            plan = self.identity.plan(app.n_tokens)
+            app = OfferApp.decode(event.app_blob, max_tokens=self.max_tokens,
+                                  max_blob_bytes=self.limits.max_blob_bytes)
+            plan = self.identity.plan(app.n_tokens)  # bounded: n_tokens <= max_tokens
             if plan.n_fragments != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
                 raise ValueError(
                     f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
@@ -299,6 +370,34 @@ class ReceiverDaemon:
             session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
             return
         info.app = app
+        n_layers = self.identity.geometry.n_layers
+        info.profile = self.profiles.cached(app.profile, n_layers)
+        if info.profile is None:  # read the named file off the loop; refuse the session if it is unusable
+            loop = self._loop
+            assert loop is not None
+            job = loop.run_in_executor(self._profile_executor, self.profiles.load, app.profile, n_layers)
+            self._profile_jobs.add(job)
+            job.add_done_callback(lambda fut: self._on_profile(event.session_id, app.profile, fut))
+
+    def _on_profile(self, sid: int, name: str, fut: asyncio.Future[UtilityProfile]) -> None:
+        self._profile_jobs.discard(fut)
+        if fut.cancelled():
+            return
+        info = self.sessions.get(sid)
+        exc = fut.exception()
+        if exc is None:
+            if info is not None:
+                info.profile = fut.result()
+            return
+        reason = str(exc) if isinstance(exc, ProfileError) else f"profile {name!r}: cannot be loaded"
+        if not isinstance(exc, ProfileError):
+            log.error("session %016x: profile %r failed to load: %r", sid, name, exc)
+        session = self.endpoint.sessions.get(sid)
+        if info is None or session is None or session.closed or info.state != "receiving":
+            return
+        info.state = "refused"
+        session.refuse(RefuseCode.BAD_PARAMETERS, reason)
+        self._service(clock())
 
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:
         info = self.sessions.get(event.session_id)
@@ -315,13 +414,60 @@ class ReceiverDaemon:
         info.state = "generating"
         app = info.app
         at = AtDeadline.of(event, late)
-        loop = self._loop
-        assert loop is not None
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
-        job = loop.run_in_executor(self._executor, reconstruct, self.runtime, self.identity, app,
-                                   self._profile(app.profile), event.decoded_esis, event.store)
+        try:
+            job = self.worker.submit(reconstruct, self.runtime, self.identity, app, info.profile,
+                                     event.decoded_esis, event.store)
+        except WorkerBusy as exc:
+            self._result_without_rebuild(event, late, f"receiver busy: {exc}")
+            return
         self._jobs.add(job)
         job.add_done_callback(lambda fut: self._on_generated(event.session_id, at, fut))
+
+    def _reap(self) -> None:
+        """Every session ends: one past its deadline plus the grace without a RESULT gets an error RESULT
+        (then CLOSE or RESULT retries end it); one still open after that too is closed with a REFUSE."""
+        loop = self._loop
+        assert loop is not None
+        self._reaper = loop.call_later(REAP_EVERY_S, self._reap)
+        now = clock()
+        grace = self.limits.session_grace_s
+        cfg = self.endpoint.config
+        retries_s = cfg.result_retries * cfg.result_retry_s + REAP_EVERY_S
+        reaped = False
+        for sid, session in list(self.endpoint.sessions.items()):
+            if session.closed or now < session.deadline + grace:
+                continue
+            info = self.sessions.get(sid)
+            if info is None or (info.result is None and info.state not in ("refused", "result_sent")):
+                self._give_up(sid, session, now)
+                reaped = True
+            elif now >= session.deadline + grace + retries_s:
+                log.warning("session %016x: still open %.1f s after its deadline; closing it", sid,
+                            now - session.deadline)
+                session.refuse(RefuseCode.OTHER, "receiver reaped the session after its deadline and grace")
+                reaped = True
+        if reaped:
+            self._service(now)
+
+    def _give_up(self, sid: int, session: ReceiverSession, now: float) -> None:
+        """The deadline plus grace passed without a RESULT (a stuck worker, an OFFER never complete)."""
+        info = self.sessions.get(sid)
+        if info is None:
+            info = self.sessions[sid] = SessionInfo(sid, self._peers.get(sid), now, session.deadline)
+        if session.state is ReceiverState.RECEIVING:  # its deadline never fired (cannot happen; be sure)
+            session.refuse(RefuseCode.OTHER, "receiver reaped the session after its deadline and grace")
+            return
+        error = (f"receiver gave up: no result {self.limits.session_grace_s:g} s after the deadline "
+                 "(limits.session_grace_s)")
+        info.state = "result_sent"
+        info.result = {"session_id": f"{sid:016x}", "finished_at": time.time(), "error": error}
+        self.results.append(info.result)
+        mode = info.app.mode if info.app else self.default_mode
+        n_source = session.offer.n_source
+        session.send_result(ResultApp(None, 0, 0, session.decoder.decoded_count, n_source,
+                                      pack_bits(np.zeros(0, bool)), None, None, 0.0, None, mode,
+                                      error=error).encode(), now)
 
     def _result_without_rebuild(self, event: DeadlineReached, late: float, error: str) -> None:
         """Answer with an error RESULT so the session still ends (RESULT, then CLOSE or retries)."""
@@ -331,21 +477,12 @@ class ReceiverDaemon:
             return
         if sid not in self.sessions:
             self.sessions[sid] = SessionInfo(sid, self._peers.get(sid), clock(), event.stats.deadline_at)
-            self.metrics.session_started()
         info = self.sessions[sid]
         info.state = "result_sent"
         result = error_result(AtDeadline.of(event, late), self.default_mode, error)
         info.result = {"session_id": f"{sid:016x}", "finished_at": time.time(), "error": error}
         self.results.append(info.result)
         session.send_result(result.encode(), clock())
-
-    def _profile(self, name: str) -> UtilityProfile | None:
-        if name not in self._profiles:
-            try:
-                self._profiles[name] = load_profile(self.identity, name)
-            except ValueError:
-                self._profiles[name] = None  # unknown here: the sender scores from the blocks bitmap
-        return self._profiles[name]
 
     def _on_generated(self, sid: int, at: AtDeadline, fut: asyncio.Future[Reconstructed]) -> None:
         self._jobs.discard(fut)
@@ -356,7 +493,7 @@ class ReceiverDaemon:
         except Exception as exc:  # filing, rebuild or generation failed: report it, keep serving
             log.exception("session %016x: rebuild/generation failed", sid)
             done = Reconstructed.failed(exc)
-        if info is None:
+        if info is None or info.state != "generating":  # gone, or answered by the reaper meanwhile
             return
         if done.utility is not None:
             self.metrics.recovered_utility(done.utility)
@@ -379,14 +516,13 @@ class ReceiverDaemon:
     def _on_closed(self, event: SessionClosed) -> None:
         info = self.sessions.pop(event.session_id, None)
         reason = event.reason
-        if info is None:  # refused before it existed
-            if reason.startswith("refused"):
-                self.metrics.session_refused()
-                self.results.append(
-                    {"session_id": f"{event.session_id:016x}", "finished_at": time.time(), "error": reason}
-                )
+        if info is None and reason.startswith("refused"):  # refused before it existed
+            self.metrics.session_refused()
+            self.results.append(
+                {"session_id": f"{event.session_id:016x}", "finished_at": time.time(), "error": reason}
+            )
             return
-        if info.state == "refused":
+        if info is not None and info.state == "refused":
             outcome = "failed"
         elif reason.startswith("sender closed (DONE)"):
             outcome = "done"
@@ -397,30 +533,42 @@ class ReceiverDaemon:
         else:
             outcome = "failed"
         self.metrics.session_finished(outcome)
-        if info.result is None:
+        if info is None or info.result is None:
             self.results.append(
                 {"session_id": f"{event.session_id:016x}", "finished_at": time.time(), "error": reason}
             )
 
     # ------------------------------------------------------------------ control API views
     def session_views(self) -> list[dict[str, Any]]:
+        """Every live session: the endpoint's (whether or not its OFFER completed) and its pending
+        handshakes (authentic OFFERs not yet established)."""
         now = clock()
         out = []
-        for sid, info in self.sessions.items():
-            session = self.endpoint.sessions.get(sid)
+        for sid, session in self.endpoint.sessions.items():
+            info = self.sessions.get(sid)
+            peer = info.peer if info is not None else self._peers.get(sid)
             out.append(
                 {
                     "session_id": f"{sid:016x}",
-                    "state": info.state,
-                    "peer": f"{info.peer[0]}:{info.peer[1]}" if info.peer else None,
-                    "deadline_in_ms": round((info.deadline - now) * 1000, 3),
-                    "decoded_symbols": session.decoder.decoded_count if session else None,
-                    "n_source": session.offer.n_source if session else None,
+                    "state": info.state if info is not None else "offer_incomplete",
+                    "peer": f"{peer[0]}:{peer[1]}" if peer else None,
+                    "deadline_in_ms": round((session.deadline - now) * 1000, 3),
+                    "decoded_symbols": session.decoder.decoded_count,
+                    "n_source": session.offer.n_source,
+                    "profile": info.app.profile if info is not None and info.app is not None else None,
                 }
             )
+        for hs in self.endpoint.pending_handshakes():
+            peer = self._peers.get(hs.session_id)
+            out.append({"session_id": f"{hs.session_id:016x}", "state": "handshake",
+                        "peer": f"{peer[0]}:{peer[1]}" if peer else None,
+                        "expires_in_ms": round((hs.expires_at - now) * 1000, 3), "deadline_in_ms": None,
+                        "decoded_symbols": None, "n_source": hs.n_source, "profile": None,
+                        "offer_parts": f"{hs.parts_received}/{hs.part_count}"})
         return out
 
     def health(self) -> dict[str, Any]:
+        """Liveness (``/healthz``): the loop answers."""
         late = np.asarray(self.stats.deadline_late_s, dtype=float)
         return {
             "status": "ok",
@@ -429,7 +577,19 @@ class ReceiverDaemon:
             "fingerprint": self.fingerprint.hex()[:16],
             "udp": f"{self.address[0]}:{self.address[1]}",
             "sessions": len(self.endpoint.sessions),
+            "pending_handshakes": self._pending_handshakes(),
             "datagrams_received": self.stats.received,
             "drops": dict(self.endpoint.drops),
             "deadline_late_ms_p99": float(np.percentile(late, 99) * 1000) if len(late) else None,
+            "worker": self.worker.view(),
         }
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness (``/readyz``): red while the model worker runs a job past ``limits.worker_stuck_s``."""
+        stuck = self.worker.stuck_for()
+        body: dict[str, Any] = {"status": "ready" if stuck is None else "stuck", "role": "receiver",
+                                "worker": self.worker.view()}
+        if stuck is not None:
+            body["error"] = (f"the model worker has run one job for {stuck:.1f} s (limits.worker_stuck_s = "
+                             f"{self.worker.stuck_after_s:g})")
+        return stuck is None, body

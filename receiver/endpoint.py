@@ -3,79 +3,183 @@
 - Demultiplexing: each datagram's cleartext header is parsed once, here; the session it names opens
   the rest with that header (:meth:`PacketProtector.open_peeked`), so nothing is parsed or decrypted
   twice on the receive path.
-- Handshake: an OFFER for an unknown session id is opened with a protector that does not know the
-  symbol size yet (only the OFFER tells it), then admitted (fingerprint, capacity, parameters, the
-  application's own check) or refused with a REFUSE sealed by that same protector.
-- Early data: datagrams that arrive before their session's OFFER are held (bounded per session id and
-  in number of session ids) with their parsed headers and replayed when the OFFER comes; data for a
-  recently closed session is counted, never buffered.
+- Handshake (the design is :mod:`pfec.common.wire.seal`'s): an OFFER is opened with the static handshake
+  key (one AES-GCM open, no key derivation: a forged one costs microseconds), its fields are bounded
+  (``ReceiverConfig``) and admitted or refused with a REFUSE; an admitted one creates a small *pending
+  handshake* (bounded in number, oldest dropped first, expiring ``handshake_timeout_s`` after its first
+  OFFER) and is answered with an ACCEPT carrying fresh R_r. The ``ReceiverSession`` (deadline, decoder,
+  ACKs, rebuild) exists only once a datagram opens under the session key K_s2r, which needs R_r: the
+  proof that the sender holds the key and saw this ACCEPT. A replayed OFFER gets at most an ACCEPT.
+- Anti-amplification: until establishment a pending handshake sends at most ``3 x`` the authenticated
+  bytes it received (RFC 9000 section 8.1): a repeated OFFER part gets the same ACCEPT bytes again
+  within that budget, a REFUSE text is clipped to fit it.
+- Early data: datagrams sealed under the sender's early key are opened as soon as their pending
+  handshake exists (its keys are derived then, once) and held, bounded, until establishment; those that
+  arrive before any OFFER are held raw (bounded per session id and in number of session ids). Data for a
+  recently closed session is counted, never buffered; session-key data for an unknown session is dropped.
+- Drops are counted by reason in ``drops``, never by a datagram's claimed type. Before authentication:
+  ``junk_header`` (unparseable or impossible header, length or phase), ``bad_version`` (a peer on another
+  wire version), ``junk_auth`` (the tag does not verify: forged, corrupted, or replayed into keys that
+  changed), ``no_session``, ``closed_session``, ``early_overflow``, ``early_evicted``. After it:
+  ``replay``, ``too_old``, ``malformed`` (an authentic body out of its domain), ``offer_mismatch`` (an
+  OFFER part of another attempt), ``amplification_limit`` (a handshake reply not sent),
+  ``handshake_expired`` and ``handshake_evicted`` (pending handshakes given up), and the sessions' own
+  (``unexpected_type``, ``fec_*``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.wire.frames import peek_header
-from pfec.common.wire.messages import Header, MsgType, Offer, ParseError, Refuse, RefuseCode, Role, clip_text
-from pfec.common.wire.seal import PacketProtector
-from pfec.receiver.session import ReceiverConfig, ReceiverEvent, ReceiverSession, SessionClosed
+from pfec.common.wire.messages import (
+    MAX_TEXT,
+    NONCE_SIZE,
+    OVERHEAD,
+    RANDOM_SIZE,
+    Accept,
+    Close,
+    Header,
+    KeyPhase,
+    Message,
+    MsgType,
+    Offer,
+    ParseError,
+    Refuse,
+    RefuseCode,
+    Role,
+    clip_text,
+)
+from pfec.common.wire.seal import (
+    Keyring,
+    PacketProtector,
+    RandomBytes,
+    ReplayError,
+    drop_reason,
+    open_handshake,
+    seal_handshake,
+)
+from pfec.receiver.session import (
+    ReceiverConfig,
+    ReceiverEvent,
+    ReceiverSession,
+    SessionClosed,
+    decoder_span,
+    same_handoff,
+)
 
-__all__ = ["Admission", "ReceiverEndpoint"]
+__all__ = ["AMPLIFICATION_FACTOR", "Admission", "HandshakeInfo", "ReceiverEndpoint"]
 
 #: The application's own admission check: ``(session id, offer)`` -> a refusal, or None to admit.
 Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
 
+AMPLIFICATION_FACTOR = 3  # bytes sent <= 3 x bytes received before establishment (RFC 9000 s8.1)
+_REFUSE_OVERHEAD = OVERHEAD + NONCE_SIZE + 1  # a handshake REFUSE without its text
+_HANDSHAKE = KeyPhase.HANDSHAKE
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeInfo:
+    """A pending handshake, for ``/sessions`` and metrics: answered with an ACCEPT, not yet established."""
+
+    session_id: int
+    created_at: float
+    expires_at: float
+    parts_received: int
+    part_count: int
+    n_source: int
+    symbol_size: int
+    budget_s: float
+    bytes_received: int
+    bytes_sent: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One pending handshake (small: a few hundred bytes plus the held OFFER parts and early data)."""
+
+    offer: Offer  # the first part received
+    offer_pn: int
+    created_at: float
+    expires_at: float
+    receiver_random: bytes
+    reply: bytes  # the sealed ACCEPT, sent again as is for a repeated OFFER
+    parts: dict[int, int] = field(default_factory=dict)  # part index -> packet number
+    held: list[tuple[int, Message]] = field(default_factory=list)  # (pn, message): later parts, early data
+    protector: PacketProtector | None = None  # the session's, built (keys derived) on first need
+    bytes_received: int = 0
+    bytes_sent: int = 0
+
 
 class ReceiverEndpoint:
-    """All sessions of one receiver: dispatch by session id, admission, early data, bounded memory."""
+    """All sessions of one receiver: dispatch by session id, the handshake, early data, bounded memory.
+
+    ``psk`` may be a :class:`Keyring` (built once per PSK). ``random_bytes`` supplies R_r and the
+    handshake nonces (os.urandom; the simulator and tests pass a seeded one)."""
 
     def __init__(
         self,
-        psk: bytes,
+        psk: bytes | Keyring,
         fingerprint: bytes,
         config: ReceiverConfig | None = None,
         admit: Admission | None = None,
         authenticate: bool = True,
         cpu: CpuMeter | None = None,
+        random_bytes: RandomBytes = os.urandom,
     ) -> None:
-        self.psk = psk
+        self.keyring = psk if isinstance(psk, Keyring) else Keyring(psk, authenticate=authenticate)
         self.fingerprint = fingerprint
         self.config = config or ReceiverConfig()
         self.admit = admit
-        self.authenticate = authenticate
+        self.authenticate = self.keyring.authenticate
         self.cpu = cpu
+        self.random_bytes = random_bytes
         self.sessions: dict[int, ReceiverSession] = {}
         self.drops: dict[str, int] = {}
-        self._pending: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()
+        self.bytes_received = 0  # every datagram given to receive_datagram
+        self._handshakes: OrderedDict[int, _Pending] = OrderedDict()  # by creation, so by expiry
+        self._early: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()  # before any OFFER
         self._closed: OrderedDict[int, None] = OrderedDict()
         self._events: deque[ReceiverEvent] = deque()
-        self._refusals: list[tuple[int, bytes]] = []  # REFUSEs for sessions that never existed
+        self._replies: list[tuple[int, bytes]] = []  # ACCEPTs and REFUSEs of pending handshakes
 
+    # ------------------------------------------------------------------ public API
     def receive_datagram(self, data: bytes, now: float) -> Header | None:
-        """Take one datagram. Returns its header (parsed here, once) so that the caller can see its type
-        and session id without parsing it again, or None when the header itself was malformed (counted)."""
+        """Take one datagram. Returns its header (parsed here, once) when the datagram authenticated now,
+        so that the caller can count it by type and see its session id without parsing it again; None
+        when it was dropped (counted by reason) or held unopened for a handshake still to come."""
+        self.bytes_received += len(data)
         try:
             header = peek_header(data)
         except ParseError as exc:
-            self._drop(exc.reason)
+            self._drop(drop_reason(exc))
             return None
         sid = header.session_id
         session = self.sessions.get(sid)
+        if header.phase is _HANDSHAKE:
+            return self._on_handshake(header, data, session, now)
         if session is not None:
-            self._deliver(session, header, data, now)
-        elif sid in self._closed:
+            return header if self._deliver(session, header, data, now) else None
+        if sid in self._closed:
             self._drop("closed_session")
-        elif header.type == MsgType.OFFER:
-            self._open_session(header, data, now)
-        else:
+            return None
+        pending = self._handshakes.get(sid)
+        if pending is not None:
+            return self._on_pending_data(pending, header, data, now)
+        if header.phase is KeyPhase.EARLY:
             self._buffer_early(header, data)
-        return header
+        else:
+            self._drop("no_session")
+        return None
 
     def datagrams_to_send(self) -> list[tuple[int, bytes]]:
-        out = self._refusals
-        self._refusals = []
+        out = self._replies
+        self._replies = []
         closed = False
         for sid, session in self.sessions.items():
             if session.has_output:
@@ -96,60 +200,140 @@ class ReceiverEndpoint:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        return earliest(*(session.get_timer() for session in self.sessions.values()))
+        first = next(iter(self._handshakes.values()), None)
+        return earliest(
+            first.expires_at if first is not None else None,
+            *(session.get_timer() for session in self.sessions.values()),
+        )
 
     def handle_timer(self, now: float) -> None:
         for session in self.sessions.values():
             timer = session.get_timer()
             if timer is not None and now >= timer:
                 session.handle_timer(now)
+        handshakes = self._handshakes
+        while handshakes:
+            sid, pending = next(iter(handshakes.items()))
+            if now < pending.expires_at:
+                break
+            del handshakes[sid]
+            self._remember_closed(sid)
+            self._drop("handshake_expired")
 
-    # ------------------------------------------------------------------ internals
-    def _deliver(self, session: ReceiverSession, header: Header, data: bytes, now: float) -> None:
+    def pending_handshakes(self) -> list[HandshakeInfo]:
+        """Every pending handshake (not yet a session), oldest first."""
+        return [
+            HandshakeInfo(
+                sid, p.created_at, p.expires_at, len(p.parts), p.offer.part_count, p.offer.n_source,
+                p.offer.symbol_size, p.offer.budget_us * 1e-6, p.bytes_received, p.bytes_sent,
+            )
+            for sid, p in self._handshakes.items()
+        ]
+
+    @property
+    def early_held(self) -> int:
+        """Datagrams held before their session exists (raw before any OFFER, opened for a pending one)."""
+        return sum(len(q) for q in self._early.values()) + sum(len(p.held) for p in self._handshakes.values())
+
+    def knows(self, session_id: int) -> bool:
+        """Whether ``session_id`` is a live session or a pending handshake (replies may still go to it)."""
+        return session_id in self.sessions or session_id in self._handshakes
+
+    # ------------------------------------------------------------------ established sessions
+    def _deliver(self, session: ReceiverSession, header: Header, data: bytes, now: float) -> bool:
         try:
             message = session.protector.open_peeked(header, data)
         except ParseError as exc:
-            self._drop(exc.reason)
-            return
+            self._drop_open_error(exc)
+            return False
         session.handle_message(header.packet_number, message, now)
+        return True
 
-    def _open_session(self, header: Header, data: bytes, now: float) -> None:
+    # ------------------------------------------------------------------ handshake
+    def _on_handshake(self, header: Header, data: bytes, session: ReceiverSession | None,
+                      now: float) -> Header | None:
         sid = header.session_id
-        # OFFER bodies do not depend on the symbol size, which only the OFFER tells: the session's own
-        # protector opens it (its replay window starts with it), then learns the size for the data.
-        protector = PacketProtector(self.psk, sid, Role.RECEIVER, None, authenticate=self.authenticate)
-        try:
-            offer = protector.open_peeked(header, data)
-            if not isinstance(offer, Offer):
-                raise ParseError("bad_type")
+        if header.type is not MsgType.OFFER:  # the only handshake datagram a sender seals
+            self._drop("junk_header")
+            return None
+        try:  # the static key: no derivation, one AES-GCM open
+            offer = open_handshake(self.keyring, Role.RECEIVER, header, data)
         except ParseError as exc:
-            self._drop(exc.reason)
-            return
-        protector.set_symbol_size(offer.symbol_size)  # in range: the OFFER parser checked it
+            self._drop_open_error(exc)
+            return None
+        assert isinstance(offer, Offer)  # the only type allowed through
+        pn = header.packet_number
+        if session is not None:  # a late or repeated part of an established session
+            if not same_handoff(offer, session.offer):
+                self._drop("offer_mismatch")
+                return None
+            try:
+                session.protector.mark_received(pn)
+            except ReplayError as exc:
+                self._drop(exc.reason)
+                return None
+            session.handle_message(pn, offer, now)
+            return header
+        if sid in self._closed:
+            self._drop("closed_session")
+            return None
+        pending = self._handshakes.get(sid)
+        if pending is None:
+            self._open_handshake(header, offer, len(data), now)
+            return header
+        if not same_handoff(offer, pending.offer):
+            self._drop("offer_mismatch")
+            return None
+        pending.bytes_received += len(data)
+        if offer.part_index in pending.parts:  # the sender repeats its OFFER: our ACCEPT was lost
+            self._reply(pending, sid)
+            return header
+        pending.parts[offer.part_index] = pn
+        pending.held.append((pn, offer))
+        return header
+
+    def _open_handshake(self, header: Header, offer: Offer, size: int, now: float) -> None:
+        sid = header.session_id
         refusal = self._check_offer(sid, offer)
         if refusal is not None:
-            self._refuse(protector, sid, *refusal)
+            self._refuse_handshake(header, offer, size, *refusal)
             return
-        session = ReceiverSession(sid, protector, offer, header.packet_number, now, self.config, self.cpu)
-        self.sessions[sid] = session
-        for early_header, early in self._pending.pop(sid, []):
-            self._deliver(session, early_header, early, now)
+        cfg = self.config
+        handshakes = self._handshakes
+        if len(handshakes) >= cfg.max_handshakes:
+            old, _gone = handshakes.popitem(last=False)
+            self._remember_closed(old)
+            self._drop("handshake_evicted")
+        r_r = self.random_bytes(RANDOM_SIZE)
+        accept = Accept(decoder_span(offer, cfg), offer.n_source, r_r)
+        reply = seal_handshake(self.keyring, Role.RECEIVER, accept, sid, 1, self.random_bytes(NONCE_SIZE),
+                               offer.sender_random)
+        pending = _Pending(offer, header.packet_number, now, now + cfg.handshake_timeout_s, r_r, reply,
+                           {offer.part_index: header.packet_number}, bytes_received=size)
+        handshakes[sid] = pending
+        self._reply(pending, sid)
+        early = self._early.pop(sid, None)
+        if early:
+            for early_header, raw in early:
+                self._on_pending_data(pending, early_header, raw, now)
+
+    def _reply(self, pending: _Pending, sid: int) -> None:
+        """Send the pending handshake's ACCEPT (again), within the anti-amplification budget."""
+        size = len(pending.reply)
+        if pending.bytes_sent + size > AMPLIFICATION_FACTOR * pending.bytes_received:
+            self._drop("amplification_limit")
+            return
+        pending.bytes_sent += size
+        self._replies.append((sid, pending.reply))
 
     def _check_offer(self, sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
+        """Every OFFER field bounded before anything is allocated for it."""
+        cfg = self.config
         if offer.fingerprint != self.fingerprint:
             return (
                 RefuseCode.FINGERPRINT_MISMATCH,
                 f"sender model fingerprint {offer.fingerprint.hex()[:16]} differs from this receiver's "
                 f"{self.fingerprint.hex()[:16]}: both nodes must serve the same model and KV layout",
-            )
-        if len(self.sessions) >= self.config.max_sessions:
-            return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
-        need = offer.n_source * offer.symbol_size
-        if need > self.config.max_session_bytes:
-            return (
-                RefuseCode.OVERLOADED,
-                f"handoff needs {need} bytes, above this receiver's max_session_bytes "
-                f"{self.config.max_session_bytes}",
             )
         if offer.n_source == 0 or offer.window_cap == 0 or offer.window_cap > 4095:
             return (
@@ -157,25 +341,107 @@ class ReceiverEndpoint:
                 f"n_source {offer.n_source} and window_cap {offer.window_cap} must be positive, "
                 "window_cap <= 4095",
             )
+        if offer.part_count > cfg.max_offer_parts:
+            return (RefuseCode.BAD_PARAMETERS,
+                    f"OFFER of {offer.part_count} parts, above max_offer_parts {cfg.max_offer_parts}")
+        if offer.budget_us > cfg.max_budget_s * 1e6:
+            return (RefuseCode.BAD_PARAMETERS,
+                    f"budget {offer.budget_us / 1e6:.3f} s above max_budget_s {cfg.max_budget_s:g}")
+        need = offer.n_source * offer.symbol_size
+        if need > cfg.max_session_bytes:
+            return (
+                RefuseCode.OVERLOADED,
+                f"handoff needs {need} bytes, above this receiver's max_session_bytes "
+                f"{cfg.max_session_bytes}",
+            )
+        if len(self.sessions) >= cfg.max_sessions:
+            return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
         if self.admit is not None:
             return self.admit(sid, offer)
         return None
 
-    def _refuse(self, protector: PacketProtector, sid: int, code: RefuseCode, text: str) -> None:
+    def _refuse_handshake(self, header: Header, offer: Offer, size: int, code: RefuseCode, text: str) -> None:
+        """A REFUSE sealed with the handshake key, its text clipped to the anti-amplification budget."""
+        sid = header.session_id
         self._remember_closed(sid)
-        self._pending.pop(sid, None)
+        self._early.pop(sid, None)
         self._events.append(SessionClosed(sid, f"refused: {text}"))
-        self._refusals.append((sid, protector.seal(Refuse(code, clip_text(text)))))
+        room = AMPLIFICATION_FACTOR * size - _REFUSE_OVERHEAD
+        if room < 0:
+            self._drop("amplification_limit")
+            return
+        refuse = Refuse(code, clip_text(text, min(room, MAX_TEXT)))
+        self._replies.append((sid, seal_handshake(self.keyring, Role.RECEIVER, refuse, sid, 1,
+                                                  self.random_bytes(NONCE_SIZE), offer.sender_random)))
 
+    # ------------------------------------------------------------------ pending handshakes: data
+    def _pending_protector(self, sid: int, pending: _Pending) -> PacketProtector:
+        protector = pending.protector
+        if protector is None:  # the session keys, derived once per pending handshake
+            offer = pending.offer
+            protector = pending.protector = PacketProtector(
+                self.keyring, sid, Role.RECEIVER, offer.symbol_size, local_random=pending.receiver_random,
+                peer_random=offer.sender_random, random_bytes=self.random_bytes, first_pn=2,
+            )
+        return protector
+
+    def _on_pending_data(self, pending: _Pending, header: Header, data: bytes, now: float) -> Header | None:
+        """Early data is opened and held; the first datagram under the session key establishes."""
+        sid = header.session_id
+        protector = self._pending_protector(sid, pending)
+        try:
+            message = protector.open_peeked(header, data)
+        except ParseError as exc:
+            self._drop_open_error(exc)
+            return None
+        pending.bytes_received += len(data)
+        pn = header.packet_number
+        if header.phase is KeyPhase.SESSION:
+            self._establish(sid, pending, pn, message, now)
+        elif isinstance(message, Close):
+            del self._handshakes[sid]
+            self._remember_closed(sid)
+            reason = f"sender closed ({message.code.name}) {message.text}".strip()
+            self._events.append(SessionClosed(sid, reason))
+        elif len(pending.held) >= self.config.pending_datagrams + self.config.max_offer_parts:
+            self._drop("early_overflow")
+        else:
+            pending.held.append((pn, message))
+        return header
+
+    def _establish(self, sid: int, pending: _Pending, pn: int, message: Message, now: float) -> None:
+        del self._handshakes[sid]
+        protector = pending.protector
+        assert protector is not None
+        if len(self.sessions) >= self.config.max_sessions:
+            self._remember_closed(sid)
+            text = f"receiver already holds {len(self.sessions)} sessions"
+            self._replies.append((sid, protector.seal(Refuse(RefuseCode.OVERLOADED, text))))
+            self._events.append(SessionClosed(sid, f"refused: {text}"))
+            return
+        for part_pn in pending.parts.values():  # handshake datagrams: in the window from now on
+            if part_pn != pn:
+                with contextlib.suppress(ReplayError):
+                    protector.mark_received(part_pn)
+        session = ReceiverSession(sid, protector, pending.offer, pending.offer_pn, now, self.config,
+                                  self.cpu, offer_at=pending.created_at)
+        self.sessions[sid] = session
+        pending.held.sort(key=lambda held: held[0])
+        for held_pn, held in pending.held:
+            session.handle_message(held_pn, held, now)
+        pending.held.clear()
+        session.handle_message(pn, message, now)
+
+    # ------------------------------------------------------------------ bookkeeping
     def _buffer_early(self, header: Header, data: bytes) -> None:
         cfg = self.config
         sid = header.session_id
-        queue = self._pending.get(sid)
+        queue = self._early.get(sid)
         if queue is None:
-            if len(self._pending) >= cfg.pending_sessions:
-                _old, dropped = self._pending.popitem(last=False)
+            if len(self._early) >= cfg.pending_sessions:
+                _old, dropped = self._early.popitem(last=False)
                 self._drop("early_evicted", len(dropped))
-            queue = self._pending[sid] = []
+            queue = self._early[sid] = []
         if len(queue) >= cfg.pending_datagrams:
             self._drop("early_overflow")
             return
@@ -188,8 +454,12 @@ class ReceiverEndpoint:
 
     def _remember_closed(self, sid: int) -> None:
         self._closed[sid] = None
+        self._early.pop(sid, None)
         while len(self._closed) > self.config.closed_memory:
             self._closed.popitem(last=False)
+
+    def _drop_open_error(self, exc: ParseError) -> None:
+        self._drop(drop_reason(exc))
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + count

@@ -46,9 +46,23 @@ FEC_DROP_REASONS: Final = (
     "fec_no_nonzero_row",
     "fec_window_overflow",
 )
+#: The endpoint's handshake and junk reasons (unauthenticated junk is counted as junk, never by the type
+#: byte it claims; everything else after authentication by its reason).
+HANDSHAKE_DROP_REASONS: Final = (
+    "junk_header",  # no valid header
+    "junk_auth",  # does not open under any key (forged or corrupt)
+    "amplification_limit",  # a reply withheld: 3x what the unproven peer sent (RFC 9000 s8.1)
+    "handshake_expired",  # data for a handshake that timed out
+    "handshake_evicted",  # a pending handshake pushed out by newer ones
+    "bad_offer",  # an authentic OFFER with a field out of bounds
+    "offer_mismatch",  # an OFFER part that disagrees with the session's first OFFER
+    "no_session",  # session-key data for no session (a replay after a restart, or late data)
+    "malformed",  # an authentic body out of its domain (the key holder's bug)
+)
 RECEIVER_DROP_REASONS: Final = (
     *sorted(PARSE_REASONS),
     *FEC_DROP_REASONS,
+    *HANDSHAKE_DROP_REASONS,
     "unexpected_type",  # valid datagram the session does not expect in its state
     "bad_offer_part",  # OFFER part out of order / inconsistent
     "closed_session",  # data for a recently closed session
@@ -106,7 +120,12 @@ class ReceiverMetrics(NodeMetrics):
             "Time to first token: from the OFFER's arrival to the first generated token.",
             _TTFT_BUCKETS,
         )
-        self._active = self.gauge("sessions_active", "Sessions accepted and not yet closed.")
+        self._active = self.gauge(
+            "sessions_active", "Live sessions: established ones and pending handshakes (not yet accepted)."
+        )
+        self._pending = self.gauge(
+            "sessions_pending", "Pending handshakes (authentic OFFERs not yet established)."
+        )
         self._sessions = self.counter("sessions", "Sessions ended (or refused), by outcome.", ["outcome"])
         self._decoded = self.counter("decoded_symbols", "Source symbols recovered (received or decoded).")
         self._redundant = self.counter(
@@ -147,13 +166,14 @@ class ReceiverMetrics(NodeMetrics):
 
     # ------------------------------------------------------------------ sessions
 
-    def session_started(self) -> None:
-        self._active.inc()
+    def sessions_live(self, established: int, pending: int) -> None:
+        """The live sessions now: ``established`` in the endpoint plus ``pending`` handshakes."""
+        self._active.set(established + pending)
+        self._pending.set(pending)
 
     def session_finished(self, outcome: str) -> None:
-        """A session begun with ``session_started`` ended (outcome other than ``refused``)."""
+        """A session ended (outcome other than ``refused``)."""
         self._sessions.labels(check_label(outcome, _ACTIVE_OUTCOMES, "session outcome")).inc()
-        self._active.dec()
 
     def session_refused(self) -> None:
         """An OFFER was refused; the session never became active."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pfec.common.node.config import ReceiverDaemonConfig
 from pfec.common.node.lifecycle import load_node_model, run_node
+from pfec.common.node.profiles import ProfileStore
 from pfec.receiver.control import receiver_routes
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.receiver.metrics import ReceiverMetrics
@@ -26,8 +27,10 @@ async def serve(config: ReceiverDaemonConfig, psk: bytes, token: str | None = No
     daemon = ReceiverDaemon(
         identity, psk, runtime=runtime,
         session_config=ReceiverConfig(max_sessions=limits.max_sessions,
-                                      max_session_bytes=limits.max_session_bytes),
-        metrics=ReceiverMetrics(), default_mode=config.reconstruction,
+                                      max_session_bytes=limits.max_session_bytes,
+                                      max_budget_s=limits.max_budget_ms / 1000),
+        metrics=ReceiverMetrics(), default_mode=config.reconstruction, limits=limits,
+        profiles=ProfileStore(config.profiles.directory, config.profiles.max_bytes),
     )
     await daemon.start(config.udp.host, config.udp.port, config.udp.rcvbuf_bytes, config.udp.sndbuf_bytes)
 

@@ -1,15 +1,17 @@
 """Receiver side of one handoff, sans-IO: ``ReceiverSession``, its config, stats and events.
 
-:mod:`pfec.receiver.endpoint` keys the sessions of one receiver, opens them from OFFERs and feeds
-them the datagrams it has parsed and opened.
+:mod:`pfec.receiver.endpoint` keys the sessions of one receiver, answers OFFERs with an ACCEPT (a
+pending handshake), establishes a session once the sender proves it saw the ACCEPT (a datagram that opens
+under the session key) and feeds it the datagrams it has parsed and opened.
 
 Theory of operation
 -------------------
 Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED.
 
-- A session exists once an authenticated OFFER arrives; its deadline is ``arrival + budget`` in the
-  receiver's own clock (the OFFER carries a time budget, never a timestamp). Data that arrives before its
-  OFFER is held in a small bounded buffer per unknown session id and replayed when the OFFER comes.
+- A session exists once the handshake is complete (see :mod:`pfec.common.wire.seal`); its deadline is
+  ``first OFFER arrival + budget`` in the receiver's own clock (the OFFER carries a time budget, never a
+  timestamp, at most ``max_budget_s``). The OFFER parts and early data that the endpoint held for the
+  pending handshake are handed over in packet-number order.
 - Every SOURCE/REPAIR goes straight into the decoder (partial delivery). An ACK (cumulative decoded
   prefix, deficit inside the sender's possible window, counters for loss and burst estimates, the largest
   packet number and how long ago it arrived) leaves after every ``ack_every`` data datagrams, or
@@ -32,7 +34,6 @@ from pfec.common.codec.fec import Decoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
-    Accept,
     Ack,
     Close,
     Message,
@@ -66,6 +67,12 @@ class ReceiverConfig:
     pending_sessions: int = 8  # unknown session ids whose early data is buffered
     pending_datagrams: int = 256  # per unknown session id
     closed_memory: int = 1024  # recently closed session ids remembered (late data is counted, not buffered)
+    # Bounds on what an OFFER may ask for (checked before anything is allocated; REFUSE otherwise).
+    max_budget_s: float = 60.0  # the OFFER's time budget
+    max_offer_parts: int = 64  # OFFER datagrams of one handoff (64 x 1294 B of application data)
+    # Pending handshakes: OFFERs answered with an ACCEPT, not yet proven by a datagram under the session key.
+    max_handshakes: int = 64  # the oldest is dropped (counted) when a new one would exceed this
+    handshake_timeout_s: float = 3.0  # a pending handshake expires this long after its first OFFER
 
     def __post_init__(self) -> None:
         if self.ack_every < 1:
@@ -74,6 +81,31 @@ class ReceiverConfig:
             raise ValueError(f"ack_delay_s must be positive, got {self.ack_delay_s!r}")
         if not 1 <= self.decoder_span <= MAX_HOLE_BITS:
             raise ValueError(f"decoder_span must be in 1..{MAX_HOLE_BITS}, got {self.decoder_span!r}")
+        for name in ("max_sessions", "max_session_bytes", "pending_sessions", "pending_datagrams",
+                     "closed_memory", "max_offer_parts", "max_handshakes", "result_retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0 < self.max_budget_s <= 0xFFFF_FFFF * 1e-6:
+            raise ValueError(f"max_budget_s must be in (0, 4294.967295], got {self.max_budget_s!r}")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s!r}")
+
+
+def decoder_span(offer: Offer, config: ReceiverConfig) -> int:
+    """The decoder span a session for ``offer`` keeps (told to the sender in the ACCEPT)."""
+    return max(offer.window_cap, config.decoder_span)
+
+
+def same_handoff(a: Offer, b: Offer) -> bool:
+    """Whether two OFFER parts describe the same handoff attempt (every field but the part and budget)."""
+    return (
+        a.sender_random == b.sender_random
+        and a.part_count == b.part_count
+        and a.n_source == b.n_source
+        and a.symbol_size == b.symbol_size
+        and a.window_cap == b.window_cap
+        and a.fingerprint == b.fingerprint
+    )
 
 
 class ReceiverState(Enum):
@@ -126,7 +158,8 @@ class ReceiverStats:
 
 class ReceiverSession:
     """The receiving end of one handoff: the decoder, ACKs, the deadline and the RESULT (see the module
-    doc). Built by the endpoint from an authenticated OFFER, with that OFFER's protector."""
+    doc). Built by the endpoint when a handshake completes, with a protector holding the session keys;
+    ``offer_at`` is when the first OFFER part arrived (the budget runs from then; ``now`` if None)."""
 
     def __init__(
         self,
@@ -137,6 +170,7 @@ class ReceiverSession:
         now: float,
         config: ReceiverConfig,
         cpu: CpuMeter | None = None,
+        offer_at: float | None = None,
     ) -> None:
         self.session_id = session_id
         self.protector = protector
@@ -144,8 +178,9 @@ class ReceiverSession:
         self.config = config
         self.cpu = cpu
         self.state = ReceiverState.RECEIVING
-        self.deadline = now + offer.budget_us * 1e-6
-        self.span = max(offer.window_cap, config.decoder_span)
+        start = now if offer_at is None else offer_at
+        self.deadline = start + min(offer.budget_us * 1e-6, config.max_budget_s)
+        self.span = decoder_span(offer, config)
         self.decoder = Decoder(offer.n_source, offer.symbol_size, self.span)
         self._hole_buf = np.zeros((self.span + 7) // 8, dtype=np.uint8)
         # Fault the output buffer in now rather than one page per symbol on the receive path.
@@ -166,7 +201,6 @@ class ReceiverSession:
         self._result_tries = 0
         self._stalled_since: float | None = None
         self.close_reason = ""
-        self._outbox.append(protector.seal(Accept(self.span, offer.n_source)))
         self._on_offer_part(offer)
 
     # ----------------------------------------------------------------- public API
@@ -332,10 +366,10 @@ class ReceiverSession:
         self._ack_timer = None
 
     def _on_offer_part(self, offer: Offer) -> None:
-        if self._offer_complete:
+        if not same_handoff(offer, self.offer) or offer.part_index >= offer.part_count:
+            self._drop("offer_mismatch")
             return
-        if offer.part_count != self._app_part_count or offer.part_index >= offer.part_count:
-            self._drop("bad_offer_part")
+        if self._offer_complete or offer.part_index in self._app_parts:
             return
         self._app_parts[offer.part_index] = bytes(offer.app)
         if len(self._app_parts) == self._app_part_count:

@@ -1,8 +1,14 @@
 """The sender's control API: ``POST /handoffs`` -> ``{"id": ...}``; ``GET /handoffs/{id}[?wait=1]`` (the
-report; waits for the end with ``wait``); ``GET /handoffs``; ``GET /healthz``; ``GET /metrics``.
+report; waits for the end with ``wait``); ``GET /handoffs``; ``GET /healthz`` (liveness); ``GET /readyz``
+(503 while the model worker is stuck); ``GET /metrics``.
 
-``HandoffRequest`` is the request's JSON model: every field is typed and bounded, and every error names
-its field (422). The server, the bearer token and the client are ``common/node/control.py``.
+``HandoffRequest`` is the request's JSON model, validated strictly (``true`` is no integer): every field is
+typed and bounded, first statically here, then by the daemon's configured limits (``limits.*``: maximum
+context, maximum budget), and every error names its field (422). The receiver address is resolved once,
+off the loop, and refused (422) when it is multicast, broadcast, unspecified or link-local unless
+``limits.allow_destinations`` lists it. The profile is a name in the sender's profile directory, never a
+path. A full model worker queue answers 503. The server, the bearer token, the body size and depth bounds
+and the client are ``common/node/control.py``.
 """
 
 from __future__ import annotations
@@ -14,46 +20,60 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pfec.common.node.config import parse_host_port
+from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, read_model, wait_flag
+from pfec.common.node.udp import Destination, DestinationRefused
+from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TOKEN_ID
+from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput
 
+MAX_TEXT_CHARS = 1 << 22  # a context's characters (the body size bounds it first)
+MAX_MESSAGES = 1024
+MAX_IDS = 1 << 20  # static cap; limits.max_context_tokens is the configured one
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str = Field(max_length=MAX_TEXT_CHARS)
 
 
 class HandoffRequest(BaseModel):
     """``POST /handoffs``: the context (text, chat messages or token ids), the question and the target."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    receiver: str = Field(description="Receiver data address HOST:PORT.")
-    context: str | None = Field(default=None, description="Shared context (text).")
+    receiver: str = Field(max_length=300, description="Receiver data address HOST:PORT.")
+    context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, description="Shared context (text).")
     messages: list[ChatMessage] | None = Field(
-        default=None, description="Chat messages forming the context (system messages become the system "
-        "prompt, the rest are joined in order).")
-    question: str | None = Field(default=None, description="The question the receiver answers.")
-    context_ids: list[int] | None = Field(default=None, description="Pre-tokenised context.")
-    question_ids: list[int] | None = Field(default=None,
+        default=None, max_length=MAX_MESSAGES,
+        description="Chat messages forming the context (system messages become the system prompt, the rest "
+        "are joined in order).")
+    question: str | None = Field(default=None, max_length=MAX_TEXT_CHARS,
+                                 description="The question the receiver answers.")
+    context_ids: list[int] | None = Field(default=None, max_length=MAX_IDS,
+                                          description="Pre-tokenised context.")
+    question_ids: list[int] | None = Field(default=None, max_length=MAX_QUESTION_TOKENS,
                                            description="Pre-tokenised question + chat template tail.")
-    synthetic_tokens: int | None = Field(default=None, gt=0, le=1 << 20,
-                                         description="No model: hand off random KV of this many tokens.")
-    deadline_ms: float | None = Field(default=None, gt=0, le=600_000)
+    synthetic_tokens: int | None = Field(default=None, gt=0, le=MAX_IDS,
+                                         description="No model: hand off random KV of this many tokens "
+                                         "(at most limits.max_context_tokens).")
+    deadline_ms: float | None = Field(default=None, gt=0, le=3_600_000,
+                                      description="Deadline, ms (at most limits.max_budget_ms).")
     rho: float | None = Field(default=None, gt=0, le=100)
-    scheme: str | None = None
+    scheme: str | None = Field(default=None, max_length=64)
     reconstruction: Literal["mask", "zero"] = "mask"
-    rate_mbps: float | None = Field(default=None, gt=0, le=400_000)
-    max_new_tokens: int = Field(default=24, ge=1, le=512)
+    rate_mbps: float | None = Field(default=None, ge=0.01, le=400_000)
+    max_new_tokens: int = Field(default=24, ge=1, le=MAX_NEW_TOKENS)
     full_kv_answer: bool = False
     generate: bool = True
-    profile: str | None = None
+    profile: str | None = Field(default=None, max_length=300,
+                                description="Profile NAME in the sender's profile directory (never a path).")
     repair_budget: float | None = Field(default=None, ge=0, le=10)
 
     @field_validator("receiver")
@@ -61,6 +81,11 @@ class HandoffRequest(BaseModel):
     def _receiver(cls, v: str) -> str:
         parse_host_port(v)
         return v.strip()
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        return None if v is None else check_profile_name(v, "profile")
 
     @field_validator("scheme")
     @classmethod
@@ -72,8 +97,8 @@ class HandoffRequest(BaseModel):
     @field_validator("context_ids", "question_ids")
     @classmethod
     def _ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or any(t < 0 for t in v)):
-            raise ValueError("expected a non-empty list of non-negative token ids")
+        if v is not None and (not v or any(not 0 <= t <= MAX_TOKEN_ID for t in v)):
+            raise ValueError(f"expected a non-empty list of token ids in 0..{MAX_TOKEN_ID}")
         return v
 
     @model_validator(mode="after")
@@ -91,6 +116,21 @@ class HandoffRequest(BaseModel):
             raise ValueError("give deadline_ms or rho, not both")
         return self
 
+    def limit_errors(self, limits: SenderLimitsConfig) -> list[dict[str, str]]:
+        """The configured bounds this request breaks, as 422 ``fields`` entries (empty: within them)."""
+        errors = []
+        tokens = self.synthetic_tokens if self.synthetic_tokens is not None else (
+            len(self.context_ids) if self.context_ids is not None else None)
+        field = "synthetic_tokens" if self.synthetic_tokens is not None else "context_ids"
+        if tokens is not None and tokens > limits.max_context_tokens:
+            errors.append((field, f"{tokens} tokens, above this sender's limits.max_context_tokens "
+                                  f"({limits.max_context_tokens})"))
+        if self.deadline_ms is not None and self.deadline_ms > limits.max_budget_ms:
+            errors.append(("deadline_ms", f"{self.deadline_ms:g} ms, above this sender's "
+                                          "limits.max_budget_ms "
+                                          f"({limits.max_budget_ms:g})"))
+        return [{"field": f, "message": f"{f}: {m}"} for f, m in errors]
+
     def context_text(self) -> tuple[str | None, str | None]:
         """(context, system) from ``context`` or ``messages``."""
         if self.messages is None:
@@ -99,7 +139,7 @@ class HandoffRequest(BaseModel):
         body = "\n\n".join(m.content for m in self.messages if m.role != "system")
         return body, system
 
-    def spec(self) -> HandoffSpec:
+    def spec(self, destination: Destination | None = None) -> HandoffSpec:
         """The daemon's view of this request (rho defaults to ``DEFAULT_RHO`` without a deadline)."""
         context, system = self.context_text()
         inputs = ContextInput(
@@ -126,18 +166,41 @@ class HandoffRequest(BaseModel):
             profile=self.profile,
             generate=self.generate,
             repair_budget=self.repair_budget,
+            destination=destination,
         )
 
 
+def _field_error(status: int, field: str, message: str) -> web.Response:
+    text = message if message.startswith(f"{field}:") else f"{field}: {message}"
+    return json_error(status, text, fields=[{"field": field, "message": text}])
+
+
 def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
+    limits = daemon.limits
+
     async def post_handoff(request: web.Request) -> web.Response:
-        parsed = await read_model(request, HandoffRequest)
+        parsed = await read_model(request, HandoffRequest, max_depth=limits.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
+        errors = parsed.limit_errors(limits)
+        if errors:
+            return json_error(422, "; ".join(e["message"] for e in errors), fields=errors)
         if daemon.runtime is None and parsed.synthetic_tokens is None:
-            msg = "synthetic_tokens: this sender runs without a model; give synthetic_tokens"
-            return json_error(422, msg, fields=[{"field": "synthetic_tokens", "message": msg}])
-        handoff = daemon.submit(parsed.spec())
+            return _field_error(422, "synthetic_tokens",
+                                "this sender runs without a model; give synthetic_tokens")
+        if parsed.profile is not None:
+            try:
+                await daemon.profiles.resolve(parsed.profile, daemon.identity.geometry.n_layers)
+            except ProfileError as exc:
+                return _field_error(422, "profile", str(exc))
+        try:
+            destination = await daemon.destination(parsed.spec())
+        except DestinationRefused as exc:
+            return _field_error(422, "receiver", str(exc))
+        try:
+            handoff = daemon.submit(parsed.spec(destination))
+        except WorkerBusy as exc:
+            return json_error(503, str(exc))
         return web.json_response({"id": handoff.id, "state": handoff.state}, status=202)
 
     async def get_handoff(request: web.Request) -> web.Response:
@@ -156,10 +219,15 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(daemon.health())
 
+    async def readyz(_request: web.Request) -> web.Response:
+        ready, body = daemon.readiness()
+        return web.json_response(body, status=200 if ready else 503)
+
     return [
         web.post("/handoffs", post_handoff),
         web.get("/handoffs", list_handoffs),
         web.get("/handoffs/{id}", get_handoff),
         web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
         web.get("/metrics", daemon.metrics.aiohttp_handler()),
     ]

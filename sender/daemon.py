@@ -15,12 +15,16 @@ import itertools
 import logging
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
+from pfec.common.node.config import SenderLimitsConfig
+from pfec.common.node.profiles import ProfileStore
+from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
+from pfec.common.node.worker import ModelWorker, WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, default_profile_name
+from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.policies import Scheme, get_scheme
 from pfec.sender.handoffs import Handoff, HandoffSpec, plan_report, result_report, wire_report
 from pfec.sender.kv import Prepared, full_kv_answer, prepare_model, prepare_synthetic
@@ -55,6 +59,8 @@ class SenderDaemon:
         sndbuf: int = 8 << 20,
         metrics: SenderMetrics | None = None,
         result_wait_s: float = 2.0,
+        limits: SenderLimitsConfig | None = None,
+        profiles: ProfileStore | None = None,
     ) -> None:
         get_scheme(scheme)
         planner_warm_up()  # codec and planner kernels compiled before any datagram, not mid-handoff
@@ -72,7 +78,12 @@ class SenderDaemon:
         self.metrics = metrics or SenderMetrics(process_metrics=False)
         self.handoffs: dict[str, Handoff] = {}
         self.default_profile = default_profile_name(identity)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfec-prefill")
+        self.limits = limits or SenderLimitsConfig()
+        self.allow = parse_networks(self.limits.allow_destinations)
+        self.profiles = profiles or ProfileStore(DEFAULT_PROFILE_DIR)
+        # Prefill and the full-KV answer: one thread, a bounded queue (POST /handoffs answers 503 when full).
+        self.worker = ModelWorker("pfec-prefill", self.limits.worker_queue, self.limits.worker_stuck_s)
+        self._waiting: set[str] = set()  # handoffs admitted whose prepare job is not submitted yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
@@ -81,10 +92,16 @@ class SenderDaemon:
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: HandoffSpec) -> Handoff:
+        """Start a handoff; WorkerBusy when the model worker's queue is full (nothing is started then)."""
         if spec.scheme is not None:
             get_scheme(spec.scheme)
+        if self.worker.pending + len(self._waiting) >= self.worker.queue:
+            waiting = self.worker.pending + len(self._waiting)
+            raise WorkerBusy(f"the sender has {waiting} handoffs waiting for its model worker "
+                             f"(limits.worker_queue = {self.worker.queue}); retry later")
         handoff = Handoff(f"h{next(self._ids):06d}-{secrets.token_hex(3)}", spec, time.time())
         self.handoffs[handoff.id] = handoff
+        self._waiting.add(handoff.id)
         while len(self.handoffs) > self.HANDOFFS_KEPT:
             oldest = next(iter(self.handoffs))
             if not self.handoffs[oldest].done.is_set():
@@ -106,9 +123,10 @@ class SenderDaemon:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown()
 
     def health(self) -> dict[str, Any]:
+        """Liveness (``/healthz``): the loop answers."""
         return {
             "status": "ok",
             "role": "sender",
@@ -116,7 +134,24 @@ class SenderDaemon:
             "fingerprint": self.fingerprint.hex()[:16],
             "active_handoffs": len(self.transfers),
             "handoffs": len(self.handoffs),
+            "worker": self.worker.view(),
         }
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness (``/readyz``): red while the model worker runs a job past ``limits.worker_stuck_s``."""
+        stuck = self.worker.stuck_for()
+        body: dict[str, Any] = {"status": "ready" if stuck is None else "stuck", "role": "sender",
+                                "worker": self.worker.view()}
+        if stuck is not None:
+            body["error"] = (f"the model worker has run one job for {stuck:.1f} s (limits.worker_stuck_s = "
+                             f"{self.worker.stuck_after_s:g})")
+        return stuck is None, body
+
+    async def destination(self, spec: HandoffSpec) -> Destination:
+        """The spec's receiver resolved once (off the loop) and checked; DestinationRefused otherwise."""
+        if spec.destination is not None:
+            return spec.destination
+        return await resolve_destination(spec.receiver[0], spec.receiver[1], self.allow)
 
     # ------------------------------------------------------------------ one handoff
     async def _run(self, handoff: Handoff) -> None:
@@ -129,10 +164,14 @@ class SenderDaemon:
             handoff.report["failure"] = "cancelled (daemon shutting down)"
             outcome = "cancelled"
             raise
+        except (DestinationRefused, ProfileError, WorkerBusy) as exc:  # the request's fault: no traceback
+            log.warning("handoff %s refused: %s", handoff.id, exc)
+            handoff.report["failure"] = str(exc)
         except Exception as exc:  # a handoff's failure must never take the daemon down
             log.exception("handoff %s failed", handoff.id)
             handoff.report["failure"] = f"{type(exc).__name__}: {exc}"
         finally:
+            self._waiting.discard(handoff.id)
             handoff.state = "done" if outcome == "done" else "failed"
             handoff.report["outcome"] = outcome
             handoff.report["duration_s"] = round(clock() - started, 6)
@@ -144,41 +183,60 @@ class SenderDaemon:
         spec = handoff.spec
         scheme = get_scheme(spec.scheme or self.scheme)
         profile = spec.profile or self.default_profile
-        prepared = await self._prepare(spec, scheme, profile)
+        self._check_bounds(spec)
+        destination = await self.destination(spec)
+        prepared = await self._prepare(handoff, scheme, profile)
         handoff.prepared = prepared
-        transfer = self._make_transfer(handoff, prepared, scheme, profile)
-        await self._stream(handoff, transfer)
+        transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
+        await self._stream(handoff, transfer, destination)
         utility = self._report_transfer(handoff, transfer, prepared)
         if spec.full_kv_answer and self.runtime is not None and prepared.cache is not None:
-            handoff.report["full_kv_answer"] = await asyncio.get_running_loop().run_in_executor(
-                self._executor, full_kv_answer, self.runtime, prepared, spec.max_new_tokens
+            handoff.report["full_kv_answer"] = await self.worker.submit(
+                full_kv_answer, self.runtime, prepared, spec.max_new_tokens, force=True
             )
         return transfer.outcome, utility
 
-    async def _prepare(self, spec: HandoffSpec, scheme: Scheme, profile: str) -> Prepared:
-        """Prefill the context (or draw synthetic KV) in the worker thread; the loop keeps streaming."""
-        loop = asyncio.get_running_loop()
-        synthetic_tokens = spec.inputs.synthetic_tokens
-        if synthetic_tokens is None:
-            if self.runtime is None:
-                raise ValueError("this sender runs without a model: give synthetic_tokens")
-            prepared = await loop.run_in_executor(
-                self._executor, prepare_model, self.runtime, self.identity, spec.inputs, scheme.order,
-                profile, spec.full_kv_answer, spec.max_new_tokens,
-            )
-            self.metrics.prefill_done(prepared.prefill_s)
-            return prepared
-        return await loop.run_in_executor(
-            self._executor, prepare_synthetic, self.identity, synthetic_tokens,
-            scheme.order, profile, secrets.randbits(32), spec.inputs.question_ids or (),
-        )
+    def _check_bounds(self, spec: HandoffSpec) -> None:
+        """The configured bounds, for specs that did not come through the control API (which 422s)."""
+        limits = self.limits
+        n = spec.inputs.synthetic_tokens
+        if n is not None and not 0 < n <= limits.max_context_tokens:
+            raise ValueError(f"synthetic_tokens: {n} is outside 1..{limits.max_context_tokens} "
+                             "(limits.max_context_tokens)")
+        if spec.deadline_ms is not None and not 0 < spec.deadline_ms <= limits.max_budget_ms:
+            raise ValueError(f"deadline_ms: {spec.deadline_ms:g} is outside (0, {limits.max_budget_ms:g}] "
+                             "(limits.max_budget_ms)")
 
-    async def _stream(self, handoff: Handoff, transfer: PacedTransfer) -> None:
+    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str) -> Prepared:
+        """Prefill the context (or draw synthetic KV) in the worker thread; the loop keeps streaming."""
+        spec = handoff.spec
+        if spec.inputs.synthetic_tokens is None and self.runtime is None:
+            raise ValueError("this sender runs without a model: give synthetic_tokens")
+        self._waiting.discard(handoff.id)  # its slot in the queue passes to the job
+        prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
+                                            secrets.randbits(32), force=True)
+        if spec.inputs.synthetic_tokens is None:
+            self.metrics.prefill_done(prepared.prefill_s)
+        return prepared
+
+    def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int) -> Prepared:
+        """Worker thread: the profile by name (this node's profile directory), then the KV."""
+        profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
+        n = spec.inputs.synthetic_tokens
+        if n is not None:
+            return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
+                                     spec.inputs.question_ids or ())
+        assert self.runtime is not None
+        return prepare_model(self.runtime, self.identity, spec.inputs, order, profile, profile_name,
+                             spec.full_kv_answer, spec.max_new_tokens, self.limits.max_context_tokens)
+
+    async def _stream(self, handoff: Handoff, transfer: PacedTransfer, destination: Destination) -> None:
         """Open the socket, stream until the transfer ends, then linger the socket out in the background."""
         self.transfers.add(transfer)
         try:
-            await transfer.open(handoff.spec.receiver, self.sndbuf)
+            await transfer.open(destination, self.sndbuf)
             handoff.state = "streaming"
+            handoff.report["accepted"] = False  # until the receiver's ACCEPT
             transfer.guarded(transfer.start)
             await transfer.finished
         finally:
@@ -187,12 +245,18 @@ class SenderDaemon:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
 
-    def _make_transfer(self, handoff: Handoff, prepared: Prepared, scheme: Scheme,
-                       profile: str) -> PacedTransfer:
+    def _make_transfer(self, handoff: Handoff, prepared: Prepared, scheme: Scheme, profile: str,
+                       destination: Destination) -> PacedTransfer:
         spec = handoff.spec
         plan = prepared.plan
         rate_bps = (spec.rate_mbps or self.rate_mbps) * 1e6
         budget = LinkBudget.for_plan(plan, rate_bps, self.owd_s, spec.rho, spec.deadline_ms)
+        if budget.deadline_s * 1000 > self.limits.max_budget_ms:
+            raise ValueError(
+                f"deadline: the handoff's budget of {budget.deadline_s * 1000:.0f} ms is above "
+                f"limits.max_budget_ms ({self.limits.max_budget_ms:g} ms); lower rho or deadline_ms, or "
+                "raise rate_mbps"
+            )
         generate = spec.generate and self.runtime is not None
         app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
                        spec.max_new_tokens, self.identity.model_id, generate)
@@ -208,7 +272,7 @@ class SenderDaemon:
         sid = secrets.randbits(64)
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
-        handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile))
+        handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         link = self._links.setdefault(rate_bps, LinkClock(rate_bps))
         return PacedTransfer(handoff, session, link, self.metrics)
 

@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pfec.common.node.udp import Destination
 from pfec.common.plan.deadline import DEFAULT_RHO
 from pfec.common.plan.handoff import ResultApp, recovered_utility, unpack_bits
 from pfec.sender.kv import ContextInput, Prepared
@@ -33,6 +34,7 @@ class HandoffSpec:
     profile: str | None = None
     generate: bool = True
     repair_budget: float | None = None
+    destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
 
 
 @dataclass
@@ -50,12 +52,14 @@ class Handoff:
 
 
 def plan_report(spec: HandoffSpec, prepared: Prepared, budget: LinkBudget, scheme: str, session_id: int,
-                profile: str) -> dict[str, Any]:
-    """The report's first section: what is sent, to whom, within which budget."""
+                profile: str, destination: Destination) -> dict[str, Any]:
+    """The report's first section: what is sent, to whom (as asked and the address used), within which
+    budget."""
     plan = prepared.plan
     return {
         "scheme": scheme,
         "receiver": f"{spec.receiver[0]}:{spec.receiver[1]}",
+        "receiver_address": destination.address,
         "session_id": f"{session_id:016x}",
         "mode": spec.mode,
         "profile": profile,

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.handoff import ModelIdentity, load_profile
+from pfec.common.plan.handoff import ModelIdentity
 from pfec.common.plan.kvlayout import BlockPlan
-from pfec.common.plan.utility import fifo_order, utility_order
+from pfec.common.plan.utility import UtilityProfile, fifo_order, utility_order
 
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
@@ -68,35 +68,40 @@ def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...
 
 
 def prepare_model(
-    runtime: ModelRuntime, identity: ModelIdentity, inp: ContextInput, order: str, profile: str,
-    keep_cache: bool, max_new_tokens: int = 24,
+    runtime: ModelRuntime, identity: ModelIdentity, inp: ContextInput, order: str, profile: UtilityProfile,
+    profile_name: str, keep_cache: bool, max_new_tokens: int = 24, max_context_tokens: int | None = None,
 ) -> Prepared:
+    """Prefill the context and cut its KV into symbols in ``order``; ValueError for a context longer than
+    the model's or than ``max_context_tokens`` (the node's configured bound), before any prefill."""
     from pfec.common.model import llm  # deferred: torch
 
     context_ids, question_ids = prompt_ids(runtime, inp)
+    if max_context_tokens is not None and len(context_ids) > max_context_tokens:
+        raise ValueError(f"context: {len(context_ids)} tokens, above limits.max_context_tokens "
+                         f"({max_context_tokens})")
     llm.check_length(runtime, len(context_ids), len(question_ids) + max_new_tokens)
     started = time.perf_counter()
     cache, _ = llm.prefill(runtime, context_ids)
     prefill_s = time.perf_counter() - started
     plan = identity.plan(len(context_ids))
-    utilities = load_profile(identity, profile).block_utilities(plan)
+    utilities = profile.block_utilities(plan)
     queue = _order(plan, utilities, order)
     symbols = llm.serialise_symbols(runtime, cache, plan, queue)
-    return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile,
+    return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
                     cache if keep_cache else None)
 
 
-def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profile: str, seed: int,
-                      question_ids: Sequence[int] = ()) -> Prepared:
+def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profile: UtilityProfile,
+                      profile_name: str, seed: int, question_ids: Sequence[int] = ()) -> Prepared:
     """Random KV bytes in the model's plan (fragment ids are real, so the receiver files them)."""
     plan = identity.plan(n_tokens)
-    utilities = load_profile(identity, profile).block_utilities(plan)
+    utilities = profile.block_utilities(plan)
     queue = _order(plan, utilities, order)
     rng = np.random.default_rng(seed)
     symbols = np.frombuffer(bytearray(rng.bytes(plan.n_fragments * plan.symbol_size)), dtype=np.uint8)
     symbols = symbols.reshape(plan.n_fragments, plan.symbol_size)
     symbols[:, :4] = queue.astype(">u4").view(np.uint8).reshape(-1, 4)
-    return Prepared(plan, utilities, queue, symbols, tuple(question_ids), 0.0, profile)
+    return Prepared(plan, utilities, queue, symbols, tuple(question_ids), 0.0, profile_name)
 
 
 def full_kv_answer(runtime: ModelRuntime, prepared: Prepared, max_new_tokens: int) -> str:

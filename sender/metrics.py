@@ -32,6 +32,12 @@ SENDER_DROP_REASONS: Final = (
     "bad_result_part",  # RESULT part out of order / inconsistent
     "unknown_session",  # session id of no active handoff
     "send_failed",  # sendto raised (ENOBUFS, EPERM by a firewall, ...)
+    "junk_header",  # no valid header
+    "junk_auth",  # does not open under any key (forged or corrupt)
+    "bad_ack",  # an authentic ACK whose fields do not fit the session (applied nowhere)
+    "accept_mismatch",  # an ACCEPT that does not echo this session's randomness (or a second one)
+    "bad_feedback",  # an authentic datagram the session could not apply (dropped, never raised)
+    "malformed",  # an authentic body out of its domain (the key holder's bug)
     "other",
 )
 

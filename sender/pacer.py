@@ -20,6 +20,7 @@ Without GSO (another kernel, an error) each datagram goes through the transport 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pfec.common.events import Event
-from pfec.common.node.metrics import TYPE_BYTE_LABELS, DropExporter
-from pfec.common.node.udp import UDP_SEGMENT, connect_udp_socket, has_gso
+from pfec.common.node.metrics import JUNK_REASONS, TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.udp import UDP_SEGMENT, Destination, connect_udp_socket, has_gso
 from pfec.common.plan.handoff import ResultApp
 from pfec.sender.handoffs import Handoff
 from pfec.sender.metrics import SenderMetrics
@@ -107,12 +108,9 @@ class PacedTransfer:
         self.failure: str | None = None
         self.outcome = "failed"
 
-    async def open(self, addr: tuple[str, int], sndbuf: int) -> None:
-        infos = await self.loop.getaddrinfo(addr[0], addr[1], type=socket.SOCK_DGRAM)
-        if not infos:
-            raise OSError(f"cannot resolve receiver address {addr[0]!r}")
-        family, _type, _proto, _canon, sockaddr = infos[0]
-        sock = connect_udp_socket(family, sockaddr, sndbuf, sndbuf)
+    async def open(self, destination: Destination, sndbuf: int) -> None:
+        """Connect this handoff's socket to ``destination`` (resolved and checked once, by the daemon)."""
+        sock = connect_udp_socket(destination.family, destination.sockaddr, sndbuf, sndbuf)
         self.transport, _ = await self.loop.create_datagram_endpoint(lambda: _SocketProtocol(self), sock=sock)
         self._sock = sock
         self._gso = has_gso(sock)
@@ -129,8 +127,22 @@ class PacedTransfer:
                 if handle is not None:
                     handle.cancel()
             self._pump_handle = self._timer = None
+            self._send_close("sender internal error")
             if not self.finished.done():
                 self.finished.set_result(None)
+
+    def _send_close(self, reason: str) -> None:
+        """Best effort after an internal error: let the session queue its CLOSE and send what it queued
+        (control datagrams only: a failed session sends no data), so the receiver frees the session now."""
+        transport = self.transport
+        with contextlib.suppress(Exception):
+            self.session.cancel(reason, clock())
+            for _ in range(8):
+                datagram = self.session.next_datagram(clock())
+                if datagram is None or transport is None:
+                    break
+                if self._send_one(transport, datagram):
+                    self._count_sent(datagram[1], 1, len(datagram), clock())
 
     # ------------------------------------------------------------------ pacing
     def start(self) -> None:
@@ -240,10 +252,13 @@ class PacedTransfer:
     # ------------------------------------------------------------------ feedback and timers
     def on_datagram(self, data: bytes) -> None:
         now = clock()
-        kind = TYPE_BYTE_LABELS.get(data[1]) if len(data) > 1 else None
-        if kind is not None:
-            self.metrics.datagram_received(kind, len(data))
+        drops = self.session.drops
+        before = {reason: drops.get(reason) for reason in JUNK_REASONS}
         self.session.receive_datagram(data, now)
+        junk = any(drops.get(reason) is not count for reason, count in before.items())
+        # Junk (unparseable or not authentic) counts as junk, never by the type byte it claims.
+        kind = "junk" if junk or len(data) < 2 else TYPE_BYTE_LABELS.get(data[1], "junk")
+        self.metrics.datagram_received(kind, len(data))
         self._wake_pump()
         self._service()
 

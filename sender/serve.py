@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pfec.common.node.config import SenderDaemonConfig
 from pfec.common.node.lifecycle import load_node_model, run_node
+from pfec.common.node.profiles import ProfileStore
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.metrics import SenderMetrics
@@ -24,7 +25,8 @@ async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None
     daemon = SenderDaemon(
         identity, psk, runtime=runtime, rate_mbps=config.link.rate_mbps, owd_ms=config.link.owd_ms,
         scheme=config.fec.scheme, window_cap=config.fec.window_cap, repair_budget=config.fec.repair_budget,
-        sndbuf=config.udp.sndbuf_bytes, metrics=SenderMetrics(),
+        sndbuf=config.udp.sndbuf_bytes, metrics=SenderMetrics(), limits=config.limits,
+        profiles=ProfileStore(config.profiles.directory, config.profiles.max_bytes),
     )
 
     def announce(daemon: SenderDaemon) -> None:

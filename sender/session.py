@@ -2,12 +2,17 @@
 
 Theory of operation
 -------------------
-States: OFFERING -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
+States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 
-- ``start(now)`` queues the OFFER (the receiver's time budget, never a timestamp) and moves to STREAMING
-  at once: data follows the OFFER without waiting a round trip, because the deadline counts from the
-  first transmission. The OFFER is repeated every ``offer_retry_s`` until an ACCEPT or ACK shows the
-  receiver has the session.
+- ``start(now)`` queues the OFFER (the receiver's time budget, never a timestamp; the sender's fresh R_s)
+  and moves to STREAMING at once: a first flight of at most ``first_flight`` data datagrams (about one
+  bandwidth-delay product) follows the OFFER under the sender's early key without waiting a round trip,
+  because the deadline counts from the first transmission. Then the session waits for the receiver's
+  ACCEPT (its R_r, and the R_s it authenticates), repeating the OFFER every ``offer_retry_s``; the ACCEPT
+  gives the session keys (:mod:`pfec.common.wire.seal`) and streaming goes on under them. Without an
+  ACCEPT by ``start + handshake_timeout_s`` the session fails and queues a CLOSE. Right after the
+  ACCEPT the session sends the OFFER's last part again under the session key: the receiver establishes
+  the session on it even when no data is left to send.
 - The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts the session
   refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
   left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
@@ -16,9 +21,13 @@ States: OFFERING -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
   flight that the receiver had not seen when it wrote the ACK (each arrives with probability 1 - loss),
   plus the expected losses among in-flight sources that fall inside the window.
+- ACK fields are checked against what was sent (decoded prefix, seen end and decoded count within the
+  sources sent, largest packet number within those sealed, counters within the datagrams sealed); an
+  implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
 - When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
   receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
-  fails with a reason.
+  fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
+  CLOSE for the receiver first.
 """
 
 from __future__ import annotations
@@ -30,11 +39,14 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder
+from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import (
+    NONCE_SIZE,
+    OFFER_FIXED_SIZE,
+    OVERHEAD,
     Accept,
     Ack,
     Close,
@@ -46,9 +58,9 @@ from pfec.common.wire.messages import (
     Refuse,
     Result,
     clip_text,
-    max_app_chunk,
+    split_app,
 )
-from pfec.common.wire.seal import PacketProtector
+from pfec.common.wire.seal import PacketProtector, drop_reason
 from pfec.sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
@@ -68,6 +80,9 @@ class SenderConfig:
     offer_retry_s: float = 0.05
     result_wait_s: float = 2.0
     rate_bps: float = 0.0  # link rate for the OFFER's own serialisation time (0: ignore)
+    first_flight: int = 64  # data datagrams sent before the receiver's ACCEPT (about one BDP)
+    handshake_timeout_s: float = 3.0  # no ACCEPT by start + this: fail, CLOSE
+    max_result_parts: int = 1024  # RESULT datagrams of one handoff (1024 x 1362 B of application data)
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0:
@@ -80,6 +95,12 @@ class SenderConfig:
             raise ValueError(f"repair_budget must be >= 0, got {self.repair_budget!r}")
         if len(self.fingerprint) != 32:
             raise ValueError(f"fingerprint must be 32 bytes, got {len(self.fingerprint)}")
+        if self.first_flight < 1:
+            raise ValueError(f"first_flight must be >= 1, got {self.first_flight!r}")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s!r}")
+        if self.max_result_parts < 1:
+            raise ValueError(f"max_result_parts must be >= 1, got {self.max_result_parts!r}")
 
 
 class SenderState(Enum):
@@ -226,15 +247,18 @@ class SenderSession:
         self._start = 0.0
         self._send_deadline = 0.0
         self._deadline = 0.0
-        self._offer_confirmed = False
+        self._accepted = False  # the receiver's ACCEPT arrived: the session keys are set
+        self._handshake_deadline = 0.0
         self._offer_timer: float | None = None
         self._result_timer: float | None = None
         self._last_prefix_change = 0.0
         self._ack_received = 0
         self._ack_lost = 0
         self._result_parts: dict[int, bytes] = {}
+        self._result_part_count = 0
         self.datagrams_sent = {"source": 0, "repair": 0, "control": 0}
         self.drops: dict[str, int] = {}
+        self.repairs_skipped = 0  # repairs a burst could not make (its window emptied under it)
 
     # ----------------------------------------------------------------- public API
     def start(self, now: float) -> None:
@@ -247,6 +271,7 @@ class SenderSession:
         self._send_deadline = self._deadline - cfg.owd_s
         self.view.slots_total = self._slots_left(now)
         self._last_prefix_change = now
+        self._handshake_deadline = now + cfg.handshake_timeout_s
         self.state = SenderState.STREAMING
         self._queue_offer(now)
 
@@ -256,46 +281,81 @@ class SenderSession:
             return self._control.popleft()
         if self.state is not SenderState.STREAMING:
             return None
+        if not self._accepted and self.encoder.next_esi + self.view.repairs_sent >= self.config.first_flight:
+            return None  # the first flight is out: wait for the ACCEPT
         if self._burst_left == 0 and not self._decide(now):
             return None
+        datagram = self._send_burst(now)
+        if datagram is None:  # the repair window emptied under the burst (an ACK moved it): decide again
+            self._burst_left = 0
+            if not self._decide(now):
+                return None
+            datagram = self._send_burst(now)
+        return datagram
+
+    def _send_burst(self, now: float) -> bytes | None:
         self._burst_left -= 1
         if self._burst_action is Action.SOURCE:
             return self._send_source(now)
         return self._send_repair(now)
 
     def receive_datagram(self, data: bytes, now: float) -> None:
+        """One datagram from the receiver: applied, or dropped and counted by reason (never raises for
+        what a peer sends)."""
         try:
             _header, message = self.protector.open(data)
         except ParseError as exc:
-            self._drop(exc.reason)
+            self._drop(drop_reason(exc))
             return
-        self._handle(message, now)
+        try:
+            self._handle(message, now)
+        except (FecError, ValueError, IndexError, OverflowError):  # a safety net: validation should stop it
+            self._drop("bad_feedback")
 
     def get_timer(self) -> float | None:
         send_deadline = self._send_deadline if self.state is SenderState.STREAMING else None
-        return earliest(send_deadline, self._offer_timer, self._result_timer)
+        handshake = (
+            self._handshake_deadline
+            if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
+            else None
+        )
+        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake)
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
-            if self.state is SenderState.STREAMING and not self._offer_confirmed:
+            if self.state is SenderState.STREAMING and not self._accepted:
                 self._queue_offer(now)
             else:
                 self._offer_timer = None
+        if (
+            not self._accepted
+            and self.state in (SenderState.STREAMING, SenderState.DRAINING)
+            and now >= self._handshake_deadline
+        ):
+            waited = self._handshake_deadline - self._start
+            self._fail(f"no ACCEPT from the receiver within {waited:.3f} s", CloseCode.TIMEOUT)
+            return
         if self.state is SenderState.STREAMING and now >= self._send_deadline:
             self._stop_sending(now)
         if self._result_timer is not None and now >= self._result_timer:
             self._result_timer = None
             if self.state is SenderState.DRAINING:
-                self._fail("no RESULT from the receiver by the deadline plus result_wait_s")
+                self._fail("no RESULT from the receiver by the deadline plus result_wait_s",
+                           CloseCode.TIMEOUT)
 
     def next_event(self) -> SenderEvent | None:
         return self._events.popleft() if self._events else None
 
     def cancel(self, reason: str, now: float) -> None:
+        """Give up: queue a CLOSE for the receiver and report the failure."""
         if self.state in (SenderState.DONE, SenderState.FAILED):
             return
-        self._control.append(self.protector.seal(Close(CloseCode.CANCELLED, clip_text(reason))))
-        self._fail(f"cancelled: {reason}")
+        self._fail(f"cancelled: {reason}", CloseCode.CANCELLED, reason)
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the receiver's ACCEPT arrived (the session keys are set)."""
+        return self._accepted
 
     @property
     def deadline(self) -> float:
@@ -378,7 +438,7 @@ class SenderSession:
         self.datagrams_sent["source"] += 1
         return datagram
 
-    def _send_repair(self, now: float) -> bytes:
+    def _send_repair(self, now: float) -> bytes | None:
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         planner = self.planner
@@ -387,13 +447,20 @@ class SenderSession:
             plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
         self._fresh_plan = None  # planner.sent() below changes what the next repair serves
         first, count, region = plan.first, plan.nss, plan.region
-        rid = self.encoder.make_repair(
-            self._repair_buf,
-            count=count,
-            dt=plan.dt,
-            first=first,
-            cover_last=planner.covers_both_ends(region),
-        )
+        if count <= 0 or first < 0 or first + count > self.encoder.next_esi:
+            self.repairs_skipped += 1
+            return None
+        try:
+            rid = self.encoder.make_repair(
+                self._repair_buf,
+                count=count,
+                dt=plan.dt,
+                first=first,
+                cover_last=planner.covers_both_ends(region),
+            )
+        except (FecError, ValueError):  # no usable coefficient row: no repair this time
+            self.repairs_skipped += 1
+            return None
         planner.sent(region)
         if cpu is not None:
             cpu.encode_ns += cpu.clock() - t0
@@ -410,28 +477,31 @@ class SenderSession:
         return datagram
 
     def _queue_offer(self, now: float) -> None:
+        parts = split_app(self.config.app_blob, MsgType.OFFER)
+        for index in range(len(parts)):
+            self._queue_offer_part(parts, index, now)
+        self._offer_timer = now + self.config.offer_retry_s
+
+    def _queue_offer_part(self, parts: list[bytes], index: int, now: float) -> None:
         cfg = self.config
-        chunk = max_app_chunk(MsgType.OFFER)
-        blob = cfg.app_blob
-        parts = [blob[i : i + chunk] for i in range(0, len(blob), chunk)] or [b""]
-        for index, part in enumerate(parts):
-            # The receiver's budget runs from when it receives this OFFER.
-            offer_bytes = 64 + len(part)
-            serialise = offer_bytes * 8 / cfg.rate_bps if cfg.rate_bps > 0 else 0.0
-            budget = max(0.0, self._deadline - now - cfg.owd_s - serialise)
-            offer = Offer(
-                symbol_size=self.encoder.symbol_size,
-                window_cap=cfg.window_cap,
-                n_source=self.encoder.n_source,
-                budget_us=min(int(budget * 1e6), 0xFFFFFFFF),
-                fingerprint=cfg.fingerprint,
-                part_index=index,
-                part_count=len(parts),
-                app=part,
-            )
-            self._control.append(self.protector.seal(offer))
-            self.datagrams_sent["control"] += 1
-        self._offer_timer = now + cfg.offer_retry_s
+        part = parts[index]
+        # The receiver's budget runs from when it receives this OFFER.
+        offer_bytes = OVERHEAD + NONCE_SIZE + OFFER_FIXED_SIZE + len(part)
+        serialise = offer_bytes * 8 / cfg.rate_bps if cfg.rate_bps > 0 else 0.0
+        budget = max(0.0, self._deadline - now - cfg.owd_s - serialise)
+        offer = Offer(
+            symbol_size=self.encoder.symbol_size,
+            window_cap=cfg.window_cap,
+            n_source=self.encoder.n_source,
+            budget_us=min(int(budget * 1e6), 0xFFFFFFFF),
+            fingerprint=cfg.fingerprint,
+            part_index=index,
+            part_count=len(parts),
+            app=part,
+            sender_random=self.protector.local_random,
+        )
+        self._control.append(self.protector.seal(offer))
+        self.datagrams_sent["control"] += 1
 
     def _stop_sending(self, now: float) -> None:
         if self.state is not SenderState.STREAMING:
@@ -447,12 +517,7 @@ class SenderSession:
         if isinstance(message, Ack):
             self._on_ack(message, now)
         elif isinstance(message, Accept):
-            self._offer_confirmed = True
-            self._offer_timer = None
-            # ACCEPT carries the receiver's decoder span: how far past its prefix repairs may reach.
-            self.planner.span = max(self.config.window_cap, min(message.window_cap, MAX_SPAN))
-            self._fresh_plan = None
-            self._events.append(Accepted(message.window_cap))
+            self._on_accept(message, now)
         elif isinstance(message, Refuse):
             self._fail_refused(message)
         elif isinstance(message, Result):
@@ -463,12 +528,52 @@ class SenderSession:
         else:
             self._drop("unexpected_type")
 
+    def _on_accept(self, accept: Accept, now: float) -> None:
+        """The receiver's ACCEPT (its R_r; the open verified our R_s): the session keys, then streaming."""
+        if self._accepted:
+            if accept.receiver_random != self.protector.peer_random:
+                self._drop("accept_mismatch")  # another ACCEPT for this attempt: a restarted receiver's
+            return
+        if self.state not in (SenderState.STREAMING, SenderState.DRAINING):
+            return
+        if accept.n_source != self.encoder.n_source or accept.window_cap == 0:
+            self._drop("accept_mismatch")
+            return
+        self.protector.set_peer_random(accept.receiver_random)
+        self._accepted = True
+        self._offer_timer = None
+        # The receiver establishes the session on our first datagram under the session key: send one now
+        # (the OFFER's last, smallest part again) rather than wait for data, which may be over already.
+        parts = split_app(self.config.app_blob, MsgType.OFFER)
+        self._queue_offer_part(parts, len(parts) - 1, now)
+        # ACCEPT carries the receiver's decoder span: how far past its prefix repairs may reach.
+        self.planner.span = max(self.config.window_cap, min(accept.window_cap, MAX_SPAN))
+        self._fresh_plan = None
+        self._events.append(Accepted(accept.window_cap))
+
+    def _ack_plausible(self, ack: Ack) -> bool:
+        """Whether an ACK's fields fit what this session sent (a crafted one is dropped, not applied)."""
+        sent = self.encoder.next_esi
+        sealed = self.protector.packets_sealed
+        return (
+            ack.decoded_prefix <= sent
+            and ack.seen_end <= sent
+            and ack.decoded_count <= sent
+            and ack.largest_pn <= sealed
+            and ack.received <= sealed
+            and ack.lost <= sealed
+            and ack.loss_runs <= ack.lost
+            and ack.hole_bits <= 8 * len(ack.holes)
+        )
+
     def _on_ack(self, ack: Ack, now: float) -> None:
         if self.state not in (SenderState.STREAMING, SenderState.DRAINING):
             return
+        if not self._ack_plausible(ack):
+            self._drop("bad_ack")
+            return
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
-        self._offer_confirmed = True
         self._fresh_plan = None  # the ACK moves the planner and the loss estimate
         enc = self.encoder
         if ack.decoded_prefix > enc.ack_prefix:
@@ -522,15 +627,20 @@ class SenderSession:
     def _on_result(self, result: Result, now: float) -> None:
         if self.state in (SenderState.DONE, SenderState.FAILED):
             return
-        if result.part_index >= result.part_count:
+        count = self._result_part_count or result.part_count
+        if (
+            result.part_index >= result.part_count
+            or result.part_count != count
+            or count > self.config.max_result_parts
+        ):
             self._drop("bad_result_part")
             return
+        self._result_part_count = count
         self._result_parts[result.part_index] = bytes(result.app)
-        if len(self._result_parts) < result.part_count:
+        if len(self._result_parts) < count:
             return
-        blob = b"".join(self._result_parts[i] for i in range(result.part_count))
-        self._control.append(self.protector.seal(Close(CloseCode.DONE, "")))
-        self.datagrams_sent["control"] += 1
+        blob = b"".join(self._result_parts[i] for i in range(count))
+        self._queue_close(CloseCode.DONE, "")
         self.state = SenderState.DONE
         self._result_timer = None
         self._offer_timer = None
@@ -542,7 +652,17 @@ class SenderSession:
         self._events.append(Refused(int(refuse.code), refuse.text))
         self._fail(f"receiver refused the handoff ({refuse.code.name}): {refuse.text}")
 
-    def _fail(self, reason: str) -> None:
+    def _queue_close(self, code: CloseCode, text: str) -> None:
+        try:
+            self._control.append(self.protector.seal(Close(code, clip_text(text))))
+        except ValueError:  # the packet-number space is spent: the receiver reaps the session itself
+            return
+        self.datagrams_sent["control"] += 1
+
+    def _fail(self, reason: str, close: CloseCode | None = None, close_text: str = "") -> None:
+        """FAILED with ``reason``; with ``close`` a CLOSE goes to the receiver first (so its session ends)."""
+        if close is not None:
+            self._queue_close(close, close_text or reason)
         self.state = SenderState.FAILED
         self._burst_left = 0
         self._offer_timer = None

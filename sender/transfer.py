@@ -9,6 +9,8 @@ passes a ``CpuMeter`` built on its own clock, or none).
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +21,7 @@ from pfec.common.plan.deadline import budget_seconds, rho_of, serialisation_s, s
 from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
-from pfec.common.wire.seal import PacketProtector
+from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
 from pfec.sender.session import SenderConfig, SenderSession, SourceInfo
 
 
@@ -71,6 +73,18 @@ class SenderSetup:
     target_nonzeros: int | None = 8
     app_blob: bytes = b""  # the OFFER's application part
     authenticate: bool = True  # AEAD on every datagram (the simulator may turn it off for speed)
+    random_bytes: RandomBytes = os.urandom  # R_s and handshake nonces (the simulator passes a seeded one)
+
+
+MIN_FIRST_FLIGHT = 64
+MAX_FIRST_FLIGHT = 256  # = ReceiverConfig.pending_datagrams: what a receiver holds before the handshake
+
+
+def first_flight(budget: LinkBudget) -> int:
+    """Data datagrams sent before the ACCEPT: about one bandwidth-delay product (the link stays busy for
+    the handshake's round trip), at least MIN_FIRST_FLIGHT, at most what a receiver holds early."""
+    bdp = math.ceil(2 * budget.owd_s / budget.slot_s) + 16  # + the OFFER's own time and the receiver's
+    return min(MAX_FIRST_FLIGHT, max(MIN_FIRST_FLIGHT, bdp))
 
 
 def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup: SenderSetup,
@@ -88,9 +102,10 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         app_blob=setup.app_blob,
         rate_bps=budget.rate_bps,
         result_wait_s=setup.result_wait_s,
+        first_flight=first_flight(budget),
     )
-    protector = PacketProtector(setup.psk, session_id, Role.SENDER, plan.symbol_size,
-                                authenticate=setup.authenticate)
+    protector = PacketProtector(keyring_for(bytes(setup.psk), setup.authenticate), session_id, Role.SENDER,
+                                plan.symbol_size, random_bytes=setup.random_bytes)
     source_info = SourceInfo(plan.fragment_block[send.queue], send.block_utility)
     return SenderSession(session_id, config, send.symbols, setup.scheme.make_policy(), protector, source_info,
                          cpu)

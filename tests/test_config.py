@@ -168,6 +168,28 @@ def test_format_validation_error_directly() -> None:
     ]
 
 
+def test_profiles_and_limits_sections(tmp_path: Path) -> None:
+    s = load_config("sender", None, {})
+    r = load_config("receiver", None, {})
+    repo_profiles = Path(__file__).resolve().parents[1] / "profiles"
+    assert s.profiles.directory == r.profiles.directory == repo_profiles  # resolved from the package
+    assert s.limits.max_context_tokens == r.limits.max_context_tokens == 8192
+    assert s.limits.max_budget_ms == r.limits.max_budget_ms == 60_000
+    assert r.limits.max_blob_bytes == 1 << 20 and s.limits.allow_destinations == ()
+    env = {"PFEC_SENDER__LIMITS__ALLOW_DESTINATIONS": "239.1.0.0/16, ff15::/16",
+           "PFEC_SENDER__PROFILES__DIRECTORY": str(tmp_path)}
+    s = load_config("sender", None, env)
+    assert s.limits.allow_destinations == ("239.1.0.0/16", "ff15::/16") and s.profiles.directory == tmp_path
+    with pytest.raises(ConfigError) as info:
+        load_config("sender", _toml(tmp_path, '[limits]\nallow_destinations = ["not-a-net"]\n'
+                                              '[profiles]\ndirectory = "rel/dir"\n'), {})
+    text = str(info.value)
+    assert "limits.allow_destinations" in text and "not-a-net" in text and "CIDR" in text, text
+    assert "profiles.directory" in text and "absolute" in text, text
+    with pytest.raises(ConfigError, match=r"limits\.session_grace_s"):
+        load_config("receiver", None, {"PFEC_RECEIVER__LIMITS__SESSION_GRACE_S": "-1"})
+
+
 def test_host_port_parsing() -> None:
     assert parse_host_port("127.0.0.1:80") == ("127.0.0.1", 80)
     assert parse_host_port("[fe80::1]:9") == ("fe80::1", 9)

@@ -343,14 +343,15 @@ class _Tap(asyncio.DatagramProtocol):
             return
         self.sender_addr = addr
         if self.drop_offer_parts:
-            self.offers += data[1] == 4
-            if data[1] != 4 or self.offers == 1:
+            is_offer = data[1] & 0x3F == 4  # the type under the key-phase bits
+            self.offers += is_offer
+            if not is_offer or self.offers == 1:
                 self.transport.sendto(data, self.receiver)
             return
         self.transport.sendto(data, self.receiver)
         self.seen.append(data)
         n = len(self.seen)
-        if data[1] == 1 and n % 5 == 0:  # SOURCE: replay an older one, forge one, add garbage
+        if data[1] & 0x3F == 1 and n % 5 == 0:  # SOURCE: replay an older one, forge one, add garbage
             self.transport.sendto(self.seen[n // 2], self.receiver)
             self.injected["replayed"] += 1
             header = peek_header(data)
@@ -391,11 +392,15 @@ def test_garbage_forged_and_replayed_datagrams_are_dropped_and_counted() -> None
     assert report["outcome"] == "done" and report["recovered_utility"] == pytest.approx(1.0), report
     assert min(injected.values()) >= 5, injected
     assert drops.get("replay", 0) + drops.get("too_old", 0) == injected["replayed"], drops
-    assert drops.get("auth", 0) >= injected["forged"], drops
-    garbage = sum(v for k, v in drops.items() if k not in ("replay", "too_old", "auth"))
-    assert garbage + drops.get("auth", 0) - injected["forged"] == injected["garbage"], drops
+    assert drops.get("junk_auth", 0) >= injected["forged"], drops
+    garbage = sum(v for k, v in drops.items() if k not in ("replay", "too_old", "junk_auth"))
+    assert garbage + drops.get("junk_auth", 0) - injected["forged"] == injected["garbage"], drops
     line = f'pfec_receiver_datagrams_dropped_total{{reason="replay"}} {float(drops["replay"])}'
     assert line.encode() in metrics
+    # Junk is counted as junk, never by the type byte it claims (the forged ones claim SOURCE).
+    junk = drops.get("junk_auth", 0) + drops.get("junk_header", 0) + drops.get("bad_version", 0)
+    assert f'pfec_receiver_datagrams_received_total{{type="junk"}} {float(junk)}'.encode() in metrics, (
+        [ln for ln in metrics.decode().splitlines() if "received_total" in ln], drops)
 
 
 def test_incomplete_offer_ends_with_an_error_result_not_a_stuck_session() -> None:

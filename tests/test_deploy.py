@@ -248,6 +248,8 @@ def test_dashboard_is_valid_and_complete() -> None:
         "pfec_receiver_datagrams_received_total",
         "pfec_receiver_datagrams_dropped_total",
         "pfec_sender_datagrams_dropped_total",
+        "pfec_receiver_sessions_active",
+        "pfec_receiver_sessions_pending",
     ):
         assert required in used, f"dashboard has no panel for {required}"
 
@@ -259,8 +261,13 @@ def test_dashboard_is_valid_and_complete() -> None:
 def test_example_configs_load_and_show_the_defaults(kind: str) -> None:
     path = DEPLOY / f"{kind}.example.toml"
     cfg = load_config(kind, path, {})  # type: ignore[call-overload]
-    # The examples document the defaults: keep them in step with common/config.py.
-    assert cfg == load_config(kind, None, {})  # type: ignore[call-overload]
+    default = load_config(kind, None, {})  # type: ignore[call-overload]
+    # The examples document the defaults (keep them in step with common/node/config.py), except the
+    # profile directory, which the units' layout fixes (the repository at /opt/pfec): the default is the
+    # repository's profiles/ folder wherever it is.
+    assert cfg.profiles.directory == Path("/opt/pfec/profiles")
+    assert default.profiles.directory == Path(__file__).resolve().parents[1] / "profiles"
+    assert cfg.model_copy(update={"profiles": default.profiles}) == default
 
 
 def test_netem_recipe_maps_main_ge() -> None:

@@ -42,8 +42,7 @@ def populated_sender() -> SenderMetrics:
 
 def populated_receiver() -> ReceiverMetrics:
     m = ReceiverMetrics()
-    m.session_started()
-    m.session_started()
+    m.sessions_live(2, 0)
     m.session_refused()
     for _ in range(7):
         m.datagram_received(MsgType.SOURCE, 1400)
@@ -61,6 +60,7 @@ def populated_receiver() -> ReceiverMetrics:
     m.ttft(0.41)
     m.recovered_utility(0.88)
     m.session_finished("done")
+    m.sessions_live(0, 1)  # one ended, a handshake is pending: it is live too
     return m
 
 
@@ -105,6 +105,7 @@ def test_receiver_values() -> None:
     assert v("pfec_receiver_ttft_seconds_count") == 1
     assert v("pfec_receiver_recovered_utility_sum") == pytest.approx(0.88)
     assert v("pfec_receiver_sessions_active") == 1
+    assert v("pfec_receiver_sessions_pending") == 1
     assert v("pfec_receiver_sessions_total", {"outcome": "refused"}) == 1
     assert v("pfec_receiver_sessions_total", {"outcome": "done"}) == 1
     assert v("pfec_receiver_decoded_symbols_total") == 8
@@ -148,6 +149,7 @@ def test_drop_reason_sets_cover_the_code() -> None:
     for src, allowed in (
         (ROOT / "sender" / "session.py", SENDER_DROP_REASONS),
         (ROOT / "receiver" / "session.py", RECEIVER_DROP_REASONS),
+        (ROOT / "receiver" / "endpoint.py", RECEIVER_DROP_REASONS),
     ):
         found = set(pattern.findall(src.read_text()))
         assert found, f"no _drop('...') literals found in {src}; update this test's pattern"

@@ -5,6 +5,7 @@ Loss means not delivering a datagram; time only moves when the harness says so.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,6 +118,7 @@ def make_pair(
     app_blob: bytes = b"",
     window_cap: int = 16,
     config: ReceiverConfig | None = None,
+    first_flight: int = 128,
 ) -> tuple[Harness, np.ndarray]:
     symbols = make_symbols(n)
     sender = SenderSession(
@@ -130,12 +132,14 @@ def make_pair(
             window_cap=window_cap,
             app_blob=app_blob,
             result_wait_s=0.5,
+            first_flight=first_flight,  # one RTT is 100 slots: the link stays busy through the handshake
         ),
         symbols,
         policy or DeficitHeuristic(),  # type: ignore[arg-type]
-        PacketProtector(PSK, SID, Role.SENDER, SYMBOL),
+        PacketProtector(PSK, SID, Role.SENDER, SYMBOL, random_bytes=random.Random(1).randbytes),
     )
-    endpoint = ReceiverEndpoint(PSK, receiver_fp, config or ReceiverConfig(ack_every=2))
+    endpoint = ReceiverEndpoint(PSK, receiver_fp, config or ReceiverConfig(ack_every=2),
+                                random_bytes=random.Random(2).randbytes)
     sender.start(0.0)
     return Harness(sender, endpoint), symbols
 
@@ -156,7 +160,9 @@ def test_scripted_drops_are_repaired_by_the_heuristic() -> None:
     # Lose the OFFER's neighbours and a burst of data; repairs must fill every hole before the deadline.
     lost = {5, 6, 7, 30, 31, 32, 33, 34, 90, 150}
     # A decoder span of 16 symbols (< the 100-packet RTT) makes the decoder stall until repairs land.
-    h, symbols = make_pair(n=200, budget_s=0.06, config=ReceiverConfig(ack_every=2, decoder_span=16))
+    # Four holes in a row each cost a feedback round trip; the first ACK comes one handshake RTT late (the
+    # receiver ACKs once the session is established), so 70 ms rather than 60.
+    h, symbols = make_pair(n=200, budget_s=0.07, config=ReceiverConfig(ack_every=2, decoder_span=16))
     h.drop_forward = lambda i, d: i in lost
     h.run()
     ev = h.deadline_event()
@@ -283,7 +289,7 @@ def test_garbage_forged_and_replayed_datagrams_are_counted_not_fatal() -> None:
     assert len(ev.decoded_esis) == 200
     drops = h.endpoint.drops
     assert sum(drops.values()) >= 4, drops
-    assert drops.get("replay", 0) >= 1 and drops.get("auth", 0) >= 2, drops
+    assert drops.get("replay", 0) >= 1 and drops.get("junk_auth", 0) >= 2, drops
 
 
 def test_vanished_sender_is_reaped_after_its_deadline() -> None:

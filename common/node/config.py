@@ -32,6 +32,7 @@ from typing import Annotated, Any, Final, Literal, overload
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, MAX_PROFILE_BYTES
 from pfec.common.sched.policies import SCHEMES
 
 __all__ = [
@@ -42,10 +43,12 @@ __all__ = [
     "LinkConfig",
     "MetricsConfig",
     "ModelConfig",
+    "ProfilesConfig",
     "ReceiverDaemonConfig",
     "SecurityConfig",
     "SenderDaemonConfig",
     "SenderFecConfig",
+    "SenderLimitsConfig",
     "UdpConfig",
     "format_validation_error",
     "load_config",
@@ -277,7 +280,77 @@ class SenderFecConfig(_Section):
         return v
 
 
-class LimitsConfig(_Section):
+class ProfilesConfig(_Section):
+    directory: Path = Field(
+        default=DEFAULT_PROFILE_DIR,
+        description="Directory of the utility profiles this node knows, by name: a handoff names a profile "
+        "('shipped', 'synthetic' or NAME for DIRECTORY/NAME.json), never a path. Default: the repo's "
+        "profiles/ folder.",
+    )
+    max_bytes: int = Field(
+        default=MAX_PROFILE_BYTES, ge=1024, le=64 * MIB,
+        description="Largest profile file read, bytes (only regular files are read).",
+    )
+
+    @field_validator("directory")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        if not v.is_absolute():
+            raise ValueError("use an absolute path such as /opt/pfec/profiles")
+        return v
+
+
+class _CommonLimits(_Section):
+    max_context_tokens: int = Field(
+        default=8192, ge=16, le=1 << 20,
+        description="Largest context (tokens) a handoff may carry, whatever the model allows (both sides "
+        "check it before allocating anything).",
+    )
+    max_budget_ms: float = Field(
+        default=60_000.0, gt=0, le=3_600_000,
+        description="Longest deadline (time budget) of one handoff, ms.",
+    )
+    worker_queue: int = Field(
+        default=8, ge=1, le=1024,
+        description="Model jobs (prefill, rebuild, generation) waiting for the worker thread before new "
+        "ones are refused (503 on the sender's control API).",
+    )
+    worker_stuck_s: float = Field(
+        default=300.0, gt=0, le=86_400,
+        description="A model job running longer than this turns /readyz red (/healthz stays liveness).",
+    )
+
+
+class SenderLimitsConfig(_CommonLimits):
+    max_request_bytes: int = Field(
+        default=MIB, ge=1024, le=64 * MIB, description="Largest control API request body, bytes (413 above)."
+    )
+    max_json_depth: int = Field(
+        default=32, ge=2, le=256, description="Deepest JSON nesting a control request may use (400 above)."
+    )
+    allow_destinations: tuple[str, ...] = Field(
+        default=(),
+        description="Networks (CIDR) the sender may stream to although they are multicast, broadcast, "
+        "unspecified or link-local (refused by default), e.g. ['239.1.0.0/16'].",
+    )
+
+    @field_validator("allow_destinations", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:  # an environment variable: comma-separated networks
+        return tuple(n.strip() for n in v.split(",") if n.strip()) if isinstance(v, str) else v
+
+    @field_validator("allow_destinations")
+    @classmethod
+    def _networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not a network; use CIDR such as 239.1.0.0/16") from None
+        return v
+
+
+class LimitsConfig(_CommonLimits):
     max_sessions: int = Field(
         default=64, ge=1, le=65536, description="Concurrent handoffs before OFFERs are refused."
     )
@@ -286,6 +359,16 @@ class LimitsConfig(_Section):
         ge=MIB,
         le=1 << 40,
         description="Largest KV payload (symbols x symbol size) one session may allocate, bytes.",
+    )
+    session_grace_s: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="Every session is reaped at its deadline plus this grace, whatever the sender does: "
+        "one still without a RESULT (rebuild or generation not done) gets an error RESULT. Default: how long "
+        "the sender waits for a generated answer.",
+    )
+    max_blob_bytes: int = Field(
+        default=MIB, ge=4096, le=64 * MIB,
+        description="Largest OFFER application blob (and decompressed data) accepted from a sender, bytes.",
     )
 
 
@@ -301,6 +384,9 @@ class _DaemonConfig(BaseModel):
     metrics: MetricsConfig
     security: SecurityConfig = Field(default_factory=lambda: SecurityConfig(), description="Key material.")
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(), description="The LLM both nodes share.")
+    profiles: ProfilesConfig = Field(
+        default_factory=lambda: ProfilesConfig(), description="Utility profiles, by name."
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -324,6 +410,9 @@ class SenderDaemonConfig(_DaemonConfig):
     link: LinkConfig = Field(default_factory=lambda: LinkConfig(), description="Pacing.")
     fec: SenderFecConfig = Field(
         default_factory=lambda: SenderFecConfig(), description="Scheme and repair defaults."
+    )
+    limits: SenderLimitsConfig = Field(
+        default_factory=lambda: SenderLimitsConfig(), description="Request bounds and destinations."
     )
 
 
@@ -498,6 +587,8 @@ def _fix_for(err: Mapping[str, Any], loc: tuple[str, ...], model: type[BaseModel
         "path_type": "must be a path string",
         "model_type": "must be a table ([section])",
         "dict_type": "must be a table ([section])",
+        "tuple_type": "must be a list",
+        "list_type": "must be a list",
     }
     return kinds.get(typ, str(err["msg"]))
 

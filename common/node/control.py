@@ -4,13 +4,19 @@ with errors that name the field; the ``?wait=`` flag; and the client the CLI tal
 
 Each daemon's routes live with it (``sender/control.py``: ``POST /handoffs``, ``GET /handoffs[/{id}]``;
 ``receiver/control.py``: ``GET /sessions``, ``GET /results``; both also ``GET /healthz`` and
-``GET /metrics``). Bad requests get 422 with ``{"error": ..., "fields": [{"field", "message"}]}``.
+``GET /metrics``, ``GET /readyz``). Bad requests get 422 with ``{"error": ..., "fields": [{"field",
+"message"}]}``; a body that is not JSON, or nests deeper than the configured depth, gets 400; one larger
+than the configured size 413; every error, including aiohttp's own (404, 405), is a JSON ``{"error": ...}``.
+
+Request bodies are validated strictly (pydantic strict mode on the raw JSON): ``true`` is not an integer and
+``1.5`` is not one either; the depth is checked by a scan before anything is parsed.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,34 +26,74 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ValidationError
 
+from pfec.common.plan.handoff import json_depth
+
 MAX_WAIT_S = 600.0
+MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 32
+MAX_BODY_KEY = web.AppKey("max_body", int)
+log = logging.getLogger("pfec.control")
 M = TypeVar("M", bound=BaseModel)
 
 
-def validation_error_body(exc: ValidationError) -> dict[str, Any]:
+def _shown(value: Any) -> str:
+    """A client's value for an error message: scalars as given (bounded), containers by type only."""
+    if isinstance(value, dict | list | tuple):
+        return f" (got a {type(value).__name__})"
+    text = repr(value)
+    return f" (got {text[:80]}{'...' if len(text) > 80 else ''})"
+
+
+def validation_error_body(exc: ValidationError, max_errors: int = 10) -> dict[str, Any]:
     fields = []
-    for err in exc.errors():
+    for err in exc.errors()[:max_errors]:
         loc = ".".join(str(p) for p in err["loc"]) or "(request)"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        shown = err.get("input")
-        value = "" if isinstance(shown, dict) or err["type"] == "missing" else f" (got {shown!r})"
+        value = "" if err["type"] == "missing" or "input" not in err else _shown(err["input"])
         fields.append({"field": loc, "message": f"{loc}: {msg}{value}"})
     return {"error": "; ".join(f["message"] for f in fields), "fields": fields}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413...) as JSON ``{"error": ...}`` like ours; a handler's bug is a
+    JSON 500 that names no internals."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json" or exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason)
+    except Exception:
+        log.exception("control API: %s %s failed", request.method, request.path)
+        return json_error(500, "internal error (see the daemon's log)")
 
 
 def json_error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
-async def read_model(request: web.Request, model: type[M]) -> M | web.Response:
-    """The request body validated as ``model``, or the 400/422 response to send instead."""
+async def read_model(request: web.Request, model: type[M], *,
+                     max_depth: int = MAX_JSON_DEPTH) -> M | web.Response:
+    """The request body validated strictly as ``model``, or the 400/413/422 response to send instead.
+
+    The body size is bounded by the app's ``client_max_size`` (``ControlServer(max_body=...)``)."""
+    limit = request.config_dict.get(MAX_BODY_KEY, MAX_BODY_BYTES)
+    if request.content_length is not None and request.content_length > limit:
+        return json_error(413, f"request body of {request.content_length} bytes is above the {limit}-byte "
+                               "limit")
     try:
-        data = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return json_error(400, f"request body is not JSON: {exc}")
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return json_error(413, f"request body is above the {limit}-byte limit")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        return json_error(400, f"request body nests JSON {depth} levels deep, above the limit of {max_depth}")
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
+        if any(err["type"] == "json_invalid" for err in exc.errors()):
+            return json_error(400, "request body is not JSON (send one JSON object, UTF-8)")
         return web.json_response(validation_error_body(exc), status=422)
 
 
@@ -80,18 +126,28 @@ def bearer_middleware(token: str) -> Middleware:
     return check
 
 
+def control_app(routes: list[web.RouteDef], token: str | None = None,
+                max_body: int = MAX_BODY_BYTES) -> web.Application:
+    """One control API app: ``routes`` behind the JSON error middleware (and the bearer token, if any),
+    request bodies bounded to ``max_body`` bytes."""
+    middlewares = [json_errors, *([bearer_middleware(token)] if token else [])]
+    app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    app[MAX_BODY_KEY] = max_body
+    app.add_routes(routes)
+    return app
+
+
 class ControlServer:
     """Runs one route table on a UNIX socket and/or a TCP listener (the latter behind a bearer token)."""
 
-    def __init__(self, routes: list[web.RouteDef]) -> None:
+    def __init__(self, routes: list[web.RouteDef], max_body: int = MAX_BODY_BYTES) -> None:
         self.routes = routes
+        self.max_body = max_body
         self.runners: list[web.AppRunner] = []
         self.tcp_port: int | None = None
 
     def _app(self, token: str | None) -> web.Application:
-        app = web.Application(middlewares=[bearer_middleware(token)] if token else [])
-        app.add_routes(self.routes)
-        return app
+        return control_app(self.routes, token, self.max_body)
 
     async def start(self, socket_path: Path | None, tcp: tuple[str, int] | None = None,
                     token: str | None = None) -> None:

@@ -13,8 +13,8 @@ from aiohttp import web
 
 from pfec.common.codec import fec
 from pfec.common.model.runtime import load_runtime
-from pfec.common.node.config import DaemonConfig, ModelConfig
-from pfec.common.node.control import ControlServer
+from pfec.common.node.config import DaemonConfig, ModelConfig, SenderDaemonConfig
+from pfec.common.node.control import MAX_BODY_BYTES, ControlServer
 from pfec.common.node.metrics import NodeMetrics
 from pfec.common.node.signals import wait_for_signal
 from pfec.common.plan.handoff import ModelIdentity
@@ -47,7 +47,8 @@ async def run_node(daemon: D, routes: list[web.RouteDef], config: DaemonConfig, 
                    ready: Callable[[D], None] | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve ``routes`` on the configured control sockets and the metrics endpoint, call ``ready``, wait
     for SIGINT/SIGTERM (or ``stop``), then close the control API, the metrics endpoint and the daemon."""
-    control = ControlServer(routes)
+    max_body = config.limits.max_request_bytes if isinstance(config, SenderDaemonConfig) else MAX_BODY_BYTES
+    control = ControlServer(routes, max_body)
     await control.start(config.control.socket, config.control.tcp_address, token)
     metrics_runner = None
     if config.metrics.enabled:

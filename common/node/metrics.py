@@ -6,7 +6,8 @@ recovered utility), the ``/metrics`` exposition, and the export of a session's d
 drop reasons, and adds only its own series through ``counter`` / ``gauge`` / ``histogram`` (which prefix
 ``pfec_<role>_``). Label values come from fixed sets so a hostile peer cannot grow the series count:
 unknown drop reasons count as ``other``; unknown datagram types and outcomes are programming errors
-(``ValueError``). Every labelled series is created at zero up front, so ``rate()`` and alerts see it
+(``ValueError``); a received datagram that does not parse or authenticate counts as type ``junk``, never by
+the type byte it claims. Every labelled series is created at zero up front, so ``rate()`` and alerts see it
 before the first event. Names carry base units (``_seconds``, ``_bytes``); counters get ``_total``.
 """
 
@@ -27,11 +28,18 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
-from pfec.common.wire.messages import MsgType
+from pfec.common.wire.messages import TYPE_MASK, MsgType
 
-DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close")
-#: Wire type byte (``datagram[1]``) -> its label, for the daemons' per-datagram paths.
-TYPE_BYTE_LABELS: Final[dict[int, str]] = {int(t): t.name.lower() for t in MsgType}
+DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close", "junk")
+#: Message type (``MsgType`` value) -> its label.
+MSG_TYPE_LABELS: Final[dict[int, str]] = {int(t): t.name.lower() for t in MsgType}
+#: Wire type byte (``datagram[1]``: the type under the key-phase bits) -> its label, for the daemons'
+#: per-datagram send paths (every byte value is a key: a lookup, no masking, on the hot path).
+TYPE_BYTE_LABELS: Final[dict[int, str]] = {
+    b: MSG_TYPE_LABELS[b & TYPE_MASK] for b in range(256) if (b & TYPE_MASK) in MSG_TYPE_LABELS
+}
+#: Drop reasons of datagrams that never authenticated (or never parsed): junk, whatever type they claim.
+JUNK_REASONS: Final = ("junk_header", "junk_auth", "bad_version")
 UTILITY_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 

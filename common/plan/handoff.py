@@ -15,21 +15,76 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import zlib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
-from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, synthetic_profile
+from pfec.common.plan.utility import (
+    SHIPPED_PROFILE,
+    ProfileError,
+    UtilityProfile,
+    check_profile_name,
+    synthetic_profile,
+)
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, WIRE_VERSION
 
 APP_VERSION = 1
 BLOCK_TOKENS = 16
 Mode = Literal["mask", "zero"]
+#: Defaults of the bounds a peer's blobs are checked against (each daemon passes its configured ones).
+MAX_BLOB_BYTES: Final = 1 << 20  # an OFFER/RESULT application blob, and anything decompressed from one
+MAX_CONTEXT_TOKENS: Final = 8192
+MAX_QUESTION_TOKENS: Final = 4096
+MAX_TOKEN_ID: Final = (1 << 31) - 1
+MAX_BLOB_JSON_DEPTH: Final = 8
+MAX_NEW_TOKENS: Final = 512
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of ``[`` / ``{`` in a JSON text (strings skipped), without parsing it: cheap
+    enough (milliseconds per MiB) to run before ``json.loads`` on a hostile body, which recurses once per
+    level."""
+    text = np.frombuffer(_STRINGS.sub(b"", raw), dtype=np.uint8)
+    step = (text == ord("[")).astype(np.int32) + (text == ord("{"))
+    step -= (text == ord("]")).astype(np.int32) + (text == ord("}"))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def bounded_decompress(data: bytes, max_bytes: int, what: str) -> bytes:
+    """zlib-inflate ``data`` to at most ``max_bytes``; ValueError when it would give more (a zlib bomb)
+    or is corrupt. Never allocates beyond ``max_bytes`` (+ zlib's own window)."""
+    inflater = zlib.decompressobj()
+    try:
+        out = inflater.decompress(data, max_bytes)
+        if inflater.unconsumed_tail:
+            raise ValueError(f"{what}: inflates beyond {max_bytes} bytes (refused)")
+        out += inflater.flush(max_bytes + 1 - len(out)) if len(out) <= max_bytes else b""
+    except zlib.error as exc:
+        raise ValueError(f"{what} is corrupt: {exc}") from None
+    if len(out) > max_bytes or not inflater.eof:
+        raise ValueError(f"{what}: inflates beyond {max_bytes} bytes or is truncated (refused)")
+    return out
+
+
+def _load_blob(blob: bytes, what: str, max_bytes: int) -> dict[str, Any]:
+    """A peer's JSON blob as a dict: size and nesting bounded before it is parsed."""
+    if len(blob) > max_bytes:
+        raise ValueError(f"{what} application blob: {len(blob)} bytes, above the {max_bytes}-byte limit")
+    if json_depth(blob) > MAX_BLOB_JSON_DEPTH:
+        raise ValueError(f"{what} application blob: JSON nested deeper than {MAX_BLOB_JSON_DEPTH} levels")
+    try:
+        data = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{what} application blob is not JSON: {type(exc).__name__}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} application blob is not a JSON object")
+    return data
 
 
 @dataclass(frozen=True)
@@ -71,17 +126,20 @@ def synthetic_identity(geometry: KVGeometry, name: str = "synthetic") -> ModelId
 
 
 def load_profile(identity: ModelIdentity, name: str) -> UtilityProfile:
-    """``synthetic``, ``shipped`` (the default model's measured profile) or a path to a profile JSON."""
+    """The built-in profiles by name: ``synthetic`` or ``shipped`` (the default model's measured profile).
+
+    Any other name is a ProfileError here: named profiles live in each daemon's profile directory
+    (``common/node/profiles.ProfileStore``). Nothing here opens a path a peer or a client chose."""
+    check_profile_name(name)
     if name == "synthetic":
         return synthetic_profile(identity.geometry.n_layers)
-    path = SHIPPED_PROFILE if name == "shipped" else Path(name)
-    profile = UtilityProfile.load(path)
-    if profile.n_layers != identity.geometry.n_layers:
-        raise ValueError(
-            f"utility profile {str(path)!r} is for {profile.n_layers} layers, the model has "
-            f"{identity.geometry.n_layers}"
-        )
-    return profile
+    if name != "shipped":
+        raise ProfileError(f"profile {name!r}: unknown here (only 'synthetic' and 'shipped' are built in)")
+    try:
+        raw = SHIPPED_PROFILE.read_bytes()
+    except OSError:
+        raise ProfileError("profile 'shipped': the shipped profile file is missing") from None
+    return UtilityProfile.from_bytes(raw, name, identity.geometry.n_layers)
 
 
 def default_profile_name(identity: ModelIdentity) -> str:
@@ -126,36 +184,45 @@ class OfferApp:
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, blob: bytes) -> OfferApp:
-        """Raises ValueError naming the bad field."""
-        try:
-            data = json.loads(blob)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"OFFER application blob is not JSON: {exc}") from None
-        if not isinstance(data, dict) or data.get("v") != APP_VERSION:
+    def decode(cls, blob: bytes, *, max_tokens: int = MAX_CONTEXT_TOKENS,
+               max_blob_bytes: int = MAX_BLOB_BYTES) -> OfferApp:
+        """Raises ValueError naming the bad field. Every field is typed and bounded here, before the
+        receiver plans (allocates) anything for it: ``n_tokens`` by ``max_tokens`` (the receiver's
+        configured maximum context and its model's), question ids in number and value, the blob's size."""
+        data = _load_blob(blob, "OFFER", max_blob_bytes)
+        if data.get("v") != APP_VERSION:
             raise ValueError(f"OFFER application blob: v must be {APP_VERSION}")
         n_tokens = data.get("n_tokens")
-        if not isinstance(n_tokens, int) or n_tokens <= 0:
-            raise ValueError(f"OFFER n_tokens: bad value {n_tokens!r}, expected a positive integer")
+        if type(n_tokens) is not int or not 0 < n_tokens <= max_tokens:
+            shown = n_tokens if type(n_tokens) is int else type(n_tokens).__name__
+            raise ValueError(f"OFFER n_tokens: bad value {shown!r}, expected 1..{max_tokens} (this "
+                             "receiver's "
+                             "maximum context)")
         qids = data.get("question_ids")
-        if not isinstance(qids, list) or not all(isinstance(t, int) and t >= 0 for t in qids):
-            raise ValueError("OFFER question_ids: expected a list of token ids")
+        if not isinstance(qids, list) or len(qids) > MAX_QUESTION_TOKENS or not all(
+            type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in qids
+        ):
+            raise ValueError(f"OFFER question_ids: expected a list of at most {MAX_QUESTION_TOKENS} token "
+                             "ids "
+                             f"in 0..{MAX_TOKEN_ID}")
         mode = data.get("mode")
         if mode not in ("mask", "zero"):
-            raise ValueError(f"OFFER mode: bad value {mode!r}, expected mask or zero")
+            raise ValueError("OFFER mode: bad value, expected mask or zero")
         max_new = data.get("max_new_tokens", 24)
-        if not isinstance(max_new, int) or not 1 <= max_new <= 512:
-            raise ValueError(f"OFFER max_new_tokens: bad value {max_new!r}, expected 1..512")
-        return cls(
-            n_tokens=n_tokens,
-            question_ids=tuple(qids),
-            mode=mode,
-            profile=str(data.get("profile", "synthetic")),
-            order=str(data.get("order", "utility")),
-            max_new_tokens=max_new,
-            model_id=str(data.get("model_id", "")),
-            generate=bool(data.get("generate", True)),
-        )
+        if type(max_new) is not int or not 1 <= max_new <= MAX_NEW_TOKENS:
+            raise ValueError(f"OFFER max_new_tokens: bad value, expected 1..{MAX_NEW_TOKENS}")
+        order = data.get("order", "utility")
+        if order not in ("utility", "fifo"):
+            raise ValueError("OFFER order: bad value, expected utility or fifo")
+        model_id = data.get("model_id", "")
+        if not isinstance(model_id, str) or len(model_id) > 256:
+            raise ValueError("OFFER model_id: expected a string of at most 256 characters")
+        generate = data.get("generate", True)
+        if not isinstance(generate, bool):
+            raise ValueError("OFFER generate: expected true or false")
+        profile = check_profile_name(data.get("profile", "synthetic"), "OFFER profile")
+        return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
+                   max_new_tokens=max_new, model_id=model_id, generate=generate)
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:
@@ -163,10 +230,15 @@ def pack_bits(bits: npt.NDArray[np.bool_]) -> str:
 
 
 def unpack_bits(text: str, n: int) -> npt.NDArray[np.bool_]:
+    """The ``n`` bits ``pack_bits`` made; ValueError for anything else (corrupt, short, or a zlib bomb:
+    inflation stops at the ``ceil(n / 8)`` bytes the bits need)."""
+    if not isinstance(text, str) or len(text) > 4 * MAX_BLOB_BYTES // 3 + 4:
+        raise ValueError("RESULT blocks bitmap: expected base64 text of bounded size")
     try:
-        raw = zlib.decompress(base64.b64decode(text), bufsize=n // 8 + 16)
-    except (ValueError, zlib.error) as exc:
+        packed = base64.b64decode(text, validate=True)
+    except ValueError as exc:
         raise ValueError(f"RESULT blocks bitmap is corrupt: {exc}") from None
+    raw = bounded_decompress(packed, (n + 7) // 8, "RESULT blocks bitmap")
     bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8))[:n].astype(bool)
     if len(bits) != n:
         raise ValueError(f"RESULT blocks bitmap holds {len(bits)} bits, the plan has {n} blocks")
@@ -196,12 +268,45 @@ class ResultApp:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, blob: bytes) -> ResultApp:
-        try:
-            data = json.loads(blob)
-            return cls(**data)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-            raise ValueError(f"RESULT application blob is malformed: {exc}") from None
+    def decode(cls, blob: bytes, max_blob_bytes: int = MAX_BLOB_BYTES) -> ResultApp:
+        """Raises ValueError naming the bad field: every field is type-checked (a key-holding but buggy
+        receiver must not make the sender fail later on a wrong type)."""
+        data = _load_blob(blob, "RESULT", max_blob_bytes)
+        unknown = set(data) - _RESULT_FIELDS.keys()
+        if unknown:
+            raise ValueError(f"RESULT application blob: unknown field {sorted(unknown)[0][:40]!r}")
+        for name, (kinds, nullable, required) in _RESULT_FIELDS.items():
+            if name not in data:
+                if required:
+                    raise ValueError(f"RESULT {name}: missing")
+                continue
+            value = data[name]
+            if value is None:
+                if not nullable:
+                    raise ValueError(f"RESULT {name}: must not be null")
+            elif not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
+                raise ValueError(f"RESULT {name}: bad type {type(value).__name__}")
+        return cls(**data)
+
+
+_NUM = (int, float)
+#: ResultApp's fields: (accepted types, may be null, required).
+_RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
+    "recovered_utility": (_NUM, True, True),
+    "blocks_recovered": ((int,), False, True),
+    "n_blocks": ((int,), False, True),
+    "decoded_symbols": ((int,), False, True),
+    "n_source": ((int,), False, True),
+    "blocks_bitmap": ((str,), False, True),
+    "ttft_s": (_NUM, True, True),
+    "generation_ttft_s": (_NUM, True, True),
+    "deadline_late_ms": (_NUM, False, True),
+    "answer": ((str,), True, True),
+    "mode": ((str,), False, True),
+    "rebuild_s": (_NUM, True, False),
+    "error": ((str,), True, False),
+    "stats": ((dict,), False, False),
+}
 
 
 # --------------------------------------------------------------------------- scoring

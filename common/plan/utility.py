@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +32,34 @@ import numpy.typing as npt
 from pfec.common.plan.kvlayout import BlockPlan
 
 PROFILE_FORMAT = "pfec-utility-profile/1"
+#: The repo's profile directory: each daemon's default ``profiles.directory``.
+DEFAULT_PROFILE_DIR: Final = Path(__file__).resolve().parents[2] / "profiles"
 # The default model's profile, shipped with the repo (data stays outside the Python packages).
-SHIPPED_PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "smollm2-135m-instruct.json"
+SHIPPED_PROFILE_NAME: Final = "smollm2-135m-instruct"
+SHIPPED_PROFILE = DEFAULT_PROFILE_DIR / f"{SHIPPED_PROFILE_NAME}.json"
+#: Largest profile file a daemon reads (the shipped one is ~5 KB).
+MAX_PROFILE_BYTES: Final = 4 << 20
+#: Profile names that need no file: the stand-in and the shipped profile.
+BUILTIN_PROFILES: Final = ("synthetic", "shipped")
+PROFILE_NAME_MAX: Final = 64
+_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+class ProfileError(ValueError):
+    """A profile name that is malformed, unknown here or names an unusable file. The message names the
+    field, the name and the reason; it never quotes the file's contents."""
+
+
+def check_profile_name(name: object, field_name: str = "profile") -> str:
+    """``name`` if it is a profile name (``[a-z0-9][a-z0-9._-]{0,63}``: never a path), else ProfileError."""
+    if not isinstance(name, str) or not _PROFILE_NAME.fullmatch(name):
+        shown = repr(name[:PROFILE_NAME_MAX]) if isinstance(name, str) else type(name).__name__
+        raise ProfileError(
+            f"{field_name}: bad value {shown} — a profile is named by 1-{PROFILE_NAME_MAX} characters "
+            "[a-z0-9._-] starting with a letter or digit (a name in the node's profile directory, never a "
+            "path)"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -158,6 +185,25 @@ class UtilityProfile:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{origin}: not a valid utility profile ({exc})") from exc
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, name: str, n_layers: int | None = None) -> UtilityProfile:
+        """Parse a profile file's bytes; ProfileError names the profile and the reason, never the contents."""
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise ProfileError(f"profile {name!r}: the file is not UTF-8 JSON") from None
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile {name!r}: the file is not a JSON object")
+        try:
+            profile = cls.from_json(data, origin=name)
+        except ValueError:
+            raise ProfileError(
+                f"profile {name!r}: not a valid {PROFILE_FORMAT} file (check it with `pfec profile-plot`)"
+            ) from None
+        if n_layers is not None and profile.n_layers != n_layers:
+            raise ProfileError(f"profile {name!r} is for {profile.n_layers} layers, the model has {n_layers}")
+        return profile
 
     @classmethod
     def load(cls, path: str | Path) -> UtilityProfile:

@@ -10,11 +10,14 @@ big-endian (network order).
 
 Header (14 B, cleartext, authenticated)::
 
-    u8 version (= WIRE_VERSION = 1) | u8 type | u64 session_id | u32 packet_number
+    u8 version (= WIRE_VERSION = 2) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
 
-``packet_number`` counts per session and per direction, starts at 1 and strictly
-increases as sealed; it is the AEAD nonce (8 zero bytes + u32 pn), which is safe because
-every (session, direction) has its own HKDF-derived key. 0 is never valid.
+The type byte's top two bits are the key phase (:class:`.messages.KeyPhase`): 0x00 SESSION (the session
+keys), 0x40 EARLY (the sender's early key, before the ACCEPT), 0x80 HANDSHAKE (the static handshake key of
+the direction); 0xC0 is invalid. A HANDSHAKE datagram carries a 12-byte random AEAD nonce right after the
+header (authenticated as associated data with it); the others use the packet number as the nonce (8 zero
+bytes + u32 pn). ``packet_number`` counts per session and per direction over every phase, starts at 1 and
+strictly increases as sealed; 0 is never valid. Keys and nonces are :mod:`.seal`'s (see its module doc).
 
 Bodies (type: layout -- body size in bytes)::
 
@@ -29,26 +32,28 @@ Bodies (type: layout -- body size in bytes)::
                ESI decoded_prefix + i is undecoded
                (deficit, unknowns and the map cover the receiver's decoder span
                [decoded_prefix, decoded_prefix + hole_bits): where repairs can help)
-    OFFER   4  u16 symbol_size | u16 window_cap | u32 n_source |           48 + app
+    OFFER   4  u16 symbol_size | u16 window_cap | u32 n_source |           64 + app
                u32 budget_us | 32 B fingerprint | u16 part_index |
-               u16 part_count | app bytes (rest)
-    ACCEPT  5  u16 window_cap | u32 n_source                               6
+               u16 part_count | 16 B sender_random (R_s) | app bytes (rest)
+    ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r)   22
     REFUSE  6  u8 RefuseCode | UTF-8 text (rest, <= 512 B)                 1 + text
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
     CLOSE   8  u8 CloseCode | UTF-8 text (rest, <= 512 B)                  1 + text
 
-Direction: the sender seals SOURCE, REPAIR, OFFER, CLOSE; the receiver seals ACK,
-ACCEPT, REFUSE, RESULT, CLOSE. A type arriving from the wrong direction is ``bad_type``.
+Direction and phase: the sender seals OFFER (handshake), SOURCE, REPAIR and CLOSE (early or session);
+the receiver seals ACCEPT (handshake), REFUSE (handshake or session), ACK, RESULT and CLOSE (session).
+Any other (phase, type) pair arriving is ``bad_type``.
 For OFFER/RESULT ``part_index < part_count`` and ``part_count >= 1``; OFFER symbol_size
 is in [1, DEFAULT_SYMBOL_SIZE] (no datagram could carry a larger symbol).
 
 Per-datagram overhead (on top of UDP/IP: +28 B IPv4, +48 B IPv6)::
 
-    header 14 + tag 16 = 30 B for every datagram
+    header 14 + tag 16 = 30 B for every datagram (+ the 12 B nonce of a handshake datagram)
     SOURCE  30 + 4 = 34 B  -> 1396 B datagram with the default 1362 B symbol
     REPAIR  30 + 8 = 38 B  -> 1400 B datagram (= MAX_DATAGRAM) with the default symbol
-    OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1322 / 1362 B per datagram
+    OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1294 / 1362 B per datagram
+    ACCEPT 30 + 12 + 22 = 64 B, answering an OFFER of at least 30 + 12 + 64 = 106 B
 
 No datagram may exceed MAX_DATAGRAM = 1400 B (1428 B on IPv4, 1448 B on IPv6 < 1500 MTU).
 
@@ -78,17 +83,22 @@ from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
     MAX_TEXT,
     MSGTYPE_BY_INT,
+    NONCE_SIZE,
     OFFER_FIXED_SIZE,
     OVERHEAD,
+    PHASE_MASK,
+    RANDOM_SIZE,
     REFUSE_BY_INT,
     REPAIR_ID_SIZE,
     RESULT_FIXED_SIZE,
     SOURCE_ID_SIZE,
+    TYPE_MASK,
     WIRE_VERSION,
     Accept,
     Ack,
     Close,
     Header,
+    KeyPhase,
     Message,
     MsgType,
     Offer,
@@ -105,8 +115,8 @@ _HEADER = struct.Struct(">BBQI")
 _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
 _ACK = struct.Struct(">IIIHHIIIIIH")
-_OFFER = struct.Struct(">HHII32sHH")
-_ACCEPT = struct.Struct(">HI")
+_OFFER = struct.Struct(">HHII32sHH16s")
+_ACCEPT = struct.Struct(">HI16s")
 _RESULT = struct.Struct(">IHH")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
 # :mod:`.seal`'s per-packet layout steps).
@@ -155,6 +165,11 @@ def _check_parts(part_index: int, part_count: int, what: str) -> None:
         and 0 <= part_index < part_count
     ):
         raise ValueError(f"{what}: need 0 <= part_index < part_count <= 65535, got {part_index}/{part_count}")
+
+
+def _check_random(value: bytes, what: str) -> None:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != RANDOM_SIZE:
+        raise ValueError(f"{what} must be {RANDOM_SIZE} fresh random bytes")
 
 
 def repair_fec_id(repair_key: int, dt: int, nss: int, fss_esi: int) -> bytes:
@@ -209,6 +224,7 @@ def _enc_offer(msg: Offer) -> bytes:
     if not isinstance(msg.fingerprint, (bytes, bytearray)) or len(msg.fingerprint) != FINGERPRINT_SIZE:
         raise ValueError(f"OFFER: fingerprint must be {FINGERPRINT_SIZE} bytes")
     _check_parts(msg.part_index, msg.part_count, "OFFER")
+    _check_random(msg.sender_random, "OFFER: sender_random")
     if not (isinstance(msg.symbol_size, int) and 1 <= msg.symbol_size <= DEFAULT_SYMBOL_SIZE):
         raise ValueError(f"OFFER: symbol_size must be 1..{DEFAULT_SYMBOL_SIZE}, got {msg.symbol_size!r}")
     if len(msg.app) > max_app_chunk(MsgType.OFFER):
@@ -223,6 +239,7 @@ def _enc_offer(msg: Offer) -> bytes:
         bytes(msg.fingerprint),
         msg.part_index,
         msg.part_count,
+        bytes(msg.sender_random),
     )
     return fixed + msg.app
 
@@ -253,7 +270,8 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
     if isinstance(msg, Offer):
         return _enc_offer(msg)
     if isinstance(msg, Accept):
-        return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source)
+        _check_random(msg.receiver_random, "ACCEPT: receiver_random")
+        return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source, bytes(msg.receiver_random))
     if isinstance(msg, Result):
         return _enc_result(msg)
     if isinstance(msg, (Refuse, Close)):
@@ -280,21 +298,6 @@ def _fast_ctor2(cls: type[Any]) -> Callable[[Any, Any], Any]:
     return make
 
 
-def _fast_ctor4(cls: type[Any]) -> Callable[[Any, Any, Any, Any], Any]:
-    a, b, c, d = (cls.__dict__[f.name].__set__ for f in fields(cls))
-    new = object.__new__
-
-    def make(w: Any, x: Any, y: Any, z: Any) -> Any:
-        obj = new(cls)
-        a(obj, w)
-        b(obj, x)
-        c(obj, y)
-        d(obj, z)
-        return obj
-
-    return make
-
-
 def _fast_ctor5(cls: type[Any]) -> Callable[[Any, Any, Any, Any, Any], Any]:
     a, b, c, d, e = (cls.__dict__[f.name].__set__ for f in fields(cls))
     new = object.__new__
@@ -311,7 +314,7 @@ def _fast_ctor5(cls: type[Any]) -> Callable[[Any, Any, Any, Any, Any], Any]:
     return make
 
 
-new_header: Final[Callable[[int, MsgType, int, int], Header]] = _fast_ctor4(Header)
+new_header: Final[Callable[[int, MsgType, int, int, KeyPhase], Header]] = _fast_ctor5(Header)
 _new_source: Final[Callable[[int, memoryview], Source]] = _fast_ctor2(Source)
 _new_repair: Final[Callable[[int, int, int, int, memoryview], Repair]] = _fast_ctor5(Repair)
 
@@ -347,16 +350,16 @@ def _dec_parts(pi: int, pc: int, what: str) -> None:
 
 
 def _dec_offer(body: _Body) -> Offer:
-    ss, wc, ns, budget, fp, pi, pc = _OFFER.unpack_from(body)
+    ss, wc, ns, budget, fp, pi, pc, r_s = _OFFER.unpack_from(body)
     _dec_parts(pi, pc, "OFFER")
     if not 1 <= ss <= DEFAULT_SYMBOL_SIZE:  # no datagram could carry such a symbol
         raise ParseError("bad_field", f"OFFER symbol_size {ss}")
-    return Offer(ss, wc, ns, budget, fp, pi, pc, bytes(body[OFFER_FIXED_SIZE:]))
+    return Offer(ss, wc, ns, budget, fp, pi, pc, bytes(body[OFFER_FIXED_SIZE:]), r_s)
 
 
 def _dec_accept(body: _Body) -> Accept:
-    wc, ns = _ACCEPT.unpack_from(body)
-    return Accept(wc, ns)
+    wc, ns, r_r = _ACCEPT.unpack_from(body)
+    return Accept(wc, ns, r_r)
 
 
 def _dec_text(body: _Body, what: str) -> str:
@@ -425,8 +428,9 @@ def decode_checked_body(mtype: int, body: memoryview) -> Message:
 
 
 def unpack_header(datagram: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
-    """(version, type, session id, packet number) of a datagram of a possible size and our version;
-    ParseError otherwise. The checks of the type and the packet number are the caller's."""
+    """(version, type byte, session id, packet number) of a datagram of a possible size and our version;
+    ParseError otherwise. The checks of the type byte (phase and type) and the packet number are the
+    caller's."""
     n = _buflen(datagram)
     if n < OVERHEAD:
         raise ParseError("truncated", f"{n} B datagram")
@@ -441,12 +445,24 @@ def unpack_header(datagram: bytes | bytearray | memoryview) -> tuple[int, int, i
 def peek_header(datagram: bytes | bytearray | memoryview) -> Header:
     """Parse and sanity-check the cleartext header only (for dispatch by session id).
 
-    Nothing here is authenticated yet: use it to pick a protector, then call its ``open_peeked()``.
+    Nothing here is authenticated yet: use it to pick a key, then open the datagram with it. A handshake
+    datagram must also hold its nonce (``truncated`` otherwise).
     """
-    version, mtype, sid, pn = unpack_header(datagram)
-    t = MSGTYPE_BY_INT.get(mtype)
-    if t is None:
-        raise ParseError("bad_type", f"type {mtype}")
+    version, type_byte, sid, pn = unpack_header(datagram)
+    split = _TYPE_AND_PHASE.get(type_byte)
+    if split is None:
+        raise ParseError("bad_type", f"type byte {type_byte:#x}")
     if pn == 0:
         raise ParseError("bad_field", "packet number 0")
-    return new_header(version, t, sid, pn)
+    phase = split[1]
+    if phase is _HANDSHAKE and _buflen(datagram) < OVERHEAD + NONCE_SIZE:
+        raise ParseError("truncated", "handshake datagram without its nonce")
+    return new_header(version, split[0], sid, pn, phase)
+
+
+# Every valid type byte -> (MsgType, KeyPhase): one lookup per datagram.
+_TYPE_AND_PHASE: Final[dict[int, tuple[MsgType, KeyPhase]]] = {
+    int(p) | int(t): (t, p) for p in KeyPhase for t in MsgType
+}
+_HANDSHAKE: Final = KeyPhase.HANDSHAKE
+assert all(b & PHASE_MASK == p and b & TYPE_MASK == t for b, (t, p) in _TYPE_AND_PHASE.items())

@@ -12,7 +12,7 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 # --------------------------------------------------------------------------- constants
 
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2  # 2: key phases in the type byte, the handshake with fresh randomness per side
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
 OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
@@ -22,8 +22,10 @@ REPAIR_ID_SIZE: Final = 8
 DEFAULT_SYMBOL_SIZE: Final = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE - REPAIR_ID_SIZE  # 1362
 ACK_BODY_SIZE: Final = 38  # fixed part; the hole map follows
 MAX_HOLE_BITS: Final = 4096
-OFFER_FIXED_SIZE: Final = 48
-ACCEPT_BODY_SIZE: Final = 6
+RANDOM_SIZE: Final = 16  # each side's fresh handshake value (R_s in the OFFER, R_r in the ACCEPT)
+NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram, right after the header
+OFFER_FIXED_SIZE: Final = 48 + RANDOM_SIZE
+ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE
 RESULT_FIXED_SIZE: Final = 8
 FINGERPRINT_SIZE: Final = 32
 MAX_TEXT: Final = 512
@@ -42,6 +44,18 @@ class MsgType(enum.IntEnum):
     REFUSE = 6
     RESULT = 7
     CLOSE = 8
+
+
+class KeyPhase(enum.IntEnum):
+    """Which key sealed a datagram: the top two bits of its type byte (the low six are the ``MsgType``)."""
+
+    SESSION = 0x00  # the session keys (sender and receiver randomness); nonce = packet number
+    EARLY = 0x40  # sender -> receiver before the ACCEPT: the sender's early key; nonce = packet number
+    HANDSHAKE = 0x80  # OFFER, ACCEPT, REFUSE before a session: static key per direction, explicit nonce
+
+
+TYPE_MASK: Final = 0x3F
+PHASE_MASK: Final = 0xC0
 
 
 class RefuseCode(enum.IntEnum):
@@ -65,12 +79,46 @@ class Role(enum.Enum):
 
 
 MSGTYPE_BY_INT: Final = {int(t): t for t in MsgType}
+PHASE_BY_INT: Final = {int(p): p for p in KeyPhase}
 REFUSE_BY_INT: Final = {int(c): c for c in RefuseCode}
 CLOSE_BY_INT: Final = {int(c): c for c in CloseCode}
 
 # Types each direction may carry (s2r = sealed by the sender, opened by the receiver).
 _S2R_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR, MsgType.OFFER, MsgType.CLOSE})
 _R2S_TYPES: Final = frozenset({MsgType.ACK, MsgType.ACCEPT, MsgType.REFUSE, MsgType.RESULT, MsgType.CLOSE})
+
+
+# (phase, type) pairs each direction may carry: the OFFER in the handshake phase (and once more under the
+# session key right after the ACCEPT, to establish the session), ACCEPT only in the handshake phase, REFUSE
+# in the handshake phase (before a session exists) or under the session keys, data and CLOSE early or in
+# session.
+_S2R_PHASES: Final = frozenset(
+    {(KeyPhase.HANDSHAKE, MsgType.OFFER), (KeyPhase.SESSION, MsgType.OFFER)}
+    | {
+        (p, t)
+        for p in (KeyPhase.EARLY, KeyPhase.SESSION)
+        for t in (MsgType.SOURCE, MsgType.REPAIR, MsgType.CLOSE)
+    }
+)
+_R2S_PHASES: Final = frozenset(
+    {(KeyPhase.HANDSHAKE, MsgType.ACCEPT), (KeyPhase.HANDSHAKE, MsgType.REFUSE)}
+    | {(KeyPhase.SESSION, t) for t in (MsgType.ACK, MsgType.REFUSE, MsgType.RESULT, MsgType.CLOSE)}
+)
+
+
+def phases_sent_by(role: Role) -> frozenset[tuple[KeyPhase, MsgType]]:
+    """The (key phase, message type) pairs ``role`` seals."""
+    return _S2R_PHASES if role is Role.SENDER else _R2S_PHASES
+
+
+def phase_of(mtype: MsgType, role: Role, *, session_keys: bool) -> KeyPhase:
+    """The phase ``role`` seals ``mtype`` in: ACCEPT always handshake, the OFFER until the session keys;
+    before them the sender's data and CLOSE are early and the receiver's REFUSE is handshake."""
+    if mtype is MsgType.ACCEPT or (mtype is MsgType.OFFER and not session_keys):
+        return KeyPhase.HANDSHAKE
+    if session_keys:
+        return KeyPhase.SESSION
+    return KeyPhase.EARLY if role is Role.SENDER else KeyPhase.HANDSHAKE
 
 
 def types_sent_by(role: Role) -> frozenset[MsgType]:
@@ -96,6 +144,7 @@ ParseReason: TypeAlias = Literal[
     "replay",  # packet number already received
     "too_old",  # packet number left of the replay window
     "bad_field",  # field value out of its domain (pn 0, NSS 0, unknown code, bad UTF-8, ...)
+    "no_key",  # a phase whose key this side does not hold yet (session keys before the ACCEPT)
 ]
 PARSE_REASONS: Final[frozenset[str]] = frozenset(
     {
@@ -109,6 +158,7 @@ PARSE_REASONS: Final[frozenset[str]] = frozenset(
         "replay",
         "too_old",
         "bad_field",
+        "no_key",
     }
 )
 
@@ -129,9 +179,10 @@ class ParseError(Exception):
 @dataclass(frozen=True, slots=True)
 class Header:
     version: int
-    type: MsgType
+    type: MsgType  # the type byte's low six bits
     session_id: int
     packet_number: int
+    phase: KeyPhase = KeyPhase.SESSION  # the type byte's top two bits: which key sealed the datagram
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +230,7 @@ class Offer:
     part_index: int = 0
     part_count: int = 1
     app: bytes = b""
+    sender_random: bytes = b""  # R_s: RANDOM_SIZE fresh bytes per session (the sender's protector's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +238,7 @@ class Accept:
     TYPE: ClassVar[MsgType] = MsgType.ACCEPT
     window_cap: int
     n_source: int
+    receiver_random: bytes = b""  # R_r: RANDOM_SIZE fresh bytes per ACCEPT (the sender's R_s is its AAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +271,8 @@ Message: TypeAlias = Source | Repair | Ack | Offer | Accept | Refuse | Result | 
 
 def max_app_chunk(kind: MsgType) -> int:
     """Largest app-bytes chunk an OFFER or RESULT part can carry within MAX_DATAGRAM."""
-    if kind == MsgType.OFFER:
-        return MAX_BODY - OFFER_FIXED_SIZE
+    if kind == MsgType.OFFER:  # a handshake datagram: the explicit nonce comes off the body
+        return MAX_BODY - NONCE_SIZE - OFFER_FIXED_SIZE
     if kind == MsgType.RESULT:
         return MAX_BODY - RESULT_FIXED_SIZE
     raise ValueError(f"max_app_chunk: kind must be MsgType.OFFER or MsgType.RESULT, got {kind!r}")
@@ -248,9 +301,9 @@ def body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
         MsgType.SOURCE: (SOURCE_ID_SIZE + symbol_size, SOURCE_ID_SIZE + symbol_size),
         MsgType.REPAIR: (REPAIR_ID_SIZE + symbol_size, REPAIR_ID_SIZE + symbol_size),
         MsgType.ACK: (ACK_BODY_SIZE, ACK_BODY_SIZE + MAX_HOLE_BITS // 8),
-        MsgType.OFFER: (OFFER_FIXED_SIZE, MAX_BODY),
+        MsgType.OFFER: (OFFER_FIXED_SIZE, MAX_BODY - NONCE_SIZE),
         MsgType.ACCEPT: (ACCEPT_BODY_SIZE, ACCEPT_BODY_SIZE),
-        MsgType.REFUSE: (1, 1 + MAX_TEXT),
+        MsgType.REFUSE: (1, 1 + MAX_TEXT),  # + NONCE_SIZE still fits MAX_DATAGRAM
         MsgType.RESULT: (RESULT_FIXED_SIZE, MAX_BODY),
         MsgType.CLOSE: (1, 1 + MAX_TEXT),
     }[MSGTYPE_BY_INT[mtype]]
