@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from pfec.cli import eval as eval_commands
-from pfec.cli import kv, lab, node
+from pfec.cli import kv, lab, node, plan
 from pfec.cli.handoff import handoff_cmd
 
 app = typer.Typer(
@@ -46,11 +46,14 @@ app.command("handoff")(handoff_cmd)
 app.command("demo")(lab.demo_cmd)
 app.command("train")(lab.train_cmd)
 app.command("reliable")(lab.reliable_cmd)
+app.command("plan")(plan.plan_cmd)
 
 app.add_typer(bench_app, name="bench")
 bench_app.command("codec")(lab.bench_codec_cmd)
+bench_app.command("quant")(lab.bench_quant_cmd)
 bench_app.command("scheduler")(lab.bench_scheduler_cmd)
 bench_app.command("transport")(lab.bench_transport_cmd)
+bench_app.command("fuzz")(lab.bench_fuzz_cmd)
 app.add_typer(tune_app, name="tune")
 tune_app.command("flec-rt")(lab.tune_flec_rt_cmd)
 app.add_typer(sender_app, name="sender")

@@ -313,6 +313,25 @@ def bench_codec_cmd(
     _write_bench(result, write_codec_bench, out_dir, "codec.md", as_json)
 
 
+def bench_quant_cmd(
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where quant.json and quant.md are written.")] = DOCS_BENCH,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per case (the median is reported).")] = 7,
+    tokens: Annotated[int, typer.Option(min=16, help="Tokens of the synthetic default-shaped cache.")] = 1792,
+    model: Annotated[
+        bool, typer.Option(help="Also time the default model's cache of a needle prompt.")
+    ] = True,
+) -> None:
+    """Progressive precision speed on one core: quantise+pack and unpack+dequantise MB/s of native KV."""
+    from pfec.lab.bench_quant import run_quant_bench, write_quant_bench  # deferred: torch
+
+    try:
+        result = run_quant_bench(repeats=repeats, tokens=tokens, model=model)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_quant_bench, out_dir, "quant.md", as_json)
+
+
 def bench_scheduler_cmd(
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where scheduler.json and .md are written.")] = DOCS_BENCH,
@@ -348,6 +367,21 @@ def bench_transport_cmd(
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_transport_bench, out_dir, "transport.md", as_json)
+
+
+def bench_fuzz_cmd(
+    inputs: Annotated[int, typer.Option(min=1, help="Mutated datagrams (both directions).")] = 1_000_000,
+    seed: Annotated[int, typer.Option(help="Seed of the corpus handoff and the mutations.")] = 1,
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where fuzz.json and fuzz.md are written.")] = DOCS_BENCH,
+) -> None:
+    """Receive-path robustness: mutated datagrams into a live receiver endpoint and sender session."""
+    from pfec.lab.bench_fuzz import run_fuzz_bench, write_fuzz_bench  # deferred: numba
+
+    result = run_fuzz_bench(inputs=inputs, seed=seed, progress=progress_line("bench fuzz"))
+    _write_bench(result, write_fuzz_bench, out_dir, "fuzz.md", as_json)
+    if result["escapes"] or result["hangs"]:
+        raise fail(f"{result['escapes']} escapes and {result['hangs']} hangs (both must be 0)")
 
 
 def _write_bench(

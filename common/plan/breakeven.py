@@ -1,0 +1,531 @@
+"""Break-even planner: should the receiver get its KV over the link, compute it, or both?
+
+A handoff is only worth its bytes when it beats recomputing (DESIGN.md, "Bytes are the budget"). Before a
+handoff the sender predicts the time to first token (TTFT) of three kinds of option and picks the fastest
+that keeps a fidelity floor:
+
+- ``local``: the receiver prefills the whole context itself (exact).
+- ``handoff``: the whole cache streams at one precision level: handshake + one-way delay + serialisation
+  (framing and FEC overhead included) + rebuild (dequantisation) on the receiver.
+- ``split``: the receiver prefills the front [0, m) while the sender streams the back [m, N); a prefix's
+  KV does not depend on what follows, so the two halves join exactly. The meeting point m equalises the
+  two sides' finishing times; TTFT = max(both) + rebuilding the back.
+
+Every option ends with the receiver's first decode step. The clock starts when the sender decides, so
+every option pays the one-way delay of telling the receiver (the token ids are small next to KV).
+
+Times come from plain numbers: the receiver's prefill curve t(N) = a + bN + cN^2 (measured by
+``common/model/speed.py`` on the node, or a preset here), its per-token decode time, the link's rate, RTT
+and expected loss. Sans-IO: no torch, no clock; the presets below say where each number comes from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+import numpy as np
+
+from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, FRAGMENT_ID_SIZE, KVGeometry
+from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
+
+Mode = Literal["local", "handoff", "split"]
+MODES: Final[tuple[Mode, ...]] = ("local", "handoff", "split")  # tie-break order: simplest first
+MB: Final = 1_000_000
+
+
+def _finite_nonneg(name: str, value: float) -> float:
+    """``value`` as a float, refused unless finite and >= 0."""
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+# --- Prefill speed ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCurve:
+    """Seconds to prefill N tokens: t(N) = a + b N + c N^2 (t(0) = 0: nothing to compute)."""
+
+    a: float  # fixed cost per prefill call, s
+    b: float  # s per token (weights: linear in N)
+    c: float  # s per token^2 (attention: quadratic in N)
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c"):
+            _finite_nonneg(f"PrefillCurve.{name}", getattr(self, name))
+
+    def seconds(self, n_tokens: float) -> float:
+        """Predicted seconds to prefill ``n_tokens`` from an empty cache."""
+        if n_tokens < 0 or not math.isfinite(n_tokens):
+            raise ValueError(f"token count must be finite and >= 0, got {n_tokens!r}")
+        if n_tokens == 0:
+            return 0.0
+        return self.a + self.b * n_tokens + self.c * n_tokens * n_tokens
+
+    def chunk_seconds(self, start: float, stop: float) -> float:
+        """Predicted seconds to compute tokens [start, stop) given the cache of [0, start).
+
+        The work is t(stop) - t(start) (b per token, attention c (j^2 - i^2)); the fixed cost ``a`` comes
+        once per forward call, so a chunk [i, j) with i > 0 costs a + t(j) - t(i), and [0, j) costs t(j).
+        """
+        if not 0 <= start <= stop:
+            raise ValueError(f"chunk [{start}, {stop}) must satisfy 0 <= start <= stop")
+        if start == stop:
+            return 0.0
+        extra = self.a if start > 0 else 0.0
+        return extra + self.seconds(stop) - self.seconds(start)
+
+    def tokens_per_second(self, n_tokens: int) -> float:
+        """Average prefill throughput over a context of ``n_tokens``."""
+        if n_tokens <= 0:
+            raise ValueError(f"token count must be positive, got {n_tokens!r}")
+        seconds = self.seconds(n_tokens)
+        return math.inf if seconds == 0 else n_tokens / seconds
+
+    def to_dict(self) -> dict[str, float]:
+        return {"a": self.a, "b": self.b, "c": self.c}
+
+
+def fit_prefill_curve(points: Sequence[tuple[int, float]]) -> PrefillCurve:
+    """Least-squares t(N) = a + bN + cN^2 with a, b, c >= 0 through measured (N, seconds) points.
+
+    Non-negative least squares by trying every set of free coefficients (3 unknowns: 7 sets) and keeping
+    the feasible fit with the smallest residual; a negative c (noise on a nearly linear curve) becomes 0.
+    Needs at least two distinct token counts; timings must be finite and positive.
+    """
+    if len(points) < 2:
+        raise ValueError(f"need at least 2 (tokens, seconds) points to fit prefill speed, got {len(points)}")
+    for n, t in points:
+        if not isinstance(n, int | np.integer) or n <= 0:
+            raise ValueError(f"prefill point token count must be a positive integer, got {n!r}")
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"prefill point time must be finite and > 0 s, got {t!r} for {n} tokens")
+    ns = np.array([float(n) for n, _ in points])
+    if len(set(ns.tolist())) < 2:
+        raise ValueError("prefill points need at least 2 distinct token counts")
+    ts = np.array([float(t) for _, t in points])
+    design = np.stack([np.ones_like(ns), ns, ns * ns], axis=1)
+    scale = np.abs(design).max(axis=0)  # condition the columns (N^2 ~ 1e6)
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        sol, *_ = np.linalg.lstsq(design[:, cols] / scale[cols], ts, rcond=None)
+        coef = np.zeros(3)
+        coef[cols] = sol / scale[cols]
+        if (coef < 0).any():
+            continue
+        residual = float(np.sum((design @ coef - ts) ** 2))
+        if best is None or residual < best[0] - 1e-18:
+            best = (residual, coef)
+    assert best is not None  # mask 1 (a alone = mean of positive times) is always feasible
+    a, b, c = (float(x) for x in best[1])
+    return PrefillCurve(a, b, c)
+
+
+# --- Precision levels -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionLevel:
+    """One way to ship the cache: its size relative to a bf16 cache and the fidelity it keeps.
+
+    ``bf16_ratio`` is bytes per token over the geometry's bf16 bytes per token (None: the geometry's own
+    dtype, i.e. native). ``mean_kl`` orders fidelity (lower keeps more); ``rebuild_s_per_mb`` is the
+    receiver's rebuild/dequantisation time per MB of bf16-equivalent KV.
+    """
+
+    name: str
+    bf16_ratio: float | None
+    mean_kl: float
+    agreement: float
+    rebuild_s_per_mb: float
+
+    def __post_init__(self) -> None:
+        if self.bf16_ratio is not None and not (math.isfinite(self.bf16_ratio) and self.bf16_ratio > 0):
+            raise ValueError(f"precision {self.name!r}: bf16_ratio must be finite and > 0")
+        _finite_nonneg(f"precision {self.name!r} mean_kl", self.mean_kl)
+        _finite_nonneg(f"precision {self.name!r} rebuild_s_per_mb", self.rebuild_s_per_mb)
+        if not 0 <= self.agreement <= 1:
+            raise ValueError(f"precision {self.name!r}: agreement must lie in [0, 1]")
+
+    def bytes_per_token(self, geometry: KVGeometry) -> int:
+        """KV bytes per token at this level for ``geometry`` (scales with layers x KV heads x head dim)."""
+        if self.bf16_ratio is None:
+            return geometry.bytes_per_token
+        bf16 = 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * 2
+        return round(self.bf16_ratio * bf16)
+
+
+# Rebuilding a native cache (bytes -> tensors, masks) on this machine: 2.2 ms per MB (median of 5), measured
+# with llm.rebuild_from_rows on the default model, 1024 tokens (23.6 MB), 1 torch thread, 2-core x86 VM,
+# 2026-12-01 (1.4 ms/MB with 2 threads).
+NATIVE_REBUILD_S_PER_MB: Final = 0.0022
+
+# DEFAULTS from issue 13's measurements on the default model (SmolLM2-135M, 12 needle-QA prompts at ~1.8k
+# tokens, quantise -> dequantise of the whole cache, greedy 24 tokens vs the full-KV answer). Bytes per
+# token there: native 23,040; int8 11,880; top-50% int8 rest int4 9,910; int4 per 16-token block 7,926
+# (KIVI int4 7,494); int2 KIVI 4,666. Rebuild adds the measured whole-cache quantise+dequantise time per
+# bf16 MB on one thread (int8 2.3 ms, int4 3.7 ms; the int8/int4 half-and-half mix their mean; int2 assumed
+# as int4): an upper bound for dequantising alone. Until common/plan/precision.py names the real levels,
+# these are the planner's table.
+DEFAULT_BF16_BYTES_PER_TOKEN: Final = 23_040
+BF16_PER_TOKEN: Final = DEFAULT_BF16_BYTES_PER_TOKEN
+REBUILD: Final = NATIVE_REBUILD_S_PER_MB
+DEFAULT_PRECISION_LEVELS: Final[tuple[PrecisionLevel, ...]] = (
+    PrecisionLevel("native", None, 0.0, 1.0, REBUILD),
+    PrecisionLevel("int8", 11_880 / BF16_PER_TOKEN, 0.0001, 1.0, REBUILD + 0.0023),
+    PrecisionLevel("int8-int4", 9_910 / BF16_PER_TOKEN, 0.0004, 1.0, REBUILD + 0.0030),
+    PrecisionLevel("int4", 7_926 / BF16_PER_TOKEN, 0.0036, 0.976, REBUILD + 0.0037),
+    PrecisionLevel("int2", 4_666 / BF16_PER_TOKEN, 0.304, 0.882, REBUILD + 0.0037),
+)
+DEFAULT_FLOOR: Final = "int8-int4"  # the issue's default fidelity floor: top-50% int8, rest int4
+
+
+def level_named(name: str, levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS) -> PrecisionLevel:
+    """The level called ``name``; an unknown name is refused with the known ones."""
+    for level in levels:
+        if level.name == name:
+            return level
+    raise ValueError(f"unknown precision {name!r}: known levels are {', '.join(x.name for x in levels)}")
+
+
+# --- Link and receiver ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """The path between the nodes as the planner sees it.
+
+    ``loss`` is the expected share of sent bytes lost; an erasure code must send 1 / (1 - loss) times the
+    data. ``handshake_rtts`` counts round trips before the bulk flows (0 when data follows the OFFER).
+    Each datagram carries ``symbol_size - 4`` KV bytes (a fragment id) and costs the symbol plus the source
+    id, header and AEAD tag on the link.
+    """
+
+    rate_bps: float
+    rtt_s: float
+    loss: float = 0.0
+    handshake_rtts: float = 1.0
+    symbol_size: int = DEFAULT_SYMBOL_SIZE
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.rate_bps) or self.rate_bps <= 0:
+            raise ValueError(f"link rate must be > 0 bit/s, got {self.rate_bps!r}")
+        _finite_nonneg("RTT", self.rtt_s)
+        if not (math.isfinite(self.loss) and 0 <= self.loss < 1):
+            raise ValueError(f"loss must lie in [0, 1), got {self.loss!r}")
+        _finite_nonneg("handshake_rtts", self.handshake_rtts)
+        if not isinstance(self.symbol_size, int) or self.symbol_size <= FRAGMENT_ID_SIZE:
+            raise ValueError(f"symbol size must be an int > {FRAGMENT_ID_SIZE}, got {self.symbol_size!r}")
+
+    @property
+    def owd_s(self) -> float:
+        return self.rtt_s / 2
+
+    @property
+    def handshake_s(self) -> float:
+        return self.handshake_rtts * self.rtt_s
+
+    @property
+    def wire_per_kv_byte(self) -> float:
+        """Link bytes per delivered KV byte: framing x FEC overhead."""
+        payload = self.symbol_size - FRAGMENT_ID_SIZE
+        datagram = self.symbol_size + SOURCE_ID_SIZE + OVERHEAD
+        return datagram / payload / (1.0 - self.loss)
+
+    def wire_bytes(self, kv_bytes: float) -> float:
+        return kv_bytes * self.wire_per_kv_byte
+
+    def serialisation_s(self, kv_bytes: float) -> float:
+        """Seconds to put ``kv_bytes`` of KV (plus framing and repair) on the link."""
+        return self.wire_bytes(kv_bytes) * 8 / self.rate_bps
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverModel:
+    """The receiver's compute: prefill curve, one decode step, fixed cost of joining front and back.
+
+    ``rebuild_scale`` multiplies the levels' rebuild times, which were measured on this 2-core CPU (1.0);
+    a GPU receiver rebuilds far faster (see the 7B preset).
+    """
+
+    prefill: PrefillCurve
+    decode_s: float
+    join_s: float = 0.0
+    rebuild_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _finite_nonneg("decode_s", self.decode_s)
+        _finite_nonneg("join_s", self.join_s)
+        _finite_nonneg("rebuild_scale", self.rebuild_scale)
+
+
+# --- Presets ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPreset:
+    """A model's KV geometry and a receiver speed for it, with where the speed comes from."""
+
+    name: str
+    geometry: KVGeometry
+    receiver: ReceiverModel
+    source: str
+
+
+# Measured here with common/model/speed.measure_prefill_speed: default model (SmolLM2-135M-Instruct), CPU,
+# fp32 compute, 2 torch threads (the daemons' default on this machine), fastest of 2 runs at 256 / 1024 /
+# 2048 / 4096 tokens after one warm-up: 0.388 / 1.790 / 4.372 / 14.19 s; one decode step at 4k: 81 ms.
+# 2-core x86 VM, 2026-12-01. The start-up default lengths (128/512/1024) fit c poorly (runs gave c from
+# 3e-7 to 9e-7): this wider fit is the one to extrapolate to 8k. 1 thread: 0.38 / 1.49 / 3.46 s at
+# 128 / 512 / 1024 tokens.
+DEFAULT_MODEL_PREFILL: Final = PrefillCurve(a=0.2193, b=7.337e-4, c=6.525e-7)
+DEFAULT_MODEL_DECODE_S: Final = 0.081
+
+# ASSUMED, not measured: Qwen2.5-7B-class GQA (28 layers, 4 KV heads, head dim 128, d_model 3584, 7.6e9
+# parameters) on one RTX 4090-class GPU in bf16. Linear term: 2 x 7.6e9 FLOP per token at 50% of the card's
+# 165 TFLOPS dense bf16 tensor peak (~82 TFLOPS) = 1.85e-4 s/token (5,400 tokens/s); quadratic term:
+# causal attention, 2 x 2 x 28 layers x 3584 x N^2 / 2 FLOP at the same rate = 2.4e-9 s/token^2; 20 ms per
+# call; decode: 15.2 GB of weights read per token at ~75% of 1 TB/s = 20 ms; rebuild: KV crosses PCIe 4.0
+# x16 (~25 GB/s, 0.04 ms per MB) and dequantises on the GPU, ~2% of this CPU's rebuild time.
+GPU_7B_PREFILL: Final = PrefillCurve(a=0.020, b=1.85e-4, c=2.4e-9)
+GPU_7B_DECODE_S: Final = 0.020
+GPU_7B_REBUILD_SCALE: Final = 0.02
+
+PRESETS: Final[dict[str, ModelPreset]] = {
+    "default": ModelPreset(
+        "default", DEFAULT_GEOMETRY, ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S),
+        "measured: SmolLM2-135M-Instruct on this 2-core CPU, 2 torch threads, 2026-12-01 (model/speed.py)",
+    ),
+    "qwen2.5-7b-geometry": ModelPreset(
+        "qwen2.5-7b-geometry", KVGeometry(n_layers=28, n_kv_heads=4, head_dim=128, dtype="bf16"),
+        ReceiverModel(GPU_7B_PREFILL, GPU_7B_DECODE_S, rebuild_scale=GPU_7B_REBUILD_SCALE),
+        "assumed: RTX 4090-class GPU, bf16, 50% of 165 TFLOPS dense peak (FLOP count, not a measurement)",
+    ),
+}
+
+
+def preset_named(name: str) -> ModelPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: known presets are {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# --- The planner ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to get the receiver its first token, with its predicted TTFT and what it costs."""
+
+    mode: Mode
+    precision: str  # "exact" for local prefill
+    ttft_s: float
+    kv_bytes: int  # KV bytes delivered over the link
+    wire_bytes: int  # link bytes incl. framing and FEC repair
+    keeps_floor: bool
+    meeting_token: int | None = None  # split: the receiver computes [0, m), the link carries [m, N)
+    parts: dict[str, float] = field(default_factory=dict)  # the TTFT's terms, s
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.mode == "local" else f"{self.mode}:{self.precision}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode, "precision": self.precision, "ttft_s": self.ttft_s, "kv_bytes": self.kv_bytes,
+            "wire_bytes": self.wire_bytes, "keeps_floor": self.keeps_floor,
+            "meeting_token": self.meeting_token, "parts": dict(self.parts),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every option (including those below the fidelity floor, never chosen) and the choice."""
+
+    n_tokens: int
+    floor: str
+    options: tuple[Option, ...]
+    choice: Option
+
+    def option(self, mode: Mode, precision: str | None = None) -> Option:
+        for opt in self.options:
+            if opt.mode == mode and (precision is None or opt.precision == precision):
+                return opt
+        raise KeyError(f"no option {mode}:{precision}")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"n_tokens": self.n_tokens, "floor": self.floor, "choice": self.choice.to_dict(),
+                "options": [o.to_dict() for o in self.options]}
+
+
+def _check_tokens(n_tokens: int) -> None:
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int | np.integer) or n_tokens <= 0:
+        raise ValueError(f"token count must be a positive integer, got {n_tokens!r}")
+
+
+def local_option(n_tokens: int, link: LinkModel, receiver: ReceiverModel) -> Option:
+    """The receiver prefills everything itself once told to (one-way delay)."""
+    prefill = receiver.prefill.seconds(n_tokens)
+    parts = {"owd_s": link.owd_s, "prefill_s": prefill, "decode_s": receiver.decode_s}
+    return Option("local", "exact", sum(parts.values()), 0, 0, True, None, parts)
+
+
+def handoff_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
+                   receiver: ReceiverModel, keeps_floor: bool) -> Option:
+    """The whole cache streams at ``level``: handshake + one-way delay + serialisation + rebuild."""
+    kv = n_tokens * level.bytes_per_token(geometry)
+    parts = {
+        "handshake_s": link.handshake_s, "owd_s": link.owd_s, "serialisation_s": link.serialisation_s(kv),
+        "rebuild_s": _rebuild_s(n_tokens, geometry, level, receiver), "decode_s": receiver.decode_s,
+    }
+    return Option("handoff", level.name, sum(parts.values()), kv, math.ceil(link.wire_bytes(kv)),
+                  keeps_floor, None, parts)
+
+
+def _rebuild_s(n_tokens: float, geometry: KVGeometry, level: PrecisionLevel,
+               receiver: ReceiverModel) -> float:
+    """Receiver time to turn ``n_tokens`` of received KV into cache tensors (not overlapped with the link:
+    an upper bound until dequantisation runs as blocks decode)."""
+    bf16_mb = n_tokens * 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * 2 / MB
+    return bf16_mb * level.rebuild_s_per_mb * receiver.rebuild_scale
+
+
+def meeting_point(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
+                  receiver: ReceiverModel) -> float:
+    """The real m in [0, N] where the receiver's front prefill ends when the back is ready to join.
+
+    front(m) = owd + a + b m + c m^2 (m > 0) and back(m) = handshake + owd + s (N - m), with s the link
+    plus rebuild seconds per token at ``level``. front - back increases with m, so the root is unique:
+    the quadratic's non-negative root, clamped to [0, N] (0: even the first token is cheaper to ship;
+    N: local prefill is never slower than the link).
+    """
+    _check_tokens(n_tokens)
+    curve = receiver.prefill
+    s = _back_s_per_token(geometry, level, link, receiver)
+    const = curve.a - link.handshake_s - s * n_tokens  # c m^2 + (b + s) m + const = 0
+    if const >= 0:
+        return 0.0
+    lin = curve.b + s
+    if curve.c == 0:
+        root = -const / lin if lin > 0 else math.inf
+    else:  # the cancellation-free form of the positive root of c m^2 + lin m + const
+        root = 2 * -const / (lin + math.sqrt(lin * lin - 4 * curve.c * const))
+    return min(float(n_tokens), root)
+
+
+def _back_s_per_token(geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
+                      receiver: ReceiverModel) -> float:
+    return link.serialisation_s(level.bytes_per_token(geometry)) + _rebuild_s(1, geometry, level, receiver)
+
+
+def split_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
+                 receiver: ReceiverModel, keeps_floor: bool) -> Option:
+    """Compute the front, stream the back, at the integer meeting point that finishes first."""
+    root = meeting_point(n_tokens, geometry, level, link, receiver)
+    candidates = {min(n_tokens, max(0, math.floor(root))), min(n_tokens, max(0, math.ceil(root)))}
+    return min((split_at(m, n_tokens, geometry, level, link, receiver, keeps_floor) for m in candidates),
+               key=lambda o: (o.ttft_s, o.meeting_token))
+
+
+def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
+             receiver: ReceiverModel, keeps_floor: bool = True) -> Option:
+    """The split with the receiver computing [0, m) and the link carrying [m, N) at ``level``.
+
+    The back is ready when its last byte has landed and been rebuilt; the receiver joins both halves and
+    decodes: TTFT = max(front, back) + join + one decode step.
+    """
+    _check_tokens(n_tokens)
+    if not 0 <= m <= n_tokens:
+        raise ValueError(f"meeting token {m!r} lies outside the context [0, {n_tokens}]")
+    back_tokens = n_tokens - m
+    kv = back_tokens * level.bytes_per_token(geometry)
+    rebuild = _rebuild_s(back_tokens, geometry, level, receiver)
+    front = link.owd_s + receiver.prefill.seconds(m)
+    back = link.handshake_s + link.owd_s + link.serialisation_s(kv) + rebuild if back_tokens else 0.0
+    parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
+             "decode_s": receiver.decode_s}
+    ttft = max(front, back) + receiver.join_s + receiver.decode_s
+    return Option("split", level.name, ttft, kv, math.ceil(link.wire_bytes(kv)), keeps_floor, m, parts)
+
+
+# Predicted TTFTs within this share of the fastest count as a tie: the model is not that exact, and
+# without it the choice flickers between levels whose integer meeting points differ by a token.
+DEFAULT_TIE_TOLERANCE: Final = 0.02
+
+
+def plan_handoff(n_tokens: int, geometry: KVGeometry, link: LinkModel, receiver: ReceiverModel,
+                 levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS, floor: str = DEFAULT_FLOOR,
+                 tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> Plan:
+    """Predict every option's TTFT for ``n_tokens`` and choose the fastest that keeps ``floor``.
+
+    A level keeps the floor when its mean KL is at most the floor level's; local prefill is exact. Options
+    within ``tie_tolerance`` (a share) of the fastest eligible one tie; a tie goes to the simpler mode
+    (local, then handoff, then split), then to the more faithful level, then to the faster.
+    """
+    _check_tokens(n_tokens)
+    if not levels:
+        raise ValueError("no precision levels given")
+    if not (math.isfinite(tie_tolerance) and 0 <= tie_tolerance < 1):
+        raise ValueError(f"tie tolerance must lie in [0, 1), got {tie_tolerance!r}")
+    floor_kl = level_named(floor, levels).mean_kl
+    options = [local_option(int(n_tokens), link, receiver)]
+    for make in (handoff_option, split_option):
+        for level in levels:
+            options.append(make(int(n_tokens), geometry, level, link, receiver, level.mean_kl <= floor_kl))
+    fidelity = {level.name: level.mean_kl for level in levels} | {"exact": -1.0}
+    eligible = [o for o in options if o.keeps_floor]
+    fastest = min(o.ttft_s for o in eligible)
+    tied = [o for o in eligible if o.ttft_s <= fastest * (1 + tie_tolerance)]
+    choice = min(tied, key=lambda o: (MODES.index(o.mode), fidelity[o.precision], o.ttft_s))
+    return Plan(int(n_tokens), floor, tuple(options), choice)
+
+
+# --- Crossovers -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """Where the planner's choice changes along the context length."""
+
+    n_tokens: int  # first length with the new choice
+    before: str
+    after: str
+
+
+def choice_switches(lengths: Sequence[int], geometry: KVGeometry, link: LinkModel, receiver: ReceiverModel,
+                    levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS, floor: str = DEFAULT_FLOOR,
+                    tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> list[Switch]:
+    """Every change of the chosen option's label over increasing ``lengths``."""
+    switches: list[Switch] = []
+    previous: str | None = None
+    for n in sorted(lengths):
+        label = plan_handoff(n, geometry, link, receiver, levels, floor, tie_tolerance).choice.label
+        if previous is not None and label != previous:
+            switches.append(Switch(n, previous, label))
+        previous = label
+    return switches
+
+
+def beats_local_from(lengths: Sequence[int], geometry: KVGeometry, link: LinkModel, receiver: ReceiverModel,
+                     mode: Mode, precision: str, levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS,
+                     ) -> int | None:
+    """The smallest length from which ``mode`` at ``precision`` beats local prefill at every larger length
+    in ``lengths`` (None: not even at the largest)."""
+    if mode == "local":
+        raise ValueError("compare a handoff or split mode with local, not local itself")
+    level = level_named(precision, levels)
+    make = handoff_option if mode == "handoff" else split_option
+    since: int | None = None
+    for n in sorted(lengths):
+        wins = make(n, geometry, level, link, receiver, True).ttft_s < local_option(n, link, receiver).ttft_s
+        if not wins:
+            since = None
+        elif since is None:
+            since = n
+    return since

@@ -1,0 +1,315 @@
+"""The break-even planner's arithmetic on cases computed by hand (common/plan/breakeven.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pfec.cli.plan import plan_cmd
+from pfec.common.plan.breakeven import (
+    DEFAULT_PRECISION_LEVELS,
+    PRESETS,
+    LinkModel,
+    PrecisionLevel,
+    PrefillCurve,
+    ReceiverModel,
+    Switch,
+    beats_local_from,
+    choice_switches,
+    fit_prefill_curve,
+    level_named,
+    meeting_point,
+    plan_handoff,
+    split_at,
+)
+from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
+from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
+
+NATIVE = level_named("native")
+GQA_7B = KVGeometry(28, 4, 128, "bf16")
+# link bytes per KV byte: a 1362-B symbol carries 1358 B of KV and costs 1362 + 4 + 30 B on the link
+FRAMING = (DEFAULT_SYMBOL_SIZE + SOURCE_ID_SIZE + OVERHEAD) / (DEFAULT_SYMBOL_SIZE - 4)
+
+
+def _rate_for(seconds_per_token: float, level: PrecisionLevel = NATIVE) -> float:
+    """The link rate at which one token of ``level`` KV takes ``seconds_per_token`` (framing included)."""
+    return level.bytes_per_token(DEFAULT_GEOMETRY) * FRAMING * 8 / seconds_per_token
+
+
+# --- Prefill curve and its fit ----------------------------------------------------------------------------
+
+
+def test_prefill_curve_predicts_whole_contexts_and_chunks() -> None:
+    curve = PrefillCurve(a=0.1, b=0.002, c=1e-6)
+    assert curve.seconds(0) == 0.0
+    assert curve.seconds(1000) == pytest.approx(0.1 + 2.0 + 1.0)
+    # [0, 500) then [500, 1000): the chunk pays its own call overhead and the rest of the work
+    assert curve.chunk_seconds(0, 500) == pytest.approx(curve.seconds(500))
+    assert curve.chunk_seconds(500, 1000) == pytest.approx(0.1 + 0.002 * 500 + 1e-6 * (1000**2 - 500**2))
+    assert curve.chunk_seconds(700, 700) == 0.0
+    assert curve.tokens_per_second(1000) == pytest.approx(1000 / 3.1)
+
+
+@pytest.mark.parametrize("coefs", [(-0.1, 0.0, 0.0), (0.0, math.nan, 0.0), (0.0, 0.0, math.inf)])
+def test_prefill_curve_refuses_negative_or_non_finite_coefficients(coefs: tuple[float, float, float]) -> None:
+    with pytest.raises(ValueError, match="PrefillCurve"):
+        PrefillCurve(*coefs)
+
+
+def test_chunk_outside_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="start <= stop"):
+        PrefillCurve(0.0, 1e-3, 0.0).chunk_seconds(10, 5)
+
+
+def test_fit_recovers_an_exact_quadratic() -> None:
+    truth = PrefillCurve(a=0.05, b=1.5e-3, c=4e-7)
+    fitted = fit_prefill_curve([(n, truth.seconds(n)) for n in (128, 512, 1024, 2048)])
+    assert (fitted.a, fitted.b, fitted.c) == pytest.approx((truth.a, truth.b, truth.c), rel=1e-6)
+
+
+def test_fit_clamps_a_negative_curvature_to_zero() -> None:
+    # concave points (an unconstrained fit gives c < 0): the best c >= 0 fit is linear
+    points = [(100, 0.20), (200, 0.41), (300, 0.60)]
+    fitted = fit_prefill_curve(points)
+    assert fitted.c == 0.0
+    assert fitted.a >= 0 and fitted.b > 0
+    assert fitted.seconds(300) == pytest.approx(0.60, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("points", "reason"),
+    [
+        ([(128, 0.1)], "at least 2"),
+        ([(128, 0.1), (128, 0.2)], "distinct"),
+        ([(128, 0.1), (256, math.nan)], "finite"),
+        ([(128, 0.1), (256, 0.0)], "finite and > 0"),
+        ([(0, 0.1), (256, 0.2)], "positive integer"),
+    ],
+)
+def test_fit_refuses_bad_points(points: list[tuple[int, float]], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        fit_prefill_curve(points)
+
+
+# --- Bytes per precision ----------------------------------------------------------------------------------
+
+
+def test_bytes_per_token_follow_the_issue_table_and_scale_with_geometry() -> None:
+    sizes = {lv.name: lv.bytes_per_token(DEFAULT_GEOMETRY) for lv in DEFAULT_PRECISION_LEVELS}
+    assert sizes == {"native": 23_040, "int8": 11_880, "int8-int4": 9_910, "int4": 7_926, "int2": 4_666}
+    assert NATIVE.bytes_per_token(GQA_7B) == 57_344  # 2 x 28 x 4 x 128 x 2 B
+    assert level_named("int8").bytes_per_token(GQA_7B) == round(11_880 / 23_040 * 57_344)
+    fp32 = KVGeometry(30, 3, 64, "fp32")
+    assert NATIVE.bytes_per_token(fp32) == 46_080
+    assert level_named("int8").bytes_per_token(fp32) == 11_880  # quantised size does not follow the dtype
+
+
+# --- Options on hand-computable links ---------------------------------------------------------------------
+
+
+def test_infinite_rate_and_zero_rtt_leave_only_rebuild_and_decode() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.1, 1e-3, 0.0), decode_s=0.05)
+    plan = plan_handoff(1000, DEFAULT_GEOMETRY, LinkModel(math.inf, 0.0), receiver)
+    native = plan.option("handoff", "native")
+    mb = 1000 * 23_040 / 1e6
+    assert native.ttft_s == pytest.approx(mb * NATIVE.rebuild_s_per_mb + 0.05)
+    assert plan.option("local").ttft_s == pytest.approx(0.1 + 1.0 + 0.05)
+    assert plan.choice.mode in ("handoff", "split")
+    assert plan.choice.ttft_s < plan.option("local").ttft_s
+
+
+def test_handoff_is_handshake_plus_owd_plus_serialisation_plus_rebuild() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), decode_s=0.07, rebuild_scale=0.0)
+    link = LinkModel(rate_bps=8e6, rtt_s=0.040, loss=0.2, handshake_rtts=1.0)  # 1 MB/s
+    opt = plan_handoff(100, DEFAULT_GEOMETRY, link, receiver).option("handoff", "int8")
+    kv = 100 * 11_880
+    assert opt.kv_bytes == kv
+    wire = kv * FRAMING / 0.8  # framing, then 1 / (1 - loss) of FEC
+    assert opt.wire_bytes == math.ceil(wire)
+    assert opt.ttft_s == pytest.approx(0.040 + 0.020 + wire / 1e6 + 0.07)
+
+
+def test_a_floor_excludes_lower_precisions_even_when_faster() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.5, 5e-3, 0.0), decode_s=0.0, rebuild_scale=0.0)
+    link = LinkModel(_rate_for(1e-3), 0.0)  # native: 1 ms per token, int2: ~0.2 ms
+    for floor, allowed in [("native", {"native"}), ("int8", {"native", "int8"})]:
+        plan = plan_handoff(2000, DEFAULT_GEOMETRY, link, receiver, floor=floor)
+        below = {o.precision for o in plan.options if not o.keeps_floor}
+        assert below == {lv.name for lv in DEFAULT_PRECISION_LEVELS} - allowed
+        assert plan.choice.precision in allowed | {"exact"}
+        fastest = min(plan.options, key=lambda o: o.ttft_s)
+        assert fastest.precision == "int2" and fastest is not plan.choice
+
+
+def test_unknown_floor_is_refused_with_the_known_levels() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), 0.0)
+    with pytest.raises(ValueError, match=r"unknown precision 'int3'.*native, int8"):
+        plan_handoff(100, DEFAULT_GEOMETRY, LinkModel(1e8, 0.02), receiver, floor="int3")
+
+
+# --- The split's meeting point ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("curve", [PrefillCurve(0.05, 1e-3, 5e-7), PrefillCurve(0.0, 2e-3, 0.0)])
+@pytest.mark.parametrize("level", ["native", "int8-int4"])
+def test_meeting_point_equalises_front_and_back(curve: PrefillCurve, level: str) -> None:
+    receiver = ReceiverModel(curve, decode_s=0.03)
+    link = LinkModel(100e6, 0.02, loss=0.05)
+    lv = level_named(level)
+    n = 3000
+    m = meeting_point(n, DEFAULT_GEOMETRY, lv, link, receiver)
+    assert 0 < m < n
+    front = link.owd_s + curve.seconds(m)
+    rebuild_per_token = 23_040 / 1e6 * lv.rebuild_s_per_mb  # per bf16 MB
+    per_token = lv.bytes_per_token(DEFAULT_GEOMETRY) * FRAMING / 0.95 * 8 / 100e6 + rebuild_per_token
+    back = link.handshake_s + link.owd_s + per_token * (n - m)
+    assert front == pytest.approx(back, rel=1e-9)
+    # the integer split chosen is no slower than its neighbours
+    opt = plan_handoff(n, DEFAULT_GEOMETRY, link, receiver).option("split", level)
+    assert opt.meeting_token is not None
+    for other in (opt.meeting_token - 1, opt.meeting_token + 1):
+        assert opt.ttft_s <= split_at(other, n, DEFAULT_GEOMETRY, lv, link, receiver).ttft_s
+
+
+def test_meeting_point_clamps_to_the_ends() -> None:
+    slow_receiver = ReceiverModel(PrefillCurve(5.0, 1e-2, 0.0), 0.0)  # 5 s just to start a prefill
+    assert meeting_point(100, DEFAULT_GEOMETRY, NATIVE, LinkModel(1e9, 0.001), slow_receiver) == 0.0
+    fast_receiver = ReceiverModel(PrefillCurve(0.0, 1e-6, 0.0), 0.0)  # 1 us per token vs a slow link
+    assert meeting_point(100, DEFAULT_GEOMETRY, NATIVE, LinkModel(1e3, 0.5), fast_receiver) == 100.0
+
+
+def test_split_at_refuses_a_meeting_point_outside_the_context() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), 0.0)
+    with pytest.raises(ValueError, match="outside the context"):
+        split_at(101, 100, DEFAULT_GEOMETRY, NATIVE, LinkModel(1e8, 0.02), receiver)
+
+
+# --- The choice switches at the crossover -----------------------------------------------------------------
+
+
+def test_choice_switches_where_hand_arithmetic_says() -> None:
+    # Receiver: 1 ms per token, no fixed cost. Link: handshake 0.1 s, native 0.5 ms per token, no rebuild.
+    # Split beats local once the handshake fits in the prefill: N > 0.1 / 1e-3 = 100.
+    # A full handoff beats local when 0.1 + 0.5e-3 N < 1e-3 N: N > 200.
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), decode_s=0.05, rebuild_scale=0.0)
+    link = LinkModel(_rate_for(5e-4), rtt_s=0.1, handshake_rtts=1.0)
+    levels = [NATIVE]
+    switches = choice_switches(range(50, 400), DEFAULT_GEOMETRY, link, receiver, levels, floor="native",
+                               tie_tolerance=0.0)
+    assert switches == [Switch(101, "local", "split:native")]
+    # with a 2% tie, local stays unless 0.1 + N/1000 > 1.02 (0.1 + (0.1 + N/2000) / 1.5) (owd and decode
+    # 0.05 s each; the split's meeting point m = (0.1 + N/2000) / 1.5e-3): N > 106.06
+    tied = choice_switches(range(50, 400), DEFAULT_GEOMETRY, link, receiver, levels, floor="native")
+    assert tied == [Switch(107, "local", "split:native")]
+    lengths = range(50, 400)
+    assert beats_local_from(lengths, DEFAULT_GEOMETRY, link, receiver, "handoff", "native", levels) == 201
+    assert beats_local_from(lengths, DEFAULT_GEOMETRY, link, receiver, "split", "native", levels) == 101
+
+
+def test_near_ties_go_to_the_simpler_mode_then_the_more_faithful_level() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), decode_s=0.0, rebuild_scale=0.0)
+    link = LinkModel(_rate_for(5e-4), rtt_s=0.0, handshake_rtts=0.0)
+    exact = plan_handoff(1000, DEFAULT_GEOMETRY, link, receiver, tie_tolerance=0.0)
+    loose = plan_handoff(1000, DEFAULT_GEOMETRY, link, receiver, tie_tolerance=0.5)
+    assert exact.choice.label == "split:int8-int4"  # the fastest that keeps the floor
+    tied = {o.label for o in loose.options if o.keeps_floor and o.ttft_s <= 1.5 * exact.choice.ttft_s}
+    assert tied == {"handoff:int8", "handoff:int8-int4", "split:int8", "split:int8-int4"}
+    assert loose.choice.label == "handoff:int8"  # handoff before split, then the more faithful level
+    with pytest.raises(ValueError, match="tie tolerance"):
+        plan_handoff(1000, DEFAULT_GEOMETRY, link, receiver, tie_tolerance=math.nan)
+
+
+def test_beats_local_from_is_none_when_the_link_never_wins() -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-4, 0.0), 0.0, rebuild_scale=0.0)
+    link = LinkModel(_rate_for(1e-3), 0.02)
+    lengths = range(16, 8192, 16)
+    assert beats_local_from(lengths, DEFAULT_GEOMETRY, link, receiver, "handoff", "native") is None
+
+
+# --- Bad input --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"rate_bps": -1e6, "rtt_s": 0.02}, "link rate must be > 0"),
+        ({"rate_bps": 0.0, "rtt_s": 0.02}, "link rate must be > 0"),
+        ({"rate_bps": math.nan, "rtt_s": 0.02}, "link rate must be > 0"),
+        ({"rate_bps": 1e8, "rtt_s": -0.01}, "RTT must be a finite number"),
+        ({"rate_bps": 1e8, "rtt_s": math.inf}, "RTT must be a finite number"),
+        ({"rate_bps": 1e8, "rtt_s": 0.02, "loss": 1.0}, r"loss must lie in \[0, 1\)"),
+        ({"rate_bps": 1e8, "rtt_s": 0.02, "loss": -0.1}, r"loss must lie in \[0, 1\)"),
+        ({"rate_bps": 1e8, "rtt_s": 0.02, "symbol_size": 4}, "symbol size"),
+    ],
+)
+def test_bad_links_are_refused_with_reasons(kwargs: dict[str, float], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        LinkModel(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n_tokens", [0, -5, 2.5, True])
+def test_bad_token_counts_are_refused(n_tokens: object) -> None:
+    receiver = ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), 0.0)
+    with pytest.raises(ValueError, match="token count must be a positive integer"):
+        plan_handoff(n_tokens, DEFAULT_GEOMETRY, LinkModel(1e8, 0.02), receiver)  # type: ignore[arg-type]
+
+
+def test_bad_receiver_and_levels_are_refused() -> None:
+    with pytest.raises(ValueError, match="decode_s"):
+        ReceiverModel(PrefillCurve(0.0, 1e-3, 0.0), decode_s=math.nan)
+    with pytest.raises(ValueError, match="bf16_ratio"):
+        PrecisionLevel("int3", -0.3, 0.01, 0.9, 0.0)
+    with pytest.raises(ValueError, match="agreement"):
+        PrecisionLevel("int3", 0.3, 0.01, 1.5, 0.0)
+
+
+def test_presets_state_where_their_speed_comes_from() -> None:
+    assert PRESETS["default"].geometry == DEFAULT_GEOMETRY
+    assert PRESETS["default"].source.startswith("measured")
+    gpu = PRESETS["qwen2.5-7b-geometry"]
+    assert gpu.geometry == GQA_7B and gpu.source.startswith("assumed")
+
+
+# --- `pfec plan` ------------------------------------------------------------------------------------------
+
+app = typer.Typer()
+app.command("plan")(plan_cmd)
+app.command("unused")(lambda: None)  # two commands keep the "plan" name on the command line
+
+
+def test_plan_command_prints_only_json_with_the_choice() -> None:
+    result = CliRunner().invoke(app, ["plan", "--tokens", "1800", "--rate-mbps", "100", "--rtt-ms", "20",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"] == "default" and data["n_tokens"] == 1800 and data["floor"] == "int8-int4"
+    labels = {f"{o['mode']}:{o['precision']}" for o in data["options"]}
+    assert {"local:exact", "handoff:native", "handoff:int8-int4", "split:int8-int4"} <= labels
+    assert data["choice"]["keeps_floor"] is True
+    fastest = min(o["ttft_s"] for o in data["options"] if o["keeps_floor"])
+    assert data["choice"]["ttft_s"] <= 1.02 * fastest
+
+
+def test_plan_command_prints_a_table_for_the_7b_geometry() -> None:
+    result = CliRunner().invoke(app, ["plan", "--tokens", "4096", "--model", "qwen2.5-7b-geometry"])
+    assert result.exit_code == 0, result.output
+    assert "assumed" in result.stdout and "<- choice" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--tokens", "0"], "token count must be a positive integer"),
+        (["--tokens", "100", "--rate-mbps", "-5"], "link rate must be > 0"),
+        (["--tokens", "100", "--model", "gpt-9"], "unknown model preset"),
+        (["--tokens", "100", "--model", "qwen2.5-7b-geometry", "--measure"], "stated geometry"),
+    ],
+)
+def test_plan_command_refuses_bad_input_with_exit_2(args: list[str], reason: str) -> None:
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 2
+    assert reason in result.output
