@@ -1,8 +1,12 @@
-"""`pfec eval` stage 2: needle-QA F1 of the answer each scheme's partial KV cache yields (default model).
+"""`pfec eval` stage 2: needle-QA answers from each scheme's partial KV cache (default model), scored.
 
-Prompt i meets loss realization i under every scheme; the answer is generated from the blocks the scheme
-completed by the deadline, with the mask and the zero receiver. This module loads torch and the model, so
-``evaluate`` imports it only when the task stage runs.
+The prompts are ``workloads.needle_suite``: balanced over question kinds and needle depths, one essay per
+prompt, with short-answer prompting (a system prompt and an instruction asking for the value only, and the
+needle's stem as the assistant's first words, so the model's first words are the value). Prompt i meets
+loss realization i under every scheme; the answer is generated from the blocks the scheme completed by the
+deadline, with the mask and the zero receiver, and scored by ``answer_score`` (normalised exact match,
+gold-contained, token F1, agreement with the full-KV answer), with paired summaries against the reference
+scheme. This module loads torch and the model, so ``evaluate`` imports it only when the task stage runs.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,15 +25,18 @@ from transformers import DynamicCache
 from pfec.common.model import llm
 from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.plan.utility import UtilityProfile
+from pfec.lab.answer_score import METRICS, score_answer, summarise
 from pfec.lab.channel import LossModel, parse_loss_spec
 from pfec.lab.eval_config import MODES, NAMED_CONFIGS, EvalConfig
 from pfec.lab.profiler import check_profile
 from pfec.lab.progress import StageProgress
-from pfec.lab.retention import blocks_available, bootstrap_ci95, needle_examples
+from pfec.lab.retention import blocks_available
 from pfec.lab.sim import Handoff, prepare, run_scheme
-from pfec.lab.workloads import QAExample, best_f1, contains_answer, first_line
+from pfec.lab.workloads import SHORT_ANSWER_SYSTEM, QAExample, best_f1, needle_suite
 
-__all__ = ["task_scores"]
+__all__ = ["REFERENCE_SCHEME", "task_scores"]
+
+REFERENCE_SCHEME = "priorityfec"  # every scheme's paired difference is taken against it, when it ran
 
 AnswerKey = tuple[str, bytes]  # (receiver mode, digest of the delivered block set)
 
@@ -39,44 +47,52 @@ def task_scores(
     rhos: Sequence[float],
     progress: StageProgress | None = None,
 ) -> dict[str, Any]:
-    """Needle-QA F1 of each scheme's delivered partial cache (default model, main GE config).
+    """Answer scores of each scheme's delivered partial cache (default model, main GE config).
 
-    ``task_schemes``: (label, scheme that runs). Prompt i uses loss realization i for every scheme.
+    ``task_schemes``: (label, scheme that runs); a label given twice is scored once. Prompt i uses loss
+    realization i for every scheme.
     """
+    task_schemes = list(dict(task_schemes).items())
     runtime = llm.load_model("default", device="cpu")
     llm.warm_up(runtime)
     profile = cfg.load_profile(runtime.geometry.n_layers)
     if cfg.profile != "synthetic":
         check_profile(runtime, profile)
-    examples = needle_examples(runtime, cfg.task_prompts, cfg.context_tokens, cfg.seed)
+    examples = needle_suite(cfg.task_prompts, cfg.context_tokens, cfg.seed, split="eval",
+                            count_tokens=partial(llm.count_tokens, runtime))  # fmt: skip
     loss = parse_loss_spec(cfg.main_loss_spec())
     rows: list[dict[str, Any]] = []
     full_rows: list[dict[str, Any]] = []
     total = len(examples) * len(rhos) * len(task_schemes)
     for i, example in enumerate(examples):
-        prompt = llm.chat_prompt(runtime, example.context, example.question)
-        cache, _ = llm.prefill(runtime, prompt.context_ids)
-        plan = runtime.plan(len(prompt.context_ids))
-        full = llm.generate(
-            runtime, llm.partial_from_cache(cache, None, "mask"), prompt.question_ids, cfg.max_new_tokens
-        )
-        reference = first_line(full.text)
-        full_rows.append(_score_answer(full.text, example.answers, reference))
-        prompt_run = _PromptRun(cfg, runtime, cache, plan, prompt.question_ids, i, example, reference)
+        context_ids, question_ids = short_answer_prompt(runtime, example)
+        cache, _ = llm.prefill(runtime, context_ids)
+        plan = runtime.plan(len(context_ids))
+        whole = llm.partial_from_cache(cache, None, "mask")
+        full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens)
+        full_rows.append({"prompt": i, **example.meta, **_score_answer(full.text, example.answers, None)})
+        reference = str(full_rows[-1]["answer"])
+        prompt_run = _PromptRun(cfg, runtime, cache, plan, question_ids, i, example, reference)
         for rho in rhos:
             handoff = _task_handoff(cfg, loss, rho, profile, runtime, plan)
             for label, scheme in task_schemes:
                 rows += prompt_run.rows(handoff, label, scheme, rho)
                 if progress is not None:
                     progress("task score", len(rows) // len(MODES), total)
+    paired = REFERENCE_SCHEME if any(label == REFERENCE_SCHEME for label, _ in task_schemes) else None
     return {
         "rows": rows,
         "full_kv": full_rows,
-        "summary": _task_summary(rows),
-        "full_kv_f1_gold": float(np.mean([r["f1_gold"] for r in full_rows])),
+        "summary": _task_summary(rows, paired),
+        "full_kv_f1_gold": float(np.mean([r["f1"] for r in full_rows])),
+        "full_kv_scores": {m: float(np.mean([r[m] for r in full_rows])) for m in (*METRICS, "words")},
         "inputs": {
             "model": runtime.model_id,
             "prompts": len(examples),
+            "workload": "needle_suite (kinds x depths balanced, one essay per prompt)",
+            "prompting": {"system": SHORT_ANSWER_SYSTEM, "answer_prefix": "the needle's stem"},
+            "metrics": list(METRICS),
+            "paired_reference": paired,
             "context_tokens": cfg.context_tokens,
             "loss": NAMED_CONFIGS["main"],
             "rhos": list(rhos),
@@ -85,6 +101,18 @@ def task_scores(
             "seed": cfg.seed,
         },
     }
+
+
+def short_answer_prompt(runtime: llm.ModelRuntime, example: QAExample) -> tuple[list[int], list[int]]:
+    """(context ids the sender prefills, ids the receiver feeds): the short-answer system prompt, and the
+    question followed by the chat template's tail and the example's answer prefix (the assistant's start)."""
+    prompt = llm.chat_prompt(runtime, example.context, example.question, system=SHORT_ANSWER_SYSTEM)
+    question_ids = list(prompt.question_ids)
+    if example.answer_prefix:
+        if runtime.tokenizer is None:
+            raise ValueError(f"model {runtime.model_id!r} has no tokenizer for the answer prefix")
+        question_ids += runtime.tokenizer(example.answer_prefix, add_special_tokens=False).input_ids
+    return list(prompt.context_ids), question_ids
 
 
 def _task_handoff(
@@ -162,35 +190,28 @@ class _PromptRun:
         return _score_answer(out.text, self.example.answers, self.reference)
 
 
-def _score_answer(answer: str, golds: Sequence[str], reference: str) -> dict[str, Any]:
-    line = first_line(answer)
+def _score_answer(answer: str, golds: Sequence[str], reference: str | None) -> dict[str, Any]:
+    """``answer_score``'s metrics, plus the report's older names (f1_gold, f1_full, correct)."""
+    scored = score_answer(answer, golds, reference)
+    line = scored["answer"]
+    full = line if reference is None else reference
     return {
-        "answer": line,
-        "f1_gold": best_f1(line, golds),
-        "f1_full": best_f1(line, [reference]) if reference else float(not line),
-        "correct": contains_answer(line, golds),
+        **scored,
+        "f1_gold": scored["f1"],
+        "f1_full": best_f1(line, [full]) if full else float(not line),
+        "correct": bool(scored["contained"]),
     }
 
 
-def _task_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+def _task_summary(rows: list[dict[str, Any]], reference: str | None) -> list[dict[str, Any]]:
+    """``answer_score.summarise`` per (scheme, rho, mode), with the report's older fields kept."""
+    out = summarise(rows, reference)
+    by_key: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["scheme"], row["rho"], row["mode"]), []).append(row)
-    out = []
-    for (scheme, rho, mode), group in groups.items():
-        f1 = [r["f1_gold"] for r in group]
-        out.append(
-            {
-                "scheme": scheme,
-                "runs": group[0]["runs"],
-                "rho": rho,
-                "mode": mode,
-                "n": len(group),
-                "f1_gold": float(np.mean(f1)),
-                "f1_gold_ci95": list(bootstrap_ci95(f1)),
-                "f1_full": float(np.mean([r["f1_full"] for r in group])),
-                "correct": int(sum(r["correct"] for r in group)),
-                "recovered_utility": float(np.mean([r["recovered_utility"] for r in group])),
-            }
-        )
+        by_key.setdefault((row["scheme"], row["rho"], row["mode"]), []).append(row)
+    for entry in out:
+        group = by_key[(entry["scheme"], entry["rho"], entry["mode"])]
+        entry["f1_gold"], entry["f1_gold_ci95"] = entry["f1"], entry["f1_ci95"]
+        entry["f1_full"] = float(np.mean([r["f1_full"] for r in group]))
+        entry["correct"] = int(sum(r["correct"] for r in group))
     return out

@@ -60,7 +60,7 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
         for name in (*cfg.task_schemes, *ABLATION_SCHEMES)
         if name not in available and stand_in(name, available) not in (None, name)
     }
-    task = _task_stage(cfg, _task_pairs(cfg, available), progress)
+    task = _task_stage(cfg, _task_pairs(cfg, available) + [(s, s) for s in sim_schemes], progress)
     result: dict[str, Any] = {
         "config": _describe(cfg),
         "schemes_available": available,

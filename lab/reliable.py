@@ -1,13 +1,18 @@
 """Reliable-transport baselines: the handoff over real kernel TCP and real QUIC (aioquic), emulated link.
 
 The payload is the simulator's (``pfec.lab.sim.prepare``): the same fragments, block utilities, deadline and
-bytes. The fragments go out as ONE in-order byte stream in utility order (best blocks first) — the best case
-for an in-order reliable stream, since whatever prefix arrives by the deadline holds the most useful blocks.
+bytes. The fragments go out as ONE in-order byte stream, in one of two orders (``RELIABLE_SCHEMES``):
 
-* ``tcp``: a kernel TCP connection between two network namespaces joined by the emulator's TUN front end
-  (``emulator_netns.TunBridge``, root only). The kernel's default congestion control is used; the sender
-  reads the one its socket actually got (``TCP_CONGESTION``). Emulated sizes are whole IP packets.
-* ``quic``: an aioquic client and server on loopback through the emulator's ``UdpRelay`` (relay mode, no
+* ``tcp`` / ``quic``: the cache's natural (layer-major) order, as the paper's TCP/QUIC baselines send it;
+* ``priority-tcp`` / ``priority-quic``: utility order (best blocks first), ours: the best case for an
+  in-order reliable stream, since whatever prefix arrives by the deadline holds the most useful blocks.
+
+* TCP: a kernel TCP connection between two network namespaces joined by the emulator's TUN front end
+  (``emulator_netns.TunBridge``, root only). The congestion control is the kernel's default unless
+  ``congestion_control`` names one the kernel offers (``cubic``, ``bbr``: see
+  ``available_congestion_controls``); the sender reads the one its socket actually got (``TCP_CONGESTION``).
+  Emulated sizes are whole IP packets.
+* QUIC: an aioquic client and server on loopback through the emulator's ``UdpRelay`` (relay mode, no
   privileges), one bidirectional stream, a self-signed certificate made at run time (the client verifies it).
   aioquic's default congestion control; ``max_datagram_size`` 1400 B, the simulator's datagram size.
   Emulated sizes are UDP payloads (as in the simulator's slot model).
@@ -29,7 +34,9 @@ inside the in-order byte prefix received by t0 + D (utilities sum to 1, as in ``
 The endpoints are subprocesses (``reliable_endpoints``, light imports) so that the emulator, sender and
 receiver do not share one interpreter lock; the emulator runs in the calling process on uvloop. This module
 is the driver: it prepares the payload, runs each realization through a fresh emulator, scores the
-in-order prefix and summarises the runs like ``pfec.lab.sim.report``.
+in-order prefix and summarises the runs like ``pfec.lab.sim.report``. Runs whose handshake stalled (longer
+than ``HANDSHAKE_STALL_MS``, the initial retransmission timeout of a lost SYN or Initial, or never done by
+the deadline) stay in every mean and are listed under ``outliers``, with the median beside the mean.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import math
 import os
 import sys
 import tempfile
@@ -69,15 +77,50 @@ from pfec.lab.sim import Handoff, SimConfig, prepare, report
 from pfec.lab.stats import mean_ci95_fields
 
 __all__ = [
+    "HANDSHAKE_STALL_MS",
     "PROTOCOLS",
+    "RELIABLE_SCHEMES",
     "PrefixScore",
     "ReliableRun",
+    "ReliableScheme",
+    "available_congestion_controls",
     "run_reliable",
     "score_prefix",
 ]
 
 Proto = Literal["tcp", "quic"]
+StreamOrder = Literal["natural", "utility"]
 PROTOCOLS: Final = ("tcp", "quic")
+# A handshake slower than this lost its SYN (Linux's initial RTO, RFC 6298 (2.1): 1 s) or its QUIC Initial
+# (RFC 9002's first PTO from a 333 ms initial RTT is about 1 s): a stall, reported as an outlier.
+HANDSHAKE_STALL_MS: Final = 1000.0
+_CONGESTION_FILE: Final = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+
+
+@dataclass(frozen=True)
+class ReliableScheme:
+    """A real-transport baseline: the protocol, the stream's order, and what it stands for."""
+
+    name: str
+    protocol: Proto
+    order: StreamOrder
+    paper_baseline: bool
+    definition: str
+
+    @property
+    def queue_order(self) -> str:
+        """The name ``pfec.lab.sim.Handoff.queue`` knows this order by (natural order is its ``fifo``)."""
+        return "fifo" if self.order == "natural" else "utility"
+
+
+_PAPER = "the paper's {} baseline: {} carrying the cache in its natural (layer-major) order"
+_OURS = "not the paper's (ours, stronger): {} carrying the cache in utility order"
+RELIABLE_SCHEMES: Final[dict[str, ReliableScheme]] = {
+    "tcp": ReliableScheme("tcp", "tcp", "natural", True, _PAPER.format("TCP", "kernel TCP")),
+    "quic": ReliableScheme("quic", "quic", "natural", True, _PAPER.format("QUIC", "aioquic")),
+    "priority-tcp": ReliableScheme("priority-tcp", "tcp", "utility", False, _OURS.format("kernel TCP")),
+    "priority-quic": ReliableScheme("priority-quic", "quic", "utility", False, _OURS.format("aioquic")),
+}
 _REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 _LINE_LIMIT: Final = 64 << 20  # the receiver's result line holds one [time, bytes] row per read
 
@@ -92,12 +135,18 @@ class PrefixScore:
     blocks: int
 
 
-def score_prefix(handoff: Handoff, prefix_bytes: int) -> PrefixScore:
-    """Score an in-order prefix of the utility-ordered stream as ``pfec.lab.sim`` scores decoded symbols."""
+def _queue_name(order: StreamOrder) -> str:
+    if order not in ("natural", "utility"):
+        raise ValueError(f"stream order {order!r}: use 'natural' or 'utility'")
+    return "fifo" if order == "natural" else "utility"
+
+
+def score_prefix(handoff: Handoff, prefix_bytes: int, order: StreamOrder = "utility") -> PrefixScore:
+    """Score an in-order prefix of the stream in ``order`` as ``pfec.lab.sim`` scores decoded symbols."""
     if prefix_bytes < 0:
         raise ValueError(f"prefix_bytes must be >= 0, got {prefix_bytes!r}")
     plan = handoff.plan
-    queue = handoff.queue("utility")
+    queue = handoff.queue(_queue_name(order))
     whole = min(prefix_bytes // plan.symbol_size, len(queue))
     got = np.zeros(plan.n_fragments, dtype=np.int8)
     got[queue[:whole]] = 1
@@ -105,10 +154,11 @@ def score_prefix(handoff: Handoff, prefix_bytes: int) -> PrefixScore:
     return PrefixScore(float(handoff.block_utility[complete].sum()), int(whole), int(complete.sum()))
 
 
-def stream_bytes(handoff: Handoff) -> bytes:
-    """The byte stream both transports carry: the fragments in utility order, back to back."""
-    handoff.queue("utility")
-    return handoff.ordered_payload["utility"].tobytes()
+def stream_bytes(handoff: Handoff, order: StreamOrder = "utility") -> bytes:
+    """The byte stream both transports carry: the fragments in ``order``, back to back."""
+    name = _queue_name(order)
+    handoff.queue(name)
+    return handoff.ordered_payload[name].tobytes()
 
 
 def bytes_by(trace: list[list[float]], instant: float) -> int:
@@ -148,6 +198,15 @@ class ReliableRun:
     congestion_control: str
     intact: bool  # the bytes received equal the payload's prefix
     sender_state: dict[str, float]  # QUIC: aioquic's final congestion window and smoothed RTT
+
+    @property
+    def stall(self) -> str | None:
+        """Why this run is an outlier (a stalled handshake), or None."""
+        if not math.isfinite(self.handshake_ms):  # never connected
+            return "no connection by the deadline (handshake lost)"
+        if self.handshake_ms > HANDSHAKE_STALL_MS:
+            return f"handshake {self.handshake_ms:.0f} ms > {HANDSHAKE_STALL_MS:.0f} ms (lost SYN or Initial)"
+        return None
 
 
 class _Endpoint:
@@ -212,6 +271,10 @@ async def _exchange(
         tx.go()
         limit = deadline_s + AFTER_DEADLINE_S + READY_TIMEOUT_S
         sent = await tx.line(limit)
+        if not math.isfinite(float(sent.get("connected", math.nan))):
+            # Not connected by the deadline (a lost SYN or Initial, or its answer): the receiver's stream
+            # cannot hold a byte, and its accept would only time out. Its CPU is not measured.
+            return sent, {"accepted": math.nan, "trace": [], "bytes": 0, "intact": True, "cpu_s": math.nan}
         received = await rx.line(limit)
         return sent, received
     finally:
@@ -230,7 +293,7 @@ def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
 
 
 async def _tcp_once(
-    handoff: Handoff, payload_path: str, realization: int
+    handoff: Handoff, payload_path: str, realization: int, congestion_control: str | None
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     tag = uuid.uuid4().hex[:6]
     spec = NetnsSpec(ns_a=f"pfr-a-{tag}", ns_b=f"pfr-b-{tag}")
@@ -240,6 +303,7 @@ async def _tcp_once(
         "payload": payload_path,
         "total": len_payload(handoff),
         "deadline_s": handoff.deadline_s,
+        "congestion_control": congestion_control or "",
     }
     setup_namespaces(spec)
     try:
@@ -291,6 +355,7 @@ async def _quic_once(
 
 def _summarise(
     handoff: Handoff,
+    order: StreamOrder,
     realization: int,
     sent: dict[str, Any],
     received: dict[str, Any],
@@ -300,7 +365,7 @@ def _summarise(
     trace: list[list[float]] = received["trace"]
     t0 = float(sent["t0"])
     prefix = bytes_by(trace, t0 + handoff.deadline_s)
-    score = score_prefix(handoff, prefix)
+    score = score_prefix(handoff, prefix, order)
     fwd = stats["forward"]
     complete = received["bytes"] == len_payload(handoff)
     return ReliableRun(
@@ -361,15 +426,29 @@ def _self_signed(directory: str) -> tuple[str, str]:
     return cert_path, key_path
 
 
-def _check_protocol(protocol: str) -> Proto:
-    if protocol == "tcp":
+def available_congestion_controls() -> tuple[str, ...]:
+    """The TCP congestion controls this kernel offers (empty when it does not say)."""
+    try:
+        return tuple(_CONGESTION_FILE.read_text().split())
+    except OSError:
+        return ()
+
+
+def _check_scheme(name: str, congestion_control: str | None) -> ReliableScheme:
+    if name not in RELIABLE_SCHEMES:
+        raise ValueError(f"protocol {name!r}: use 'tcp' or 'quic' ({', '.join(RELIABLE_SCHEMES)})")
+    scheme = RELIABLE_SCHEMES[name]
+    if scheme.protocol == "tcp":
         ok, why = netns_available()
         if not ok:
             raise OSError(f"the tcp baseline runs kernel TCP between two network namespaces: {why}")
-        return "tcp"
-    if protocol == "quic":
-        return "quic"
-    raise ValueError(f"protocol {protocol!r}: use 'tcp' or 'quic'")
+        offered = available_congestion_controls()
+        if congestion_control is not None and congestion_control not in offered:
+            raise ValueError(f"congestion control {congestion_control!r} is not offered by this kernel "
+                             f"(available: {', '.join(offered) or 'unknown'})")  # fmt: skip
+    elif congestion_control is not None:
+        raise ValueError(f"congestion_control applies to kernel TCP only, not to {name!r} (aioquic: fixed)")
+    return scheme
 
 
 def run_reliable(
@@ -377,63 +456,88 @@ def run_reliable(
     config: SimConfig,
     realizations: int,
     progress: Callable[[int, int], None] | None = None,
+    congestion_control: str | None = None,
 ) -> dict[str, Any]:
     """Carry the simulator's payload over real TCP or QUIC ``realizations`` times; a simulate()-like report.
 
-    Raises ValueError for a bad protocol or count, OSError when ``tcp`` cannot create namespaces (not root).
+    ``protocol`` is a ``RELIABLE_SCHEMES`` name (tcp, quic: natural order; priority-tcp, priority-quic:
+    utility order); the report's scheme key is that name. ``congestion_control`` (TCP only): one of
+    ``available_congestion_controls()``, else the kernel's default.
+    Raises ValueError for a bad protocol, count or congestion control, OSError when TCP cannot create
+    namespaces (not root).
     """
-    proto = _check_protocol(protocol)
+    scheme = _check_scheme(protocol, congestion_control)
+    proto = scheme.protocol
     if isinstance(realizations, bool) or not isinstance(realizations, int) or realizations < 1:
         raise ValueError(f"realizations must be an int >= 1, got {realizations!r}")
     handoff = prepare(config)
     runs: list[ReliableRun] = []
     with tempfile.TemporaryDirectory(prefix="pfec-reliable-") as tmp:
         payload_path = os.path.join(tmp, "payload.bin")
-        Path(payload_path).write_bytes(stream_bytes(handoff))
+        Path(payload_path).write_bytes(stream_bytes(handoff, scheme.order))
         os.chmod(tmp, 0o755)  # the namespaced endpoints run as the same user; keep it readable anyway
         cert = _self_signed(tmp) if proto == "quic" else ("", "")
         for r in range(realizations):
             cpu0 = time.process_time()
             once = (
-                _tcp_once(handoff, payload_path, r)
+                _tcp_once(handoff, payload_path, r, congestion_control)
                 if proto == "tcp"
                 else _quic_once(handoff, payload_path, r, cert)
             )
             sent, received, stats = run_event_loop(once)
-            runs.append(_summarise(handoff, r, sent, received, stats, time.process_time() - cpu0))
+            cpu_s = time.process_time() - cpu0
+            runs.append(_summarise(handoff, scheme.order, r, sent, received, stats, cpu_s))
             if progress is not None:
                 progress(r + 1, realizations)
     out = report(handoff, {})
     out["inputs"]["realizations"] = realizations
-    out["schemes"][proto] = _aggregate(handoff, proto, runs)
+    out["schemes"][scheme.name] = _aggregate(handoff, scheme, runs)
     return out
 
 
-def _aggregate(handoff: Handoff, proto: Proto, runs: list[ReliableRun]) -> dict[str, Any]:
+def _nanmean(values: list[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else None
+
+
+def _aggregate(handoff: Handoff, scheme: ReliableScheme, runs: list[ReliableRun]) -> dict[str, Any]:
     n_source = handoff.plan.n_fragments
+    proto = scheme.protocol
     completions = [r.completion_ms for r in runs if r.completion_ms is not None]
+    handshakes = [r.handshake_ms for r in runs if math.isfinite(r.handshake_ms)]
+    outliers = [
+        {"realization": r.realization, "why": r.stall, "handshake_ms": r.handshake_ms, "utility": r.utility}
+        for r in runs
+        if r.stall is not None
+    ]
     return {
         **mean_ci95_fields("recovered_utility", [r.utility for r in runs]),
+        "recovered_utility_median": float(np.median([r.utility for r in runs])),
         **mean_ci95_fields("recovered_symbol_fraction", [r.fragments / n_source for r in runs]),
         "blocks_recovered_mean": float(np.mean([r.blocks for r in runs])),
         "in_order_bytes_mean": float(np.mean([r.in_order_bytes for r in runs])),
         "payload_bytes": len_payload(handoff),
         "forward_lost_mean": float(np.mean([r.forward_lost for r in runs])),
         "forward_packets_mean": float(np.mean([r.forward_packets for r in runs])),
-        "handshake_ms_mean": float(np.mean([r.handshake_ms for r in runs])),
+        "handshake_ms_mean": float(np.mean(handshakes)) if handshakes else None,
+        "handshake_ms_max": float(np.max(handshakes)) if handshakes else None,
+        "outliers": outliers,  # kept in every mean above; listed so a stall is seen, not hidden
+        "outlier_runs": len(outliers),
         "completed_runs": len(completions),
         "completion_ms_mean": float(np.mean(completions)) if completions else None,
         "link_rate_achieved_mbps": float(np.mean([r.link_rate_achieved_mbps for r in runs])),
         "link_rate_mbps": handoff.config.rate_mbps,
         "emulator_cpu_s_mean": float(np.mean([r.emulator_cpu_s for r in runs])),
         "sender_cpu_s_mean": float(np.mean([r.sender_cpu_s for r in runs])),
-        "receiver_cpu_s_mean": float(np.mean([r.receiver_cpu_s for r in runs])),
+        "receiver_cpu_s_mean": _nanmean([r.receiver_cpu_s for r in runs]),
         "forward_queue_dropped_mean": float(np.mean([r.forward_queue_dropped for r in runs])),
         "realizations": len(runs),
         "congestion_control": sorted({r.congestion_control for r in runs}),
         "emulator_mode": "netns" if proto == "tcp" else "relay",
         "emulated_size": "IP packet" if proto == "tcp" else "UDP payload",
-        "stream_order": "utility (best case for an in-order stream)",
+        "stream_order": scheme.order,
+        "definition": scheme.definition,
+        "paper_baseline": scheme.paper_baseline,
         "deadline_clock": "from the client's connect() (handshake inside the budget)",
         "payload_intact": all(r.intact for r in runs),
         "runs": [r.__dict__ for r in runs],

@@ -82,6 +82,8 @@ def _tcp_sender(p: dict[str, Any]) -> None:
     _emit({"ready": True})
     sys.stdin.readline()  # "go"
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if p.get("congestion_control"):  # the driver checked the kernel offers it; root in the namespace
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, str(p["congestion_control"]).encode())
     congestion = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
     sent = 0
     connected = math.nan

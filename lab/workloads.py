@@ -33,6 +33,9 @@ class QAExample:
     question: str
     answers: tuple[str, ...]
     meta: dict[str, object]
+    # Start of the answer, fed after the question as the assistant's first words (short-answer prompting:
+    # the needle's declarative stem, "The password to the old vault is"); empty for free-form answers.
+    answer_prefix: str = ""
 
 
 # --- Scoring ----------------------------------------------------------------------------------------------
@@ -124,8 +127,9 @@ _ANIMALS = ["otter", "heron", "badger", "lynx", "gecko", "walrus", "ferret", "pe
 _SHIPS = ["Aurora", "Meridian", "Kestrel", "Halcyon", "Nimbus", "Solstice"]
 
 
-def _needle(kind: str, rng: np.random.Generator) -> tuple[str, str, str]:
-    """(fact sentence, question, answer) of one kind, its slots drawn from rng."""
+def _needle(kind: str, rng: np.random.Generator, answer_last: bool = False) -> tuple[str, str, str]:
+    """(fact sentence, question, answer) of one kind, its slots drawn from rng; ``answer_last`` words every
+    fact so the answer ends it (a model that completes the fact's stem then stops at the value)."""
 
     def pick(options: Sequence[str]) -> str:
         return str(options[int(rng.integers(len(options)))])
@@ -136,7 +140,9 @@ def _needle(kind: str, rng: np.random.Generator) -> tuple[str, str, str]:
                 f"What is the secret code for the {colour} door?", code)
     if kind == "city":
         name, city = pick(_NAMES), pick(_CITIES)
-        return (f"{name} moved to the city of {city} last spring.", f"Which city did {name} move to?", city)
+        fact = f"Last spring, {name} moved to the city of {city}." if answer_last else (
+            f"{name} moved to the city of {city} last spring.")
+        return fact, f"Which city did {name} move to?", city
     if kind == "password":
         word = pick(_WORDS)
         return (f"The password to the old vault is {word}.", "What is the password to the old vault?", word)
@@ -167,7 +173,14 @@ def approx_tokens(text: str) -> int:
 def _haystack(target_tokens: int, essays: list[tuple[str, str]], rng: np.random.Generator,
               count_tokens: Callable[[str], int]) -> tuple[list[str], list[str]]:
     """Consecutive sentences from a random essay onward (wrapping to the next essay) of ~target tokens."""
-    start_essay = int(rng.integers(len(essays)))
+    return _haystack_from(int(rng.integers(len(essays))), target_tokens, essays, rng, count_tokens)
+
+
+def _haystack_from(
+    start_essay: int, target_tokens: int, essays: list[tuple[str, str]], rng: np.random.Generator,
+    count_tokens: Callable[[str], int],
+) -> tuple[list[str], list[str]]:
+    """Consecutive sentences from a random point of the first half of ``start_essay`` onward."""
     first = sentences(essays[start_essay][1])
     start = int(rng.integers(max(1, len(first) // 2)))
     picked: list[str] = []
@@ -221,6 +234,70 @@ def needle_qa(n: int = 20, context_tokens: int = 1500, seed: int = 0, n_needles:
             meta={"id": f"needle-{seed}-{i}", "kind": chosen[asked], "depth": round(depths[asked], 3),
                   "essays": used, "needles": [f for f, _, _ in needles]},
         ))
+    return out
+
+
+# --- The task stage's suite: balanced kinds x depths, one essay per prompt ---------------------------------
+
+SUITE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # asked-needle depth bins (fraction of the context)
+SHORT_ANSWER_SYSTEM = "Answer with the value only: one word or number copied from the document."
+SHORT_ANSWER_INSTRUCTION = "Answer with the value only."
+
+
+def answer_stem(fact: str, answer: str) -> str:
+    """The fact sentence up to its answer ("The secret code for the red door is")."""
+    at = fact.rfind(answer)
+    if at <= 0:
+        raise ValueError(f"answer {answer!r} is not inside the fact {fact!r}")
+    return fact[:at].rstrip()
+
+
+def needle_suite(
+    n: int = 32, context_tokens: int = 1500, seed: int = 0, n_needles: int = 3, split: EssaySplit = "eval",
+    count_tokens: Callable[[str], int] | None = None, kinds: Sequence[str] = NEEDLE_KINDS,
+    depths: Sequence[float] = SUITE_DEPTHS,
+) -> list[QAExample]:
+    """``n`` needle-QA prompts balanced over question kinds and needle depths, for short-answer scoring.
+
+    Prompt i asks a needle of kind ``kinds[i % K]`` placed at depth ``depths[(i // K) % len(depths)]``
+    (jittered by +-0.05), with ``n_needles - 1`` distractor needles of other kinds elsewhere in the text
+    (at least 0.1 of the context away); its haystack starts in the i-th essay of a seeded permutation of the
+    split, so consecutive prompts read different essays. The question carries the short-answer instruction
+    and ``answer_prefix`` is the needle's stem. Deterministic given the arguments.
+    """
+    if n <= 0 or context_tokens < 50 or not 1 <= n_needles <= len(kinds):
+        raise ValueError(f"needle_suite needs n > 0, context_tokens >= 50, 1 <= n_needles <= {len(kinds)}; "
+                         f"got {n}, {context_tokens}, {n_needles}")  # fmt: skip
+    if not depths or not all(0.0 < d < 1.0 for d in depths):
+        raise ValueError(f"depths must lie strictly between 0 and 1, got {tuple(depths)}")
+    counter = count_tokens or approx_tokens
+    essays = load_essays(split)
+    rng = np.random.default_rng([seed, 0x5017E])
+    starts = rng.permutation(len(essays))
+    out = []
+    for i in range(n):
+        kind = str(kinds[i % len(kinds)])
+        depth_bin = (i // len(kinds)) % len(depths)
+        depth = float(np.clip(depths[depth_bin] + rng.uniform(-0.05, 0.05), 0.02, 0.98))
+        hay, used = _haystack_from(int(starts[i % len(essays)]), context_tokens, essays, rng, counter)
+        others = [str(k) for k in rng.permutation(np.array([k for k in kinds if k != kind]))[: n_needles - 1]]
+        other_depths: list[float] = []
+        while len(other_depths) < len(others):
+            d = float(rng.uniform(0.05, 0.95))
+            if all(abs(d - e) >= 0.1 for e in (depth, *other_depths)):
+                other_depths.append(d)
+        needles = [_needle(k, rng, answer_last=True) for k in (kind, *others)]
+        placed = sorted(zip((depth, *other_depths), needles, strict=True), key=lambda x: -x[0])
+        text = list(hay)
+        for d, (fact, _, _) in placed:
+            text.insert(min(len(hay), max(1, round(d * len(hay)))), fact)
+        fact, question, answer = needles[0]
+        out.append(QAExample(
+            context=" ".join(text), question=f"{question} {SHORT_ANSWER_INSTRUCTION}", answers=(answer,),
+            meta={"id": f"suite-{seed}-{i}", "kind": kind, "depth": round(depth, 3), "depth_bin": depth_bin,
+                  "essays": used, "needles": [f for f, _, _ in needles]},
+            answer_prefix=answer_stem(fact, answer),
+        ))  # fmt: skip
     return out
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from pfec.cli.app import app
 from pfec.common.sched import policies
+from pfec.lab import evaluate
 from pfec.lab.channel import parse_loss_spec
 from pfec.lab.eval_config import NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
 from pfec.lab.eval_report import update_results_md
@@ -128,3 +129,38 @@ def test_render_rewrites_the_docs_from_a_saved_result(
     (tmp_path / "bad.json").write_text("[1, 2]")
     bad = CliRunner().invoke(app, ["eval-render", str(tmp_path / "bad.json"), "--results-md", "none"])
     assert bad.exit_code == 2 and "is not a `pfec eval` result" in bad.output
+
+
+def test_every_simulated_scheme_reaches_the_task_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[tuple[str, str]]] = []
+
+    def record(cfg: Any, pairs: list[tuple[str, str]], progress: Any) -> dict[str, Any]:
+        seen.append(pairs)
+        return {"skipped": "recorded"}
+
+    monkeypatch.setattr(evaluate, "_task_stage", record)
+    cfg = replace(SMALL, realizations=1, tokens=64, jobs=1, overhead_realizations=0,
+                  schemes=("udp", "heuristic", "flec-rt", "arq", "oracle"))  # fmt: skip
+    result = run_eval(cfg)
+    labels = {label for label, _ in seen[0]}
+    assert set(result["cells"][0]["schemes"]) <= labels  # every scheme of the sweep is scored
+    assert {"udp", "heuristic", "flec-rt", "arq", "oracle", "priorityfec"} <= labels
+
+
+def test_task_rows_keep_the_reports_fields_and_pair_against_priorityfec() -> None:
+    from pfec.lab.eval_task import _score_answer, _task_summary  # deferred: torch (the task stage's module)
+
+    full = _score_answer("1921.", ["1921"], None)
+    assert full["agreement"] == 1.0 and full["correct"] and full["f1_gold"] == 1.0 == full["f1_full"]
+    rows = []
+    for prompt, (ours, theirs) in enumerate([("1921", "1921"), ("1921", "built in 1921"), ("1921", "")]):
+        for scheme, text in (("priorityfec", ours), ("udp", theirs)):
+            rows.append({"prompt": prompt, "scheme": scheme, "runs": scheme, "rho": 0.8, "mode": "mask",
+                         "recovered_utility": 0.5, **_score_answer(text, ["1921"], "1921")})  # fmt: skip
+    out = {e["scheme"]: e for e in _task_summary(rows, "priorityfec")}
+    udp = out["udp"]
+    # "built in 1921" holds the gold answer (correct) but is not it (exact match 0, F1 0.5).
+    assert udp["correct"] == 2 and udp["exact_match"] == pytest.approx(1 / 3)
+    assert udp["f1_gold"] == pytest.approx(0.5) and len(udp["f1_gold_ci95"]) == 2
+    assert udp["agreement"] == pytest.approx(1 / 3) and udp["f1_full"] == pytest.approx(0.5)
+    assert udp["vs_priorityfec"]["exact_match"]["mean"] == pytest.approx(-2 / 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,17 @@ from typer.testing import CliRunner
 from pfec.cli.app import app
 from pfec.lab.channel import Bernoulli
 from pfec.lab.emulator_netns import netns_available
-from pfec.lab.reliable import bytes_by, run_reliable, score_prefix, stream_bytes
+from pfec.lab.reliable import (
+    HANDSHAKE_STALL_MS,
+    RELIABLE_SCHEMES,
+    ReliableRun,
+    _aggregate,
+    available_congestion_controls,
+    bytes_by,
+    run_reliable,
+    score_prefix,
+    stream_bytes,
+)
 from pfec.lab.sim import SimConfig, prepare
 
 _NETNS_OK, _NETNS_WHY = netns_available()
@@ -70,6 +81,44 @@ def test_stream_is_the_simulators_fragments_in_utility_order() -> None:
     assert bytes_by([[1.0, 10]], 0.5) == 0
 
 
+def test_natural_order_streams_the_plan_order_and_scores_less_of_a_prefix() -> None:
+    h = prepare(_small(rho=2.0))
+    size, n = h.plan.symbol_size, h.plan.n_fragments
+    natural = stream_bytes(h, "natural")
+    for pos in (0, 5, n - 1):  # natural order is the plan's fragment order (layer-major)
+        assert int.from_bytes(natural[pos * size : pos * size + 4], "big") == pos
+    assert natural != stream_bytes(h, "utility") and len(natural) == n * size
+    third = n * size // 3
+    assert score_prefix(h, third, "natural").utility < score_prefix(h, third, "utility").utility
+    assert score_prefix(h, n * size, "natural").utility == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="stream order 'random'"):
+        score_prefix(h, 0, "random")  # type: ignore[arg-type]
+
+
+def test_reliable_schemes_name_their_order() -> None:
+    assert {n: (s.protocol, s.order) for n, s in RELIABLE_SCHEMES.items()} == {
+        "tcp": ("tcp", "natural"), "quic": ("quic", "natural"),
+        "priority-tcp": ("tcp", "utility"), "priority-quic": ("quic", "utility"),
+    }  # fmt: skip
+    assert [n for n, s in RELIABLE_SCHEMES.items() if s.paper_baseline] == ["tcp", "quic"]
+
+
+def _run(handshake_ms: float, utility: float = 0.0, realization: int = 0) -> ReliableRun:
+    return ReliableRun(realization, 0, utility, 0, 0, handshake_ms, None, 0.0, 0, 0, 0, 0.0, 0.0, 0.0, "bbr",
+                       True, {})  # fmt: skip
+
+
+def test_a_stalled_handshake_is_an_outlier_kept_in_the_mean() -> None:
+    assert _run(21.0).stall is None and _run(HANDSHAKE_STALL_MS).stall is None
+    assert "lost SYN" in str(_run(1021.0).stall)
+    assert "no connection" in str(_run(math.nan).stall)
+    runs = [_run(21.0, 0.9, 0), _run(math.nan, 0.0, 1), _run(22.0, 0.9, 2)]
+    s = _aggregate(prepare(_small(rho=1.0)), RELIABLE_SCHEMES["tcp"], runs)
+    assert s["recovered_utility_mean"] == pytest.approx(0.6) and s["recovered_utility_median"] == 0.9
+    assert s["outlier_runs"] == 1 and s["outliers"][0]["realization"] == 1
+    assert s["handshake_ms_mean"] == pytest.approx(21.5) and s["handshake_ms_max"] == 22.0
+
+
 # --------------------------------------------------------------------------- real transports
 
 
@@ -82,8 +131,24 @@ def test_tcp_small_handoff_without_loss_delivers_everything() -> None:
     assert s["completed_runs"] == 1 and s["forward_lost_mean"] == 0
     default_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     assert s["congestion_control"] == [default_cc] and s["emulator_mode"] == "netns"
+    assert s["stream_order"] == "natural" and s["paper_baseline"]
     # The handshake (one RTT of 20 ms) is paid inside the budget.
     assert 18.0 <= s["handshake_ms_mean"] < 500.0
+    assert s["outlier_runs"] == 0 and s["outliers"] == []
+
+
+@needs_netns
+def test_tcp_congestion_control_can_be_chosen() -> None:
+    offered = available_congestion_controls()
+    for cc in [c for c in ("cubic", "bbr") if c in offered]:
+        out = run_reliable("priority-tcp", _small(deadline_ms=3000.0), 1, congestion_control=cc)
+        s = out["schemes"]["priority-tcp"]
+        assert s["congestion_control"] == [cc] and s["stream_order"] == "utility"
+        assert s["recovered_utility_mean"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="not offered by this kernel"):
+        run_reliable("tcp", _small(rho=1.0), 1, congestion_control="nosuch")
+    with pytest.raises(ValueError, match="kernel TCP only"):
+        run_reliable("quic", _small(rho=1.0), 1, congestion_control="cubic")
 
 
 def test_quic_small_handoff_without_loss_delivers_everything_via_cli() -> None:

@@ -9,12 +9,16 @@ import pytest
 
 from pfec.lab.workloads import (
     NEEDLE_KINDS,
+    SHORT_ANSWER_INSTRUCTION,
+    SUITE_DEPTHS,
+    answer_stem,
     best_f1,
     contains_answer,
     first_line,
     load_essays,
     load_longbench,
     needle_qa,
+    needle_suite,
     normalize_answer,
     token_f1,
 )
@@ -71,6 +75,26 @@ def test_needle_length_follows_the_token_counter() -> None:
         needle_qa(1, 10_000_000, seed=0)
     with pytest.raises(ValueError, match="needle kind 'ghost'"):
         needle_qa(1, 100, kinds=("ghost",), n_needles=1)
+
+
+def test_needle_suite_balances_kinds_depths_and_essays() -> None:
+    suite = needle_suite(40, 1500, seed=2)
+    assert suite == needle_suite(40, 1500, seed=2) and suite != needle_suite(40, 1500, seed=3)
+    cells = {(ex.meta["kind"], ex.meta["depth_bin"]) for ex in suite}
+    assert cells == {(k, d) for k in NEEDLE_KINDS for d in range(len(SUITE_DEPTHS))}  # 4 x 5, each twice
+    assert len({ex.meta["essays"][0] for ex in suite}) >= 20  # type: ignore[index]
+    for ex in suite:
+        fact = next(f for f in ex.meta["needles"] if ex.answers[0] in f)  # type: ignore[attr-defined]
+        depth = ex.context.index(fact) / len(ex.context)
+        assert abs(depth - SUITE_DEPTHS[ex.meta["depth_bin"]]) < 0.1  # type: ignore[index]
+        assert ex.question.endswith(SHORT_ANSWER_INSTRUCTION) and ex.context.count(fact) == 1
+        assert fact.startswith(ex.answer_prefix) and fact == f"{ex.answer_prefix} {ex.answers[0]}."
+        assert len(ex.meta["needles"]) == 3  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="depths must lie"):
+        needle_suite(1, 300, depths=(0.0,))
+    assert answer_stem("The code is 12.", "12") == "The code is"
+    with pytest.raises(ValueError, match="not inside the fact"):
+        answer_stem("The code is 12.", "13")
 
 
 def test_longbench_loader_and_its_errors(tmp_path: Path) -> None:
