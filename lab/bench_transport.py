@@ -63,25 +63,38 @@ def run_transport_bench(handoffs: int = 30, tokens: int = 384, rate_mbps: float 
     return result
 
 
-async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rate_mbps: float,
-                       deadline_ms: float, profile_sender: bool) -> dict[str, Any]:
+def loopback_sender(rate_mbps: float) -> SenderDaemon:
+    """The benchmarks' sender daemon: synthetic KV of the default model's plan, scheme heuristic, 1 ms
+    one-way delay (loopback), the loopback key; its codec warmed up."""
     warm_up()
     _, identity = load_runtime("synthetic")
-    daemon = SenderDaemon(identity, LOOPBACK_PSK, rate_mbps=rate_mbps, owd_ms=1.0, scheme="heuristic",
-                          result_wait_s=2.0)
+    return SenderDaemon(identity, LOOPBACK_PSK, rate_mbps=rate_mbps, owd_ms=1.0, scheme="heuristic",
+                        result_wait_s=2.0)
+
+
+async def run_handoffs(daemon: SenderDaemon, address: tuple[str, int], handoffs: int, tokens: int, *,
+                       deadline_ms: float | None, rho: float | None = None) -> list[dict[str, Any]]:
+    """``handoffs`` synthetic handoffs of ``tokens`` to ``address``, back to back; their reports."""
     reports = []
+    for _ in range(handoffs):
+        h = daemon.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), address, deadline_ms=deadline_ms,
+                                      rho=rho, generate=False))
+        await h.done.wait()
+        reports.append(h.view())
+        await asyncio.sleep(0.01)
+    return reports
+
+
+async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rate_mbps: float,
+                       deadline_ms: float, profile_sender: bool) -> dict[str, Any]:
+    daemon = loopback_sender(rate_mbps)
     profiler = None
     if profile_sender:
         profiler = cProfile.Profile()
         profiler.enable()
     raise_priority()  # as the receiver child does: neither side should queue behind unrelated work
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for _ in range(handoffs):
-        h = daemon.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), address, deadline_ms=deadline_ms,
-                                      rho=None, generate=False))
-        await h.done.wait()
-        reports.append(h.view())
-        await asyncio.sleep(0.01)
+    reports = await run_handoffs(daemon, address, handoffs, tokens, deadline_ms=deadline_ms)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     if profiler is not None:
         profiler.disable()
@@ -91,7 +104,7 @@ async def _sender_side(address: tuple[str, int], handoffs: int, tokens: int, rat
     return {"reports": reports, "process_cpu_s": cpu, "wall_s": wall, "deadline_ms": deadline_ms}
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values), q)) if values else None
 
 
@@ -126,8 +139,8 @@ def _summarise(sender: dict[str, Any], rx: dict[str, Any], handoffs: int, tokens
         "sender_cpu_utilisation": sender["process_cpu_s"] / sender["wall_s"],
         "receiver_datagrams": rx_received,
         "receiver_drops": rx.get("drops", {}),
-        "deadline_late_ms_p50": _pct(late_ms, 50),
-        "deadline_late_ms_p99": _pct(late_ms, 99),
+        "deadline_late_ms_p50": percentile(late_ms, 50),
+        "deadline_late_ms_p99": percentile(late_ms, 99),
         "deadline_late_ms_max": max(late_ms) if late_ms else None,
         "targets": {"goodput_mbps": 500, "deadline_late_ms_p99": 5},
     }

@@ -2,7 +2,8 @@
 the link emulator's UDP relay, each spawned in its own process with its own core and event loop.
 
 A ``Child`` speaks a tiny protocol over a pipe: the child sends ``("ready", address)`` once it listens,
-runs until the parent sends "stop", then answers ``("stats", {...})`` (or ``("error", text)``).
+answers each "snapshot" with ``("snapshot", {...})`` (a receiver's stats so far) and runs until the parent
+sends "stop", then answers ``("stats", {...})`` (or ``("error", text)``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,20 @@ def raise_priority(niceness: int = -10) -> bool:
         return False
 
 
-async def _until_parent_says_stop(conn: Connection) -> None:
+async def _until_parent_says_stop(conn: Connection,
+                                  snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+    """Serve the parent until it says "stop"; a "snapshot" is answered with ``("snapshot", snapshot())``."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_reader(conn.fileno(), stop.set)
-    await stop.wait()
-    loop.remove_reader(conn.fileno())
-    conn.recv()
+    while True:
+        readable = asyncio.Event()
+        loop.add_reader(conn.fileno(), readable.set)
+        await readable.wait()
+        loop.remove_reader(conn.fileno())
+        message = conn.recv()
+        if message == "snapshot" and snapshot is not None:
+            conn.send(("snapshot", snapshot()))
+            continue
+        return
 
 
 async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = "127.0.0.1",
@@ -56,19 +64,24 @@ async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = 
     daemon = ReceiverDaemon(identity, psk, runtime=runtime)
     await daemon.start(host, 0)
     cpu0, thread0 = time.process_time(), time.thread_time()
+
+    def stats() -> dict[str, Any]:
+        late = np.asarray(daemon.stats.deadline_late_s, dtype=float)
+        return {
+            "process_cpu_s": time.process_time() - cpu0,
+            "loop_thread_cpu_s": time.thread_time() - thread0,
+            "monotonic_s": time.monotonic(),
+            "datagrams_received": daemon.stats.received,
+            "bytes_received": daemon.stats.bytes_received,
+            "deadline_late_s": late.tolist(),
+            "drops": dict(daemon.endpoint.drops),
+            "codec_cpu_ns": daemon.cpu.decode_ns + daemon.cpu.feedback_ns,
+            "results": list(daemon.results),
+        }
+
     conn.send(("ready", daemon.address))
-    await _until_parent_says_stop(conn)
-    late = np.asarray(daemon.stats.deadline_late_s, dtype=float)
-    conn.send(("stats", {
-        "process_cpu_s": time.process_time() - cpu0,
-        "loop_thread_cpu_s": time.thread_time() - thread0,
-        "datagrams_received": daemon.stats.received,
-        "bytes_received": daemon.stats.bytes_received,
-        "deadline_late_s": late.tolist(),
-        "drops": dict(daemon.endpoint.drops),
-        "codec_cpu_ns": daemon.cpu.decode_ns + daemon.cpu.feedback_ns,
-        "results": list(daemon.results),
-    }))
+    await _until_parent_says_stop(conn, stats)
+    conn.send(("stats", stats()))
     await daemon.close()
 
 
@@ -125,6 +138,16 @@ class Child:
         if kind != "ready":
             raise RuntimeError(str(value))
         return value
+
+    def snapshot(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The child's stats now, while it keeps running (a receiver's: CPU, datagrams, drops)."""
+        self.conn.send("snapshot")
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"the {self.role} process did not answer a snapshot within {timeout_s:.0f} s")
+        kind, value = self.conn.recv()
+        if kind != "snapshot":
+            raise RuntimeError(f"{self.role} process: {value}")
+        return dict(value)
 
     def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
         stats: dict[str, Any] = {}
