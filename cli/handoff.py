@@ -41,6 +41,9 @@ def handoff_cmd(
         str | None, typer.Option(help="TCP control API http://HOST:PORT (instead of --socket).")
     ] = None,
     token_file: Annotated[Path | None, typer.Option(help="Bearer token file for --url.")] = None,
+    precision: Annotated[str, typer.Option(
+        help="KV precision: auto (the break-even planner's mix; native for synthetic KV) | native | int8 | "
+        "int8-int4 | int4 | int2.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -52,7 +55,7 @@ def handoff_cmd(
         except OSError as exc:
             raise fail(f"--context-file {str(context_file)!r}: {exc.strerror}") from None
     body: dict[str, Any] = {"receiver": receiver, "reconstruction": reconstruction,
-                            "full_kv_answer": full_kv_answer}
+                            "full_kv_answer": full_kv_answer, "precision": precision}
     if synthetic_tokens is not None:
         body.update(synthetic_tokens=synthetic_tokens, generate=False)
     else:

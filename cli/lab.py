@@ -17,6 +17,8 @@ import typer
 from pfec.cli.shared import DOCS_BENCH, fail
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
+from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
+from pfec.common.plan.stream import AUTO, check_mix, choose_mix
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
 from pfec.lab.channel import Bernoulli, parse_loss_spec
 from pfec.lab.emulator import emulate
@@ -31,6 +33,8 @@ ResultJsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as
 TokensOpt = Annotated[int, typer.Option(help="Context tokens handed off.")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the loss realizations.")]
 RttOpt = Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")]
+PrecisionOpt = Annotated[str, typer.Option(
+    help="KV precision: auto (the break-even planner's mix) | native | int8 | int8-int4 | int4 | int2.")]
 
 
 # --------------------------------------------------------------------------- simulation
@@ -60,10 +64,19 @@ def sim_cmd(
         ),
     ] = "shipped",
     authenticate: Annotated[bool, typer.Option(help="AEAD-protect every simulated datagram.")] = False,
+    precision: PrecisionOpt = "native",
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
     from pfec.lab.sim import SimConfig, simulate  # deferred: numba (keeps `pfec --help` fast)
+
+    planner = None
+    try:
+        if precision == AUTO:
+            precision, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6, rtt_ms / 1000)
+        check_mix(precision)
+    except ValueError as exc:
+        raise fail(f"--precision: {exc}") from None
 
     profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
     names = [s.strip() for s in scheme.split(",") if s.strip()]
@@ -84,12 +97,15 @@ def sim_cmd(
             authenticate=authenticate,
             profile=None if profile == "synthetic" else UtilityProfile.load(profile_path),
             seed=seed,
+            precision=precision,
         )
         result = simulate(config, names, realizations, progress=progress_line("sim"))
     except ValueError as exc:
         raise fail(str(exc)) from None
     result["inputs"]["loss"] = loss  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
     result["inputs"]["profile_path"] = None if profile == "synthetic" else profile_path
+    if planner is not None:
+        result["inputs"]["planner"] = planner
     typer.echo(json.dumps(result, indent=2) if as_json else format_sim_table(result))
 
 
@@ -106,6 +122,7 @@ def demo_cmd(
     seed: Annotated[int, typer.Option(help="Workload and loss seed.")] = 1,
     reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
     compare_sim: Annotated[bool, typer.Option(help="Also run `pfec sim` on the same link (10 runs).")] = True,
+    precision: PrecisionOpt = AUTO,
     as_json: JsonOpt = False,
 ) -> None:
     """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
@@ -113,7 +130,8 @@ def demo_cmd(
 
     try:
         cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
-                         tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim)
+                         tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim,
+                         precision=precision)
         result = run_demo(cfg)
     except ValueError as exc:
         raise fail(str(exc)) from None
@@ -382,6 +400,25 @@ def bench_fuzz_cmd(
     _write_bench(result, write_fuzz_bench, out_dir, "fuzz.md", as_json)
     if result["escapes"] or result["hangs"]:
         raise fail(f"{result['escapes']} escapes and {result['hangs']} hangs (both must be 0)")
+
+
+def bench_flood_cmd(
+    rate: Annotated[float, typer.Option(help="Flood datagrams/s at the receiver's UDP port.")] = 25_000,
+    handoffs: Annotated[int, typer.Option(help="Handoffs per condition (interleaved).")] = 10,
+    tokens: Annotated[int, typer.Option(help="Synthetic KV tokens per handoff.")] = 384,
+    rate_mbps: Annotated[float, typer.Option(help="Pacing rate of the sender.")] = DEFAULT_RATE_MBPS,
+    rho: Annotated[float, typer.Option(help="Deadline / serialisation time of the KV.")] = DEFAULT_RHO,
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where flood.json and flood.md are written.")] = DOCS_BENCH,
+) -> None:
+    """Cheap rejection: handoffs with and without a flood of forged OFFERs, junk and replays."""
+    from pfec.lab.bench_flood import run_flood_bench, write_flood_bench  # deferred: daemons
+
+    try:
+        result = run_flood_bench(rate=rate, handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps, rho=rho)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_flood_bench, out_dir, "flood.md", as_json)
 
 
 def _write_bench(

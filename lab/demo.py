@@ -25,6 +25,7 @@ from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
+from pfec.common.plan.stream import AUTO, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.channel import parse_loss_spec
 from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
@@ -33,7 +34,7 @@ from pfec.lab.sim import SimConfig, simulate
 from pfec.lab.workloads import best_f1, contains_answer, needle_qa
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
-from pfec.sender.kv import ContextInput
+from pfec.sender.kv import ContextInput, prompt_ids
 
 __all__ = ["DemoConfig", "format_demo", "run_demo"]
 
@@ -55,6 +56,7 @@ class DemoConfig:
     compare_sim: bool = True
     sim_realizations: int = 10
     model: str = "default"
+    precision: str = AUTO
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -71,6 +73,8 @@ class DemoConfig:
             raise ValueError(f"--reconstruction {self.reconstruction!r}: use mask or zero")
         if self.loss.strip().lower() not in ("none", "0"):
             parse_loss_spec(self.loss)
+        if self.precision not in PRECISION_CHOICES:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISION_CHOICES)}")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -116,18 +120,35 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     spec = HandoffSpec(
         ContextInput(context=example.context, question=example.question),
         tuple(relay_addr), rho=cfg.rho, scheme=cfg.scheme, mode=cfg.reconstruction,  # type: ignore[arg-type]
-        full_kv_answer=True,
+        full_kv_answer=True, precision=cfg.precision,
     )
     handoff = daemon.submit(spec)
     await handoff.done.wait()
     await daemon.close()
     report = handoff.view()
+    _log("timing a local prefill of the same prompt (the receiver's alternative) ...")
+    local = await loop.run_in_executor(None, local_prefill_ttft, runtime, spec.inputs)
     gold = list(example.answers)
+    ttft = report.get("ttft_s")
     out = {
         "inputs": {**asdict(cfg), "question": example.question, "gold_answers": gold,
                    "needle_kind": example.meta.get("kind"), "depth": example.meta.get("depth")},
         "recovered_utility": report.get("recovered_utility"),
-        "ttft_s": report.get("ttft_s"),
+        "precision_utility": report.get("precision_utility"),
+        "ttft_s": ttft,
+        "local_prefill_ttft_s": local["ttft_s"],
+        "local_prefill_runs_s": local["runs_s"],
+        "load_average_1m": local["load_average_1m"],  # before and after the local prefill (shared cores)
+        "ttft_vs_local": round(ttft / local["ttft_s"], 4) if ttft else None,
+        "start": report.get("start"),
+        "precision": report.get("precision"),
+        "precision_mix": report.get("precision_mix"),
+        "planner_choice": report.get("planner_choice"),
+        "planner_ttft_s": report.get("planner_ttft_s"),
+        "planner": report.get("planner"),
+        "bytes_sent": report.get("bytes_sent"),
+        "native_bytes": report.get("native_bytes"),
+        "stream_bytes": report.get("stream_bytes"),
         "deadline_s": (report["deadline_ms"] / 1000) if "deadline_ms" in report else None,
         "answer": report.get("answer"),
         "full_kv_answer": report.get("full_kv_answer"),
@@ -142,6 +163,22 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
         "_relay": relay,
     }
     return out
+
+
+def local_prefill_ttft(runtime: llm.ModelRuntime, inputs: ContextInput, runs: int = 2) -> dict[str, Any]:
+    """The receiver's alternative, timed on the same model in this run: prefill the whole prompt itself
+    and produce the first token (context prefill + question forward); the fastest of ``runs``."""
+    context_ids, question_ids = prompt_ids(runtime, inputs)
+    times = []
+    load = os.getloadavg()[0]
+    for _ in range(runs):
+        started = time.perf_counter()
+        cache, _ = llm.prefill(runtime, context_ids)
+        prefill_s = time.perf_counter() - started
+        gen = llm.generate(runtime, llm.partial_from_cache(cache, None, "mask"), question_ids, 1)
+        times.append(prefill_s + gen.ttft_s)
+    return {"ttft_s": round(min(times), 6), "runs_s": [round(t, 6) for t in times],
+            "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
 def _diagnostics(cfg: DemoConfig, report: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +209,8 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
     profile = None if profile_name == "synthetic" else load_profile(synthetic_identity(DEFAULT_GEOMETRY),
                                                                     profile_name)
     sim_cfg = SimConfig(loss=parse_loss_spec(cfg.loss), rate_mbps=cfg.rate_mbps, rtt_ms=cfg.rtt_ms,
-                        rho=cfg.rho, tokens=int(n_tokens), profile=profile, seed=cfg.seed)
+                        rho=cfg.rho, tokens=int(n_tokens), profile=profile, seed=cfg.seed,
+                        precision=report.get("precision") or "native")
     out = simulate(sim_cfg, [cfg.scheme], cfg.sim_realizations, verify=False)
     s = out["schemes"][cfg.scheme]
     return {
@@ -183,7 +221,12 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
         "realizations": cfg.sim_realizations,
         "tokens": n_tokens,
         "profile": profile_name,
+        "precision": sim_cfg.precision,
     }
+
+
+def _num(value: object, fmt: str) -> str:
+    return "-" if not isinstance(value, int | float) else format(value, fmt)
 
 
 def format_demo(result: dict[str, Any]) -> str:
@@ -199,6 +242,11 @@ def format_demo(result: dict[str, Any]) -> str:
         f"contains the gold answer: {result['answer_contains_gold']})",
         f"full-KV answer : {result['full_kv_answer']!r}  (F1 {result['full_kv_answer_f1']:.2f}, "
         f"contains the gold answer: {result['full_kv_answer_contains_gold']})",
+        f"precision {result.get('precision')} (planner: {result.get('planner_choice')}, predicted TTFT "
+        f"{_num(result.get('planner_ttft_s'), '.3f')} s); {_num(result.get('bytes_sent'), ',.0f')} bytes "
+        f"sent for {_num(result.get('native_bytes'), ',.0f')} bytes of native KV",
+        f"TTFT {_num(result.get('ttft_s'), '.3f')} s (started at the {result.get('start')}) vs local prefill "
+        f"{_num(result.get('local_prefill_ttft_s'), '.3f')} s: {_num(result.get('ttft_vs_local'), '.2f')}x",
     ]
     sim = result.get("sim")
     if sim and "recovered_utility_mean" in sim:

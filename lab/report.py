@@ -26,7 +26,12 @@ def format_handoff_report(report: dict[str, Any]) -> str:
         f"  deadline {num('deadline_ms', '.1f')} ms (rho {num('rho', '.2f')}), "
         f"slack {num('deadline_slack_ms', '.2f')} ms, "
         f"receiver start lateness {num('deadline_late_ms', '.2f')} ms",
-        f"  prefill {num('prefill_s', '.2f')} s, TTFT {num('ttft_s', '.3f')} s",
+        f"  precision {report.get('precision', '-')}: {num('stream_bytes', ',.0f')} bytes of KV for "
+        f"{num('native_bytes', ',.0f')} native; planner {report.get('planner_choice') or '-'}, "
+        f"predicted TTFT {num('planner_ttft_s', '.3f')} s",
+        f"  prefill {num('prefill_s', '.2f')} s, TTFT {num('ttft_s', '.3f')} s"
+        f" (started at the {report.get('start') or '-'})",
+        f"  recovered utility at precision {num('precision_utility', '.2%')}, levels {report.get('levels')}",
         f"  answer: {report.get('answer')!r}",
     ]
     if "full_kv_answer" in report:
@@ -59,6 +64,10 @@ def format_sim_table(result: dict[str, Any]) -> str:
             f"{s['repair_sent_mean']:>8.0f}{s['stalls_mean']:>8.0f}{s['wall_s_mean'] * 1000:>9.0f}"
         )
     lines.append("")
+    if "precision" in inp:
+        lines.append(f"precision {inp['precision']}: {inp['stream_symbols']} symbols carry "
+                     f"{inp['stream_bytes']:,} B of quantised pieces; utility = U x fidelity at the level "
+                     "each block reached, recovered_block_utility (JSON) the plain share of usable blocks")
     lines.append("utility = share of the profile's KV utility in blocks fully decoded by the deadline")
     lines.append("effic. = utility / the clairvoyant oracle's on the same realization")
     for name, s in result["schemes"].items():

@@ -12,7 +12,11 @@ Deadline: D = T_ow + rho * T_ser, T_ser = S_KV / C, where S_KV is the KV cache s
 The sessions are assembled by ``sender/transfer.py``, the same code the sender daemon uses, so the
 budget, slot, repair budget and OFFER parameters cannot drift apart between the simulator and a node.
 Recovered utility = sum of U_b over blocks whose every fragment was decoded by the receiver's deadline,
-divided by sum U_b (the utilities sum to 1). The event loop in simulated time is ``lab/sim_engine.py``.
+divided by sum U_b (the utilities sum to 1). With a quantised ``precision`` (``common/plan/stream.py``) the
+handoff sends the piece plan's symbols instead, and a block counts at the level its arrived pieces reach:
+recovered utility = sum U_b x fidelity(level_b) (``recovered_block_utility`` is the plain share of blocks
+usable at any level). The deadline stays that of the native cache: precision buys time inside it.
+The event loop in simulated time is ``lab/sim_engine.py``.
 
 Two reference schemes run outside the sessions on the same forward realization: ``arq`` (idealised
 selective-repeat retransmission, an upper bound for TCP/QUIC, lab/arq_sim.py) and ``oracle`` (the
@@ -34,6 +38,15 @@ import numpy.typing as npt
 from pfec.common.events import CpuMeter
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
+from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
+from pfec.common.plan.stream import (
+    NATIVE,
+    check_mix,
+    fidelity_name_for,
+    fidelity_named,
+    score_stream,
+    stream_plan,
+)
 from pfec.common.plan.utility import (
     UtilityProfile,
     fifo_order,
@@ -86,6 +99,7 @@ class SimConfig:
     reverse_loss: LossModel | None = None
     profile: UtilityProfile | None = None  # None: synthetic_profile()
     seed: int = 1
+    precision: str = NATIVE  # a mix of stream.MIXES (auto is resolved by the caller)
 
     def __post_init__(self) -> None:
         if (self.rho is None) == (self.deadline_ms is None):
@@ -102,6 +116,7 @@ class SimConfig:
             raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms!r}")
         if not 0 <= self.repair_budget <= 10:
             raise ValueError(f"repair_budget is a fraction of the source symbols, got {self.repair_budget!r}")
+        check_mix(self.precision)
 
     @property
     def owd_s(self) -> float:
@@ -123,6 +138,8 @@ class Handoff:
     budget: LinkBudget  # T_ser, deadline and slot, as the sender daemon computes them
     queues: dict[str, npt.NDArray[np.int64]] = field(default_factory=dict)
     ordered_payload: dict[str, npt.NDArray[np.uint8]] = field(default_factory=dict)
+    fidelity: FidelityTable | None = None  # a quantised precision's table (None: native)
+    streams: dict[str, PiecePlan] = field(default_factory=dict)  # a quantised precision's plan per order
 
     @property
     def t_ser_s(self) -> float:
@@ -140,7 +157,24 @@ class Handoff:
     def rho(self) -> float:
         return self.budget.rho
 
+    def stream(self, order: str) -> PiecePlan | None:
+        """The piece plan sent in ``order`` (None for native precision)."""
+        if self.fidelity is None:
+            return None
+        if order not in self.streams:
+            layout = PieceLayout(self.config.geometry, self.config.tokens, self.plan.block_tokens)
+            self.streams[order] = stream_plan(layout, self.config.precision, self.block_utility,
+                                              self.fidelity, self.plan.fragment_payload, order)
+        return self.streams[order]
+
     def queue(self, order: str) -> npt.NDArray[np.int64]:
+        stream = self.stream(order)
+        if stream is not None and order not in self.queues:
+            self.queues[order] = np.arange(stream.n_symbols, dtype=np.int64)
+            rng = np.random.default_rng([self.config.seed, 0xC0DEC, len(order)])
+            payload = rng.integers(0, 256, size=(stream.n_symbols, self.plan.symbol_size), dtype=np.uint8)
+            payload[:, :4] = self.queues[order].astype(">u4").view(np.uint8).reshape(-1, 4)
+            self.ordered_payload[order] = payload
         if order not in self.queues:
             blocks = (
                 utility_order(self.block_utility) if order == "utility" else fifo_order(self.plan.n_blocks)
@@ -152,7 +186,27 @@ class Handoff:
     def send_queue(self, order: str) -> SendQueue:
         """The fragments in ``order`` (``utility`` or ``fifo``) with their symbols, as a sender sends them."""
         queue = self.queue(order)
-        return SendQueue(self.plan, queue, self.ordered_payload[order], self.block_utility)
+        stream = self.stream(order)
+        blocks = None
+        if stream is not None:
+            first_piece, _ = stream.symbol_piece_spans()
+            blocks = stream.blocks[first_piece].astype(np.int64)
+        return SendQueue(self.plan, queue, self.ordered_payload[order], self.block_utility, blocks)
+
+    def credit(self, order: str, sent_positions: npt.NDArray[np.int64],
+               ) -> tuple[npt.NDArray[np.bool_], float, float]:
+        """(usable blocks, utility credited at precision, plain block utility) when the symbols at
+        ``sent_positions`` of ``order``'s queue are decoded."""
+        stream = self.stream(order)
+        if stream is None or self.fidelity is None:
+            complete = complete_blocks(self, self.queue(order)[sent_positions])
+            utility = float(self.block_utility[complete].sum())
+            return complete, utility, utility
+        have = np.zeros(stream.n_symbols, dtype=np.bool_)
+        have[self.queue(order)[sent_positions]] = True
+        score = score_stream(stream, have, self.block_utility, self.fidelity)
+        total = float(self.block_utility.sum())
+        return score.usable, score.precision_utility * total, score.block_utility * total
 
 
 def prepare(config: SimConfig) -> Handoff:
@@ -168,7 +222,11 @@ def prepare(config: SimConfig) -> Handoff:
     payload = rng.integers(0, 256, size=(plan.n_fragments, symbol), dtype=np.uint8)
     payload[:, :4] = np.arange(plan.n_fragments, dtype=">u4").view(np.uint8).reshape(-1, 4)
     budget = LinkBudget.for_plan(plan, config.rate_bps, config.owd_s, config.rho, config.deadline_ms)
-    return Handoff(config, plan, utilities, payload, budget)
+    fidelity = None
+    if config.precision != NATIVE:
+        n_layers = config.geometry.n_layers
+        fidelity = fidelity_named(fidelity_name_for(n_layers, None), n_layers, None)
+    return Handoff(config, plan, utilities, payload, budget, fidelity=fidelity)
 
 
 @dataclass
@@ -194,6 +252,7 @@ class RunResult:
     failure: str | None = None
     # Per block id: every fragment decoded (arq: delivered in order) by the deadline.
     recovered_blocks: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    block_utility: float | None = None  # quantised precision: plain share of blocks usable at any level
 
 
 def _links(handoff: Handoff, realization: int) -> SimLinks:
@@ -246,7 +305,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         random_bytes=seeded_random_bytes(cfg.seed, realization, "receiver"),
     )
     run = SimRun(sender, endpoint, _links(handoff, realization),
-                 lambda event: _score(handoff, send, event, verify))
+                 lambda event: _score(handoff, send, scheme.order, event, verify))
     wall0 = time.perf_counter()
     run.drive()
     wall = time.perf_counter() - wall0
@@ -298,6 +357,8 @@ def _run_result(handoff: Handoff, run: SimRun, send: SendQueue, scheme: Scheme, 
         wall_s=wall_s,
         failure=failure,
         recovered_blocks=score.complete,
+        block_utility=(None if handoff.fidelity is None
+                       else float(handoff.block_utility[score.complete].sum())),
     )
 
 
@@ -330,13 +391,15 @@ def complete_blocks(handoff: Handoff, fragments: npt.NDArray[np.int64]) -> npt.N
 
 
 def _reference_result(
-    handoff: Handoff, name: str, realization: int, complete: npt.NDArray[np.bool_], delivered: int, **kw: int
+    handoff: Handoff, name: str, realization: int, sent: npt.NDArray[np.int64], delivered: int, **kw: int
 ) -> RunResult:
-    n_source = handoff.plan.n_fragments
+    """A reference scheme's result; ``sent`` are the positions of the utility queue delivered in time."""
+    n_source = len(handoff.queue("utility"))
+    complete, utility, plain = handoff.credit("utility", sent)
     return RunResult(
         scheme=name,
         realization=realization,
-        recovered_utility=float(handoff.block_utility[complete].sum()),
+        recovered_utility=utility,
         recovered_symbol_fraction=delivered / n_source if n_source else 0.0,
         blocks_recovered=int(complete.sum()),
         source_sent=kw.get("source_sent", delivered),
@@ -353,6 +416,7 @@ def _reference_result(
         cpu_ns={"encode": 0, "decode": 0, "feedback": 0, "policy": 0},
         wall_s=kw.get("wall_ns", 0) / 1e9,
         recovered_blocks=complete,
+        block_utility=None if handoff.fidelity is None else plain,
     )
 
 
@@ -361,9 +425,8 @@ def run_oracle(handoff: Handoff, realization: int) -> RunResult:
     t0 = time.perf_counter_ns()
     queue = handoff.queue("utility")
     delivered = oracle_delivered(forward_losses(handoff, realization), data_timing(handoff), len(queue))
-    complete = complete_blocks(handoff, queue[:delivered])
     wall_ns = time.perf_counter_ns() - t0
-    return _reference_result(handoff, "oracle", realization, complete, delivered, wall_ns=wall_ns)
+    return _reference_result(handoff, "oracle", realization, np.arange(delivered), delivered, wall_ns=wall_ns)
 
 
 def run_arq(handoff: Handoff, realization: int) -> RunResult:
@@ -375,10 +438,9 @@ def run_arq(handoff: Handoff, realization: int) -> RunResult:
     cfg = handoff.config
     arq = simulate_arq(forward_losses(handoff, realization), data_timing(handoff), 2 * cfg.owd_s, len(queue))
     in_order = arq.delivered(handoff.deadline_s)
-    complete = complete_blocks(handoff, queue[in_order])
     wall_ns = time.perf_counter_ns() - t0
     return _reference_result(
-        handoff, "arq", realization, complete, int(in_order.sum()),
+        handoff, "arq", realization, np.flatnonzero(in_order), int(in_order.sum()),
         source_sent=arq.new_sent, repair_sent=arq.retransmissions, forward_lost=arq.lost, wall_ns=wall_ns,
     )  # fmt: skip
 
@@ -399,14 +461,15 @@ def check_scheme_names(names: Sequence[str]) -> None:
             raise ValueError(f"unknown scheme {name!r}; choose from {known}")
 
 
-def _score(handoff: Handoff, send: SendQueue, event: DeadlineReached, verify: bool) -> DeadlineScore:
+def _score(handoff: Handoff, send: SendQueue, order: str, event: DeadlineReached,
+           verify: bool) -> DeadlineScore:
     decoded = event.decoded_esis
     if verify and len(decoded) and not np.array_equal(event.store[decoded], send.symbols[decoded]):
         raise AssertionError("decoder output differs from the source symbols")
-    complete = complete_blocks(handoff, send.queue[decoded])
+    complete, utility, _plain = handoff.credit(order, decoded)
     return DeadlineScore(
         complete=complete,
-        utility=float(handoff.block_utility[complete].sum()),
+        utility=utility,
         blocks=int(complete.sum()),
         decoded=len(decoded),
         redundant=event.stats.redundant_repairs,
@@ -488,6 +551,11 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         },
         "schemes": {},
     }
+    if handoff.fidelity is not None:
+        stream = handoff.stream("utility")
+        assert stream is not None
+        out["inputs"].update(precision=cfg.precision, stream_symbols=stream.n_symbols,
+                             stream_bytes=stream.total_bytes)
     for name, results in runs.items():
         packets = sum(r.source_sent + r.repair_sent for r in results)
         cpu_total = {k: sum(r.cpu_ns[k] for r in results) for k in ("encode", "decode", "feedback", "policy")}
@@ -507,6 +575,9 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
             },
             "wall_s_mean": float(np.mean([r.wall_s for r in results])),
         }
+        if handoff.fidelity is not None:
+            out["schemes"][name].update(mean_ci95_fields(
+                "recovered_block_utility", [r.block_utility or 0.0 for r in results]))
         if name in REFERENCE_SCHEMES:
             out["schemes"][name]["note"] = REFERENCE_SCHEMES[name]
     return out

@@ -9,9 +9,13 @@ each deadline run in a worker thread (``receiver/rebuild.py``).
   deadline timer never waits behind a drained socket buffer.
 - One loop timer (``loop.call_at`` on the loop's monotonic clock, which is the sessions' ``now``) tracks
   ``endpoint.get_timer()``.
-- ``DeadlineReached`` hands the decoded symbols to a single worker thread (``rebuild.reconstruct``: file
-  them by fragment id, rebuild the partial cache, generate); its RESULT goes back through
-  ``session.send_result``.
+- ``DeadlineReached`` (at the deadline, or as soon as everything planned is decoded: start when ready)
+  hands the decoded symbols to a single worker thread (``rebuild.reconstruct``: file them by fragment id
+  or stream index, rebuild the partial cache, generate); its RESULT goes back through
+  ``session.send_result`` and says which of the two started it.
+- A quantised OFFER (``OfferApp.precision``) names its scheme, mix, layout, fidelity table and a digest of
+  its piece plan: once the profile is known the receiver recomputes the plan and refuses the session with
+  the reason when the scheme is not its own, the table is unknown here or the digest differs.
 - Results are kept (last ``RESULTS_KEPT``) for the control API; sessions are bounded by the endpoint's
   config and reaped by the endpoint (a vanished sender's session closes after its RESULT retries).
 - Every session ends: a sweep (``REAP_EVERY_S``) answers a session still without a RESULT at its deadline
@@ -50,12 +54,22 @@ from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExpo
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker, WorkerBusy
-from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, pack_bits
+from pfec.common.plan.handoff import BLOCK_TOKENS, ModelIdentity, OfferApp, ResultApp, pack_bits
+from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
+from pfec.common.plan.precision import PieceLayout
+from pfec.common.plan.stream import check_offer, fidelity_named
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError, UtilityProfile
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
-from pfec.receiver.rebuild import AtDeadline, Reconstructed, error_result, reconstruct, result_of
+from pfec.receiver.rebuild import (
+    AtDeadline,
+    Reconstructed,
+    StreamPlan,
+    error_result,
+    reconstruct,
+    result_of,
+)
 from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
@@ -92,6 +106,9 @@ class SessionInfo:
     state: str = "receiving"
     result: dict[str, Any] | None = None
     profile: UtilityProfile | None = None  # resolved off the loop after the OFFER (None: not yet, or unknown)
+    stream: StreamPlan | None = None  # a quantised OFFER's piece plan, recomputed and checked here
+    n_source: int = 0
+    symbol_size: int = 0
 
 
 @dataclass
@@ -357,7 +374,8 @@ class ReceiverDaemon:
             app = OfferApp.decode(event.app_blob, max_tokens=self.max_tokens,
                                   max_blob_bytes=self.limits.max_blob_bytes)
             plan = self.identity.plan(app.n_tokens)  # bounded: n_tokens <= max_tokens
-            if plan.n_fragments != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
+            n_source = plan.n_fragments if app.precision is None else event.offer.n_source  # checked later
+            if n_source != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
                 raise ValueError(
                     f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
                     f"{plan.symbol_size} B here, the sender offers {event.offer.n_source} of "
@@ -370,9 +388,12 @@ class ReceiverDaemon:
             session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
             return
         info.app = app
+        info.n_source, info.symbol_size = event.offer.n_source, event.offer.symbol_size
         n_layers = self.identity.geometry.n_layers
         info.profile = self.profiles.cached(app.profile, n_layers)
-        if info.profile is None:  # read the named file off the loop; refuse the session if it is unusable
+        if info.profile is not None:
+            self._check_stream(info)
+        else:  # read the named file off the loop; refuse the session if it is unusable
             loop = self._loop
             assert loop is not None
             job = loop.run_in_executor(self._profile_executor, self.profiles.load, app.profile, n_layers)
@@ -388,6 +409,8 @@ class ReceiverDaemon:
         if exc is None:
             if info is not None:
                 info.profile = fut.result()
+                if self._check_stream(info):
+                    self._service(clock())
             return
         reason = str(exc) if isinstance(exc, ProfileError) else f"profile {name!r}: cannot be loaded"
         if not isinstance(exc, ProfileError):
@@ -399,9 +422,32 @@ class ReceiverDaemon:
         session.refuse(RefuseCode.BAD_PARAMETERS, reason)
         self._service(clock())
 
+    def _check_stream(self, info: SessionInfo) -> bool:
+        """A quantised OFFER, once its profile is known: recompute its piece plan, or refuse the session
+        with the reason (unknown scheme or fidelity table, another plan). True when it refused."""
+        app, profile = info.app, info.profile
+        if app is None or app.precision is None or profile is None or info.state != "receiving":
+            return False
+        offer = app.precision
+        g = self.identity.geometry
+        try:
+            fidelity = fidelity_named(offer.fidelity, g.n_layers, self.identity.details.get("model_digest"))
+            layout = PieceLayout(g, app.n_tokens, BLOCK_TOKENS)
+            utilities = profile.block_utilities(self.identity.plan(app.n_tokens))
+            plan = check_offer(offer, layout, utilities, fidelity, info.symbol_size - FRAGMENT_ID_SIZE,
+                               info.n_source, app.order, self.identity.quant_scheme)
+        except ValueError as exc:
+            session = self.endpoint.sessions.get(info.session_id)
+            info.state = "refused"
+            if session is not None and not session.closed:
+                session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
+            return True
+        info.stream = StreamPlan(offer.mix, plan, fidelity)
+        return False
+
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:
         info = self.sessions.get(event.session_id)
-        late = now - event.stats.deadline_at
+        late = now - (event.at if event.ready else event.stats.deadline_at)
         self.stats.deadline_late_s.append(late)
         self.metrics.deadline_started(late)
         stats = event.stats
@@ -417,7 +463,7 @@ class ReceiverDaemon:
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
         try:
             job = self.worker.submit(reconstruct, self.runtime, self.identity, app, info.profile,
-                                     event.decoded_esis, event.store)
+                                     event.decoded_esis, event.store, info.stream)
         except WorkerBusy as exc:
             self._result_without_rebuild(event, late, f"receiver busy: {exc}")
             return
@@ -499,8 +545,9 @@ class ReceiverDaemon:
             self.metrics.recovered_utility(done.utility)
         ttft = None
         if done.rebuilt.generation_ttft_s is not None:
-            # OFFER arrival -> first token: the wait for the deadline, start lateness, rebuild, forward.
-            ttft = (info.deadline + at.late_s + done.rebuilt.generation_ttft_s) - info.opened_at
+            # OFFER arrival -> first token: the wait for the deadline (or for the last symbol, when ready
+            # first), start lateness, rebuild, forward.
+            ttft = (at.reached_at + at.late_s + done.rebuilt.generation_ttft_s) - info.opened_at
             self.metrics.ttft(ttft)
         result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode)
         record = {"session_id": f"{sid:016x}", "finished_at": time.time(), **result.__dict__}

@@ -10,6 +10,13 @@
   OFFER) and is answered with an ACCEPT carrying fresh R_r. The ``ReceiverSession`` (deadline, decoder,
   ACKs, rebuild) exists only once a datagram opens under the session key K_s2r, which needs R_r: the
   proof that the sender holds the key and saw this ACCEPT. A replayed OFFER gets at most an ACCEPT.
+- Decoder span, per session: the OFFER asks for one (about two bandwidth-delay products plus the coding
+  window; 0: no request). The endpoint grants at least ``ReceiverConfig.decoder_span`` (and the window
+  cap), at most the request, ``MAX_SPAN`` (the codec's largest window) and the handoff's source count,
+  and shrinks it further so that the session's store plus the decoder it implies (a span x span
+  coefficient matrix and span payload rows) fit ``max_session_bytes``; a request past ``MAX_SPAN`` is
+  refused. The ACCEPT tells the sender the span granted; the session gets it through a per-session copy
+  of the config.
 - Anti-amplification: until establishment a pending handshake sends at most ``3 x`` the authenticated
   bytes it received (RFC 9000 section 8.1): a repeated OFFER part gets the same ACCEPT bytes again
   within that budget, a REFUSE text is clipped to fit it.
@@ -30,11 +37,13 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pfec.common.codec.fec import MAX_NSS
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import (
@@ -73,7 +82,10 @@ from pfec.receiver.session import (
     same_handoff,
 )
 
-__all__ = ["AMPLIFICATION_FACTOR", "Admission", "HandshakeInfo", "ReceiverEndpoint"]
+__all__ = [
+    "AMPLIFICATION_FACTOR", "MAX_SPAN", "Admission", "HandshakeInfo", "ReceiverEndpoint",
+    "decoder_bytes", "grant_span",
+]
 
 #: The application's own admission check: ``(session id, offer)`` -> a refusal, or None to admit.
 Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
@@ -81,6 +93,28 @@ Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
 AMPLIFICATION_FACTOR = 3  # bytes sent <= 3 x bytes received before establishment (RFC 9000 s8.1)
 _REFUSE_OVERHEAD = OVERHEAD + NONCE_SIZE + 1  # a handshake REFUSE without its text
 _HANDSHAKE = KeyPhase.HANDSHAKE
+MAX_SPAN = MAX_NSS  # the largest decoder span: an RFC 8681 window (12-bit NSS)
+
+
+def decoder_bytes(span: int, symbol_size: int) -> int:
+    """What a decoder of ``span`` allocates on top of the session's store: its span x span coefficient
+    matrix, span payload rows and its integer state (about 4 x span int64)."""
+    return span * span + span * symbol_size + 32 * span
+
+
+def grant_span(offer: Offer, config: ReceiverConfig) -> int:
+    """The decoder span a session for ``offer`` gets (told to the sender in the ACCEPT): the OFFER's request
+    within [max(window_cap, config.decoder_span), min(MAX_SPAN, n_source)], shrunk until the store and the
+    decoder fit ``max_session_bytes`` (never below that floor: ``_check_offer`` refuses what cannot fit)."""
+    floor = max(offer.window_cap, config.decoder_span)
+    span = max(floor, min(offer.span, MAX_SPAN, offer.n_source))
+    room = config.max_session_bytes - offer.n_source * offer.symbol_size
+    if span > floor and decoder_bytes(span, offer.symbol_size) > room:
+        # The largest span whose decoder fits the room: s^2 + s (S + 32) <= room.
+        b = offer.symbol_size + 32
+        fit = (math.isqrt(b * b + 4 * max(0, room)) - b) // 2
+        span = max(floor, fit)
+    return span
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +131,7 @@ class HandshakeInfo:
     budget_s: float
     bytes_received: int
     bytes_sent: int
+    span: int = 0  # the decoder span granted (the ACCEPT's)
 
 
 @dataclass(slots=True)
@@ -105,6 +140,7 @@ class _Pending:
 
     offer: Offer  # the first part received
     offer_pn: int
+    config: ReceiverConfig  # the session's: the endpoint's with the decoder span granted to this OFFER
     created_at: float
     expires_at: float
     receiver_random: bytes
@@ -226,6 +262,7 @@ class ReceiverEndpoint:
             HandshakeInfo(
                 sid, p.created_at, p.expires_at, len(p.parts), p.offer.part_count, p.offer.n_source,
                 p.offer.symbol_size, p.offer.budget_us * 1e-6, p.bytes_received, p.bytes_sent,
+                p.config.decoder_span,
             )
             for sid, p in self._handshakes.items()
         ]
@@ -304,12 +341,14 @@ class ReceiverEndpoint:
             old, _gone = handshakes.popitem(last=False)
             self._remember_closed(old)
             self._drop("handshake_evicted")
+        span = grant_span(offer, cfg)
+        session_cfg = cfg if span == cfg.decoder_span else replace(cfg, decoder_span=span)
         r_r = self.random_bytes(RANDOM_SIZE)
-        accept = Accept(decoder_span(offer, cfg), offer.n_source, r_r)
+        accept = Accept(decoder_span(offer, session_cfg), offer.n_source, r_r)
         reply = seal_handshake(self.keyring, Role.RECEIVER, accept, sid, 1, self.random_bytes(NONCE_SIZE),
                                offer.sender_random)
-        pending = _Pending(offer, header.packet_number, now, now + cfg.handshake_timeout_s, r_r, reply,
-                           {offer.part_index: header.packet_number}, bytes_received=size)
+        pending = _Pending(offer, header.packet_number, session_cfg, now, now + cfg.handshake_timeout_s, r_r,
+                           reply, {offer.part_index: header.packet_number}, bytes_received=size)
         handshakes[sid] = pending
         self._reply(pending, sid)
         early = self._early.pop(sid, None)
@@ -341,18 +380,23 @@ class ReceiverEndpoint:
                 f"n_source {offer.n_source} and window_cap {offer.window_cap} must be positive, "
                 "window_cap <= 4095",
             )
+        if offer.span > MAX_SPAN:
+            return (RefuseCode.BAD_PARAMETERS,
+                    f"decoder span {offer.span} asked for, above the largest window {MAX_SPAN}")
         if offer.part_count > cfg.max_offer_parts:
             return (RefuseCode.BAD_PARAMETERS,
                     f"OFFER of {offer.part_count} parts, above max_offer_parts {cfg.max_offer_parts}")
         if offer.budget_us > cfg.max_budget_s * 1e6:
             return (RefuseCode.BAD_PARAMETERS,
                     f"budget {offer.budget_us / 1e6:.3f} s above max_budget_s {cfg.max_budget_s:g}")
-        need = offer.n_source * offer.symbol_size
+        # The store and the smallest decoder this receiver would run (grant_span shrinks a larger one).
+        floor = max(offer.window_cap, cfg.decoder_span)
+        need = offer.n_source * offer.symbol_size + decoder_bytes(floor, offer.symbol_size)
         if need > cfg.max_session_bytes:
             return (
                 RefuseCode.OVERLOADED,
-                f"handoff needs {need} bytes, above this receiver's max_session_bytes "
-                f"{cfg.max_session_bytes}",
+                f"handoff needs {need} bytes (store and decoder of span {floor}), above this receiver's "
+                f"max_session_bytes {cfg.max_session_bytes}",
             )
         if len(self.sessions) >= cfg.max_sessions:
             return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
@@ -423,7 +467,7 @@ class ReceiverEndpoint:
             if part_pn != pn:
                 with contextlib.suppress(ReplayError):
                     protector.mark_received(part_pn)
-        session = ReceiverSession(sid, protector, pending.offer, pending.offer_pn, now, self.config,
+        session = ReceiverSession(sid, protector, pending.offer, pending.offer_pn, now, pending.config,
                                   self.cpu, offer_at=pending.created_at)
         self.sessions[sid] = session
         pending.held.sort(key=lambda held: held[0])

@@ -17,7 +17,9 @@ Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED
   packet number and how long ago it arrived) leaves after every ``ack_every`` data datagrams, or
   ``ack_delay_s`` after the first unacknowledged one.
 - At the deadline the session stops decoding and emits ``DeadlineReached`` with every decoded source
-  symbol. The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated
+  symbol; it does so at once, before the deadline, when every source symbol is decoded and the OFFER is
+  complete (start when ready: nothing more can arrive that the receiver could use; ``ready`` says which).
+  The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated
   until the sender's CLOSE or ``result_retries`` run out (a vanished sender), then the session closes.
 """
 
@@ -57,8 +59,10 @@ class ReceiverConfig:
     ack_every: int = 16
     ack_delay_s: float = 0.002
     # Decoder span: undecoded symbols repairs may still reach past the prefix (>= the sender's window
-    # cap). Above the bandwidth-delay product in packets (178 at 100 Mbit/s, 20 ms) so that every hole
-    # of a round trip can be repaired in the next one; it sizes the ACK's hole map (span / 8 bytes).
+    # cap); it sizes the ACK's hole map (span / 8 bytes). This is the floor and default: the endpoint
+    # grants each session the span its OFFER asks for (about two bandwidth-delay products plus the
+    # coding window, so every hole of a round trip can be repaired in the next), within 4095, n_source
+    # and max_session_bytes.
     decoder_span: int = 512
     result_retry_s: float = 0.05
     result_retries: int = 20
@@ -130,6 +134,8 @@ class DeadlineReached(Event):
     store: npt.NDArray[np.uint8]  # (N, S) decoded symbols by ESI (rows not in decoded_esis are garbage)
     have: npt.NDArray[np.bool_]
     stats: ReceiverStats
+    ready: bool = False  # True: everything planned was decoded before the deadline (start when ready)
+    at: float = 0.0  # when the session reached it (its deadline, or when the last symbol decoded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +218,7 @@ class ReceiverSession:
         elif isinstance(message, Offer):
             self.stats.received["control"] += 1
             self._on_offer_part(message)
+            self._start_if_ready(now)
         elif isinstance(message, Close):
             self.stats.received["control"] += 1
             self._close(f"sender closed ({message.code.name}) {message.text}".strip())
@@ -322,6 +329,13 @@ class ReceiverSession:
             self._send_ack(now)
         elif self._ack_timer is None:
             self._ack_timer = now + self.config.ack_delay_s
+        self._start_if_ready(now)
+
+    def _start_if_ready(self, now: float) -> None:
+        """Everything planned is decoded and the OFFER is whole: no need to wait for the deadline."""
+        if (self.state is ReceiverState.RECEIVING and self._offer_complete
+                and self.decoder.decoded_count >= self.offer.n_source):
+            self._reach_deadline(now, ready=True)
 
     def _track_stall(self, now: float) -> None:
         # Stalled: undecoded symbols reach past the decoder span, where no repair can help them until
@@ -377,7 +391,7 @@ class ReceiverSession:
             blob = b"".join(self._app_parts[i] for i in range(self._app_part_count))
             self._events.append(OfferReceived(self.session_id, self.offer, blob))
 
-    def _reach_deadline(self, now: float) -> None:
+    def _reach_deadline(self, now: float, ready: bool = False) -> None:
         self.state = ReceiverState.DEADLINE
         if self._stalled_since is not None:
             self.stats.stall_time_s += now - self._stalled_since
@@ -387,7 +401,7 @@ class ReceiverSession:
         self._ack_timer = None
         dec = self.decoder
         self._events.append(
-            DeadlineReached(self.session_id, dec.decoded_esis(), dec.store, dec.have, self.stats)
+            DeadlineReached(self.session_id, dec.decoded_esis(), dec.store, dec.have, self.stats, ready, now)
         )
 
     def _close(self, reason: str) -> None:

@@ -75,6 +75,9 @@ class HandoffRequest(BaseModel):
     profile: str | None = Field(default=None, max_length=300,
                                 description="Profile NAME in the sender's profile directory (never a path).")
     repair_budget: float | None = Field(default=None, ge=0, le=10)
+    precision: Literal["auto", "native", "int8", "int8-int4", "int4", "int2"] = Field(
+        default="auto", description="KV precision: auto (the break-even planner's mix; native for "
+        "synthetic KV) or a mix.")
 
     @field_validator("receiver")
     @classmethod
@@ -167,6 +170,7 @@ class HandoffRequest(BaseModel):
             generate=self.generate,
             repair_budget=self.repair_budget,
             destination=destination,
+            precision=self.precision,
         )
 
 

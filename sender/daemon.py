@@ -26,8 +26,15 @@ from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, default_profile_name
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.policies import Scheme, get_scheme
-from pfec.sender.handoffs import Handoff, HandoffSpec, plan_report, result_report, wire_report
-from pfec.sender.kv import Prepared, full_kv_answer, prepare_model, prepare_synthetic
+from pfec.sender.handoffs import (
+    Handoff,
+    HandoffSpec,
+    plan_report,
+    result_report,
+    sent_bytes_by_level,
+    wire_report,
+)
+from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
 from pfec.sender.repair_plan import warm_up as planner_warm_up
@@ -217,18 +224,22 @@ class SenderDaemon:
                                             secrets.randbits(32), force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
+        if prepared.planner is not None:
+            self.metrics.planner_choice(prepared.planner["choice"])
         return prepared
 
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int) -> Prepared:
         """Worker thread: the profile by name (this node's profile directory), then the KV."""
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
+        precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, 2 * self.owd_s)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
-                                     spec.inputs.question_ids or ())
+                                     spec.inputs.question_ids or (), precision)
         assert self.runtime is not None
         return prepare_model(self.runtime, self.identity, spec.inputs, order, profile, profile_name,
-                             spec.full_kv_answer, spec.max_new_tokens, self.limits.max_context_tokens)
+                             spec.full_kv_answer, spec.max_new_tokens, self.limits.max_context_tokens,
+                             precision)
 
     async def _stream(self, handoff: Handoff, transfer: PacedTransfer, destination: Destination) -> None:
         """Open the socket, stream until the transfer ends, then linger the socket out in the background."""
@@ -258,8 +269,10 @@ class SenderDaemon:
                 "raise rate_mbps"
             )
         generate = spec.generate and self.runtime is not None
+        stream = prepared.stream
         app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
-                       spec.max_new_tokens, self.identity.model_id, generate)
+                       spec.max_new_tokens, self.identity.model_id, generate,
+                       None if stream is None else stream.offer)
         setup = SenderSetup(
             scheme=scheme,
             repair_budget=self.repair_budget if spec.repair_budget is None else spec.repair_budget,
@@ -270,7 +283,8 @@ class SenderDaemon:
             app_blob=app.encode(),
         )
         sid = secrets.randbits(64)
-        send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility)
+        send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
+                         None if stream is None else stream.block_of_symbol)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         link = self._links.setdefault(rate_bps, LinkClock(rate_bps))
@@ -280,6 +294,8 @@ class SenderDaemon:
         session = transfer.session
         report = handoff.report
         report.update(wire_report(session, transfer.bytes_sent, transfer.socket_errors))
+        for level, nbytes in sent_bytes_by_level(prepared, session.datagrams_sent["source"]).items():
+            self.metrics.precision_bytes_sent(level, nbytes)
         send_deadline = session.deadline - self.owd_s
         if transfer.last_data_at is not None:
             report["deadline_slack_ms"] = round((send_deadline - transfer.last_data_at) * 1000, 3)

@@ -8,9 +8,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from pfec.common.node.udp import Destination
 from pfec.common.plan.deadline import DEFAULT_RHO
 from pfec.common.plan.handoff import ResultApp, recovered_utility, unpack_bits
+from pfec.common.plan.precision import PieceKind
+from pfec.common.plan.stream import AUTO
 from pfec.sender.kv import ContextInput, Prepared
 from pfec.sender.session import SenderSession
 from pfec.sender.transfer import LinkBudget
@@ -35,6 +39,7 @@ class HandoffSpec:
     generate: bool = True
     repair_budget: float | None = None
     destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
+    precision: str = AUTO  # auto (the planner's mix; native for synthetic KV) or a mix of stream.MIXES
 
 
 @dataclass
@@ -65,15 +70,51 @@ def plan_report(spec: HandoffSpec, prepared: Prepared, budget: LinkBudget, schem
         "profile": profile,
         "n_tokens": plan.n_tokens,
         "n_blocks": plan.n_blocks,
-        "n_source": plan.n_fragments,
+        "n_source": prepared.n_source,
         "symbol_size": plan.symbol_size,
         "kv_bytes": plan.kv_bytes,
+        **precision_report(prepared),
         "rate_mbps": budget.rate_bps / 1e6,
         "t_ser_ms": round(budget.t_ser_s * 1000, 3),
         "deadline_ms": round(budget.deadline_s * 1000, 3),
         "rho": round(budget.rho, 4),
         "prefill_s": round(prepared.prefill_s, 4),
     }
+
+
+def precision_report(prepared: Prepared) -> dict[str, Any]:
+    """What the stream carries: the mix, its bytes next to the native cache's, the planner's prediction."""
+    stream = prepared.stream
+    planner = prepared.planner
+    out: dict[str, Any] = {
+        "precision": prepared.precision,
+        "native_bytes": prepared.plan.kv_bytes,
+        "stream_bytes": prepared.plan.kv_bytes if stream is None else stream.plan.total_bytes,
+        "precision_mix": {"native": prepared.plan.n_blocks} if stream is None else stream.summary(),
+        "planner": planner,
+        "planner_ttft_s": None if planner is None else round(float(planner["predicted_ttft_s"]), 6),
+        "planner_choice": None if planner is None else planner["choice"],
+    }
+    if stream is not None:
+        out["quantise_s"] = round(stream.quantise_s, 6)
+    return out
+
+
+def sent_bytes_by_level(prepared: Prepared, source_sent: int) -> dict[str, int]:
+    """KV bytes of the first ``source_sent`` source symbols (sources go out in order), by precision level
+    of the pieces they carry (``native`` for fragments; repairs not counted)."""
+    stream = prepared.stream
+    if stream is None:
+        plan = prepared.plan
+        return {"native": min(plan.kv_bytes, max(0, source_sent) * plan.fragment_payload)}
+    pieces = stream.plan
+    limit = min(pieces.total_bytes, max(0, source_sent) * pieces.symbol_size)
+    inside = np.clip(limit - pieces.offsets, 0, pieces.sizes)
+    out: dict[str, int] = {}
+    for kind in np.unique(pieces.kinds).tolist():
+        label = PieceKind(kind).level.label
+        out[label] = out.get(label, 0) + int(inside[pieces.kinds == kind].sum())
+    return out
 
 
 def wire_report(session: SenderSession, bytes_sent: int, socket_errors: int) -> dict[str, Any]:
@@ -119,5 +160,9 @@ def result_report(result: ResultApp, prepared: Prepared) -> tuple[dict[str, Any]
         "rebuild_s": result.rebuild_s,
         "receiver_error": result.error,
         "receiver_stats": result.stats,
+        "start": result.start,
+        "received_precision": result.precision,
+        "precision_utility": result.precision_utility,
+        "levels": result.levels,
     })
     return report, utility

@@ -2,6 +2,10 @@
 
 ``prepare_model`` uses the model runtime (``common/model/llm.py``, imported lazily so the transport never
 loads torch); ``prepare_synthetic`` fills the same plan with random bytes (transport benchmarks, tests).
+
+Precision: ``native`` sends the plan's fragments in the model's dtype (as ever); a quantised mix
+(``common/plan/stream.py``) quantises the cache here, in the worker thread, and sends the piece plan's
+symbols, each with its 4-byte stream index; ``auto`` asks the break-even planner which mix.
 """
 
 from __future__ import annotations
@@ -14,8 +18,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.handoff import ModelIdentity
-from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.plan.handoff import BLOCK_TOKENS, ModelIdentity
+from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan
+from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
+from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
+from pfec.common.plan.stream import (
+    AUTO,
+    NATIVE,
+    PrecisionOffer,
+    choose_mix,
+    fidelity_name_for,
+    fidelity_named,
+    mix_summary,
+    plan_digest,
+    stream_plan,
+)
 from pfec.common.plan.utility import UtilityProfile, fifo_order, utility_order
 
 if TYPE_CHECKING:
@@ -34,22 +51,79 @@ class ContextInput:
     synthetic_tokens: int | None = None  # no model: random KV of this many tokens
 
 
+@dataclass(frozen=True)
+class PrecisionRequest:
+    """The precision asked for and the link it is planned for (``auto`` needs the rate and RTT)."""
+
+    precision: str = NATIVE  # auto, or a mix of stream.MIXES
+    rate_bps: float = 100e6
+    rtt_s: float = 0.02
+
+
+@dataclass
+class Stream:
+    """A quantised handoff's stream: its piece plan and what the OFFER says about it."""
+
+    mix: str
+    plan: PiecePlan
+    offer: PrecisionOffer
+    block_of_symbol: npt.NDArray[np.int64]  # block of the piece holding each symbol's first byte
+    quantise_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"stream_bytes": self.plan.total_bytes, "n_pieces": self.plan.n_pieces,
+                "plan_digest": self.offer.plan, "fidelity": self.offer.fidelity, **mix_summary(self.plan)}
+
+
 @dataclass
 class Prepared:
     plan: BlockPlan
     block_utility: npt.NDArray[np.float64]
-    queue: npt.NDArray[np.int64]  # fragment ids in send order
+    queue: npt.NDArray[np.int64]  # fragment ids (or stream indices) in send order
     symbols: npt.NDArray[np.uint8]  # [n_source, S], row i = symbol of queue[i]
     question_ids: tuple[int, ...]
     prefill_s: float
     profile: str
     cache: Any = None  # the intact DynamicCache (kept only for the full-KV answer; a torch type)
     extra: dict[str, Any] = field(default_factory=dict)
+    stream: Stream | None = None  # a quantised mix; None: the plan's native fragments
+    planner: dict[str, Any] | None = None  # choose_mix's view
+
+    @property
+    def precision(self) -> str:
+        return NATIVE if self.stream is None else self.stream.mix
+
+    @property
+    def n_source(self) -> int:
+        return len(self.queue)
 
 
 def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> npt.NDArray[np.int64]:
     blocks = utility_order(utilities) if order == "utility" else fifo_order(plan.n_blocks)
     return plan.fragment_queue(blocks)
+
+
+def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt.NDArray[np.float64],
+                order: str) -> Stream:
+    """The piece plan of a quantised ``mix`` for this handoff, with the OFFER's description of it."""
+    native = identity.plan(n_tokens)
+    n_layers = identity.geometry.n_layers
+    digest = identity.details.get("model_digest")
+    fidelity_name = fidelity_name_for(n_layers, digest)
+    fidelity: FidelityTable = fidelity_named(fidelity_name, n_layers, digest)
+    layout = PieceLayout(identity.geometry, n_tokens, BLOCK_TOKENS)
+    plan = stream_plan(layout, mix, utilities, fidelity, native.symbol_size - FRAGMENT_ID_SIZE, order)
+    offer = PrecisionOffer(QUANT_SCHEME, mix, layout.block_tokens, layout.value_group, fidelity_name,
+                           plan_digest(plan, mix, fidelity_name))
+    first_piece, _ = plan.symbol_piece_spans()
+    return Stream(mix, plan, offer, plan.blocks[first_piece].astype(np.int64))
+
+
+def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest,
+             ) -> tuple[str, dict[str, Any] | None]:
+    if request.precision == NATIVE:
+        return NATIVE, None
+    return choose_mix(request.precision, n_tokens, identity.geometry, request.rate_bps, request.rtt_s)
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -70,9 +144,11 @@ def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...
 def prepare_model(
     runtime: ModelRuntime, identity: ModelIdentity, inp: ContextInput, order: str, profile: UtilityProfile,
     profile_name: str, keep_cache: bool, max_new_tokens: int = 24, max_context_tokens: int | None = None,
+    precision: PrecisionRequest | None = None,
 ) -> Prepared:
-    """Prefill the context and cut its KV into symbols in ``order``; ValueError for a context longer than
-    the model's or than ``max_context_tokens`` (the node's configured bound), before any prefill."""
+    """Prefill the context and cut its KV into symbols in ``order`` (native fragments, or the quantised
+    stream of the mix ``precision`` resolves to); ValueError for a context longer than the model's or
+    than ``max_context_tokens`` (the node's configured bound), before any prefill."""
     from pfec.common.model import llm  # deferred: torch
 
     context_ids, question_ids = prompt_ids(runtime, inp)
@@ -85,19 +161,41 @@ def prepare_model(
     prefill_s = time.perf_counter() - started
     plan = identity.plan(len(context_ids))
     utilities = profile.block_utilities(plan)
-    queue = _order(plan, utilities, order)
-    symbols = llm.serialise_symbols(runtime, cache, plan, queue)
+    mix, planner = _mix_for(identity, plan.n_tokens, precision or PrecisionRequest())
+    if mix == NATIVE:
+        queue = _order(plan, utilities, order)
+        symbols = llm.serialise_symbols(runtime, cache, plan, queue)
+        return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
+                        cache if keep_cache else None, planner=planner)
+    stream = plan_stream(identity, plan.n_tokens, mix, utilities, order)
+    started = time.perf_counter()
+    symbols = llm.serialise_stream(runtime, cache, stream.plan)
+    stream.quantise_s = time.perf_counter() - started
+    queue = np.arange(stream.plan.n_symbols, dtype=np.int64)
     return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
-                    cache if keep_cache else None)
+                    cache if keep_cache else None, stream=stream, planner=planner)
 
 
 def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profile: UtilityProfile,
-                      profile_name: str, seed: int, question_ids: Sequence[int] = ()) -> Prepared:
-    """Random KV bytes in the model's plan (fragment ids are real, so the receiver files them)."""
+                      profile_name: str, seed: int, question_ids: Sequence[int] = (),
+                      precision: PrecisionRequest | None = None) -> Prepared:
+    """Random KV bytes in the model's plan (fragment ids are real, so the receiver files them); a quantised
+    mix sends random piece bytes in its piece plan (stream indices are real). ``auto`` means native here:
+    random bytes have no precision to trade."""
     plan = identity.plan(n_tokens)
     utilities = profile.block_utilities(plan)
-    queue = _order(plan, utilities, order)
     rng = np.random.default_rng(seed)
+    request = precision or PrecisionRequest()
+    if request.precision not in (NATIVE, AUTO):
+        stream = plan_stream(identity, n_tokens, request.precision, utilities, order)
+        width = stream.plan.symbol_size + FRAGMENT_ID_SIZE
+        raw = np.frombuffer(bytearray(rng.bytes(stream.plan.n_symbols * width)), dtype=np.uint8)
+        symbols = raw.reshape(stream.plan.n_symbols, width)
+        queue = np.arange(stream.plan.n_symbols, dtype=np.int64)
+        symbols[:, :4] = queue.astype(">u4").view(np.uint8).reshape(-1, 4)
+        return Prepared(plan, utilities, queue, symbols, tuple(question_ids), 0.0, profile_name,
+                        stream=stream)
+    queue = _order(plan, utilities, order)
     symbols = np.frombuffer(bytearray(rng.bytes(plan.n_fragments * plan.symbol_size)), dtype=np.uint8)
     symbols = symbols.reshape(plan.n_fragments, plan.symbol_size)
     symbols[:, :4] = queue.astype(">u4").view(np.uint8).reshape(-1, 4)

@@ -15,16 +15,20 @@ from typing import Final
 from prometheus_client import CollectorRegistry
 
 from pfec.common.node.metrics import DATAGRAM_TYPES, NodeMetrics, check_label
+from pfec.common.plan.breakeven import DEFAULT_PRECISION_LEVELS
 from pfec.common.wire.messages import PARSE_REASONS
 
 __all__ = [
     "DATAGRAM_TYPES",
     "HANDOFF_OUTCOMES",
+    "PRECISION_LEVELS",
     "SENDER_DROP_REASONS",
     "SenderMetrics",
 ]
 
 HANDOFF_OUTCOMES: Final = ("done", "failed", "refused", "cancelled")
+PRECISION_LEVELS: Final = ("int2", "int4", "int8", "native")
+PLANNER_LEVELS: Final = tuple(level.name for level in DEFAULT_PRECISION_LEVELS)
 #: ``common.wire.PARSE_REASONS`` plus what the sender session and daemon drop for (see ``sender/session.py``).
 SENDER_DROP_REASONS: Final = (
     *sorted(PARSE_REASONS),
@@ -77,6 +81,13 @@ class SenderMetrics(NodeMetrics):
             "deficit_symbols", "Estimated repair deficit (symbols) at the latest decision."
         )
         self.precreate(self._handoffs, HANDOFF_OUTCOMES)
+        self._precision_bytes = self.counter(
+            "precision_bytes_sent", "KV bytes of the source symbols sent, by the precision of their pieces.",
+            ["precision"])
+        self.precreate(self._precision_bytes, PRECISION_LEVELS)
+        self._planner = self.counter(
+            "planner_choices", "The break-even planner's choice per handoff (local, handoff:P or split:P).",
+            ["choice"])
 
     # ------------------------------------------------------------------ datagrams
 
@@ -104,6 +115,18 @@ class SenderMetrics(NodeMetrics):
 
     def prefill_done(self, seconds: float) -> None:
         self._prefill.observe(max(0.0, seconds))
+
+    def precision_bytes_sent(self, level: str, nbytes: int) -> None:
+        """KV bytes sent at ``level`` (int2, int4, int8, native) in one handoff."""
+        label = check_label(level, PRECISION_LEVELS, "precision level")
+        self._precision_bytes.labels(label).inc(max(0, nbytes))
+
+    def planner_choice(self, choice: str) -> None:
+        """The planner's choice for one handoff (``local``, ``handoff:P``, ``split:P``, P a known level)."""
+        mode, _, level = choice.partition(":")
+        if not (choice == "local" or (mode in ("handoff", "split") and level in PLANNER_LEVELS)):
+            raise ValueError(f"unknown planner choice {choice!r}")
+        self._planner.labels(choice).inc()
 
     def scheduler_decision(self, seconds: float, window_symbols: int, deficit_symbols: float) -> None:
         """One policy decision: its CPU time and the state it saw."""

@@ -16,7 +16,10 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts the session
   refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
   left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
-  an action; the burst is then sent one datagram per call.
+  an action; the burst is then sent one datagram per call. An open-loop policy (a fixed-rate code) needs
+  no deficit for a repair and its repairs cover the newest window: its planner takes the ACKs' prefix but
+  not their hole maps, and moves to the window at the prefix only while an ACK reports the receiver's
+  decoder stalled (undecoded range past its span: a newer window would be refused).
 - ACKs move the encoder's window (cumulative decoded prefix) and feed the loss, burst, RTT and deficit
   estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
   flight that the receiver had not seen when it wrote the ACK (each arrives with probability 1 - loss),
@@ -83,6 +86,10 @@ class SenderConfig:
     first_flight: int = 64  # data datagrams sent before the receiver's ACCEPT (about one BDP)
     handshake_timeout_s: float = 3.0  # no ACCEPT by start + this: fail, CLOSE
     max_result_parts: int = 1024  # RESULT datagrams of one handoff (1024 x 1362 B of application data)
+    # The decoder span asked for in the OFFER (symbols past the receiver's prefix that repairs may reach:
+    # about two bandwidth-delay products plus the window, ``transfer.decoder_span_for``); 0: the
+    # receiver's default. The receiver grants what its bounds allow and says so in the ACCEPT.
+    decoder_span: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0:
@@ -101,6 +108,8 @@ class SenderConfig:
             raise ValueError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s!r}")
         if self.max_result_parts < 1:
             raise ValueError(f"max_result_parts must be >= 1, got {self.max_result_parts!r}")
+        if self.decoder_span != 0 and not self.window_cap <= self.decoder_span <= MAX_SPAN:
+            raise ValueError(f"decoder_span must be 0 or window_cap..{MAX_SPAN}, got {self.decoder_span!r}")
 
 
 class SenderState(Enum):
@@ -218,6 +227,12 @@ class SenderSession:
         self.state = SenderState.IDLE
         self.view = SchedulerView(n_source=self.encoder.n_source, repair_budget=config.repair_budget)
         self.view.repairs_left = config.repair_budget if policy.sends_repairs else 0
+        # Open loop (a fixed-rate code): repairs need no deficit, and the planner never sees the ACKs' hole
+        # maps, so every repair covers the newest window (see common/sched/policies.py).
+        self._open_loop = self.view.open_loop = bool(getattr(policy, "open_loop", False))
+        self._span = config.window_cap  # the receiver's decoder span (its ACCEPT says it)
+        if self._open_loop:  # until an ACK says the receiver's decoder is stalled: the newest window
+            self.planner.span = MAX_SPAN
         self._source_info = source_info
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
         self._utility_features: list[list[float]] | None = (
@@ -499,6 +514,7 @@ class SenderSession:
             part_count=len(parts),
             app=part,
             sender_random=self.protector.local_random,
+            span=cfg.decoder_span,
         )
         self._control.append(self.protector.seal(offer))
         self.datagrams_sent["control"] += 1
@@ -547,7 +563,9 @@ class SenderSession:
         parts = split_app(self.config.app_blob, MsgType.OFFER)
         self._queue_offer_part(parts, len(parts) - 1, now)
         # ACCEPT carries the receiver's decoder span: how far past its prefix repairs may reach.
-        self.planner.span = max(self.config.window_cap, min(accept.window_cap, MAX_SPAN))
+        self._span = max(self.config.window_cap, min(accept.window_cap, MAX_SPAN))
+        if not self._open_loop:
+            self.planner.span = self._span
         self._fresh_plan = None
         self._events.append(Accepted(accept.window_cap))
 
@@ -613,11 +631,18 @@ class SenderSession:
             cpu.acks += 1
 
     def _plan_from_ack(self, ack: Ack) -> None:
+        open_loop = self._open_loop  # a fixed-rate code takes the prefix (the encoder's window), no holes
+        if open_loop:
+            # Its repairs cover the newest window, unless the receiver reports its decoder stalled (a loss
+            # no repair reached holds the prefix and the undecoded range outgrew the span: it refuses
+            # windows past prefix + span); then the window at the prefix, the only one that can move it.
+            stalled = ack.seen_end - ack.decoded_prefix > self._span
+            self.planner.span = self.config.window_cap if stalled else MAX_SPAN
         self.planner.on_ack(
             ack.decoded_prefix,
-            ack.holes,
-            ack.hole_bits,
-            ack.deficit,
+            b"" if open_loop else ack.holes,
+            0 if open_loop else ack.hole_bits,
+            0 if open_loop else ack.deficit,
             self.encoder.next_esi,
             self._rep_window,
             self._repairs_acked,

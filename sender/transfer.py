@@ -22,7 +22,7 @@ from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
-from pfec.sender.session import SenderConfig, SenderSession, SourceInfo
+from pfec.sender.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,27 @@ class LinkBudget:
 
 @dataclass(frozen=True)
 class SendQueue:
-    """What one handoff sends: every fragment of ``plan`` in send order, with the blocks' utilities."""
+    """What one handoff sends: every fragment of ``plan`` in send order, with the blocks' utilities.
+
+    A progressive-precision stream (``common/plan/stream.py``) sends its own symbols instead of the plan's
+    fragments: ``queue`` is then its stream indices and ``block_of_symbol`` the block each symbol serves.
+    """
 
     plan: BlockPlan
-    queue: npt.NDArray[np.int64]  # fragment ids in send order
-    symbols: npt.NDArray[np.uint8]  # [n_fragments, symbol size], row i = the symbol of queue[i]
+    queue: npt.NDArray[np.int64]  # fragment ids (or stream indices) in send order
+    symbols: npt.NDArray[np.uint8]  # [n_source, symbol size], row i = the symbol of queue[i]
     block_utility: npt.NDArray[np.float64]  # per block id
+    block_of_symbol: npt.NDArray[np.int64] | None = None  # a stream's block per symbol, in send order
+
+    @property
+    def n_source(self) -> int:
+        return len(self.queue)
+
+    def blocks_in_send_order(self) -> npt.NDArray[np.int64]:
+        """The block id of every source symbol, in send order."""
+        if self.block_of_symbol is not None:
+            return self.block_of_symbol
+        return self.plan.fragment_block[self.queue]
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,22 @@ def first_flight(budget: LinkBudget) -> int:
     return min(MAX_FIRST_FLIGHT, max(MIN_FIRST_FLIGHT, bdp))
 
 
+SPAN_SLACK = 32  # symbols per round trip on top of the path: the receiver's ACK interval, a repair burst
+
+
+def decoder_span_for(budget: LinkBudget, window_cap: int, n_source: int) -> int:
+    """The decoder span to ask the receiver for (the OFFER's ``span``): how far past its decoded prefix
+    repairs must still reach. A loss is reported about a round trip after it was sent and its repair lands
+    half a round trip later, while sources keep arriving; a lost repair costs one more round trip. So two
+    bandwidth-delay products in packets (plus the ACK interval and a burst each) and the coding window,
+    at most what an RFC 8681 window can address (MAX_SPAN) and no more than the handoff's source symbols.
+    The receiver grants at least its own default (512) and at most what its allocation bounds allow; its
+    ACCEPT carries the span granted, which the sender's repair planner then uses."""
+    bdp = math.ceil(2 * budget.owd_s / budget.slot_s)
+    want = 2 * (bdp + SPAN_SLACK) + window_cap
+    return max(window_cap, min(MAX_SPAN, n_source, want))
+
+
 def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup: SenderSetup,
                     cpu: CpuMeter | None = None) -> SenderSession:
     """A ready-to-start ``SenderSession`` for ``send`` within ``budget``."""
@@ -95,7 +126,7 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         budget_s=budget.deadline_s,
         slot_s=budget.slot_s,
         owd_s=budget.owd_s,
-        repair_budget=round(setup.repair_budget * plan.n_fragments),
+        repair_budget=round(setup.repair_budget * send.n_source),
         fingerprint=setup.fingerprint,
         window_cap=setup.window_cap,
         target_nonzeros=setup.target_nonzeros,
@@ -103,9 +134,10 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         rate_bps=budget.rate_bps,
         result_wait_s=setup.result_wait_s,
         first_flight=first_flight(budget),
+        decoder_span=decoder_span_for(budget, setup.window_cap, send.n_source),
     )
     protector = PacketProtector(keyring_for(bytes(setup.psk), setup.authenticate), session_id, Role.SENDER,
                                 plan.symbol_size, random_bytes=setup.random_bytes)
-    source_info = SourceInfo(plan.fragment_block[send.queue], send.block_utility)
+    source_info = SourceInfo(send.blocks_in_send_order(), send.block_utility)
     return SenderSession(session_id, config, send.symbols, setup.scheme.make_policy(), protector, source_info,
                          cpu)

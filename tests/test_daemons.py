@@ -8,6 +8,7 @@ real default model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -37,6 +38,7 @@ from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
+from pfec.common.plan.utility import synthetic_profile
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import Role, Source
 from pfec.common.wire.seal import PacketProtector
@@ -56,7 +58,7 @@ from pfec.receiver.session import ReceiverConfig
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import Handoff, HandoffSpec
-from pfec.sender.kv import ContextInput
+from pfec.sender.kv import ContextInput, plan_stream
 from pfec.sender.session import SenderSession
 
 T = TypeVar("T")
@@ -120,7 +122,7 @@ def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRunti
             tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=5, scheme="heuristic")
             h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
                                       relay.listen_address, rho=5.0, full_kv_answer=True, max_new_tokens=6,
-                                      repair_budget=0.5))
+                                      repair_budget=0.5, precision="native"))
             report = await _wait(h)
             stats = relay.stats()
             await tx.close()
@@ -137,7 +139,9 @@ def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRunti
     assert report["recovered_utility"] == pytest.approx(1.0), report
     assert report["blocks_recovered"] == report["n_blocks"]
     assert report["answer"] == report["full_kv_answer"] and report["answer"], report
-    assert report["ttft_s"] > report["deadline_ms"] / 1000 * 0.5
+    assert report["precision"] == "native" and report["stream_bytes"] == report["native_bytes"], report
+    # Everything decoded: the receiver started when ready, not at the deadline.
+    assert report["start"] == "ready" and report["ttft_s"] < report["deadline_ms"] / 1000, report
     assert report["source_sent"] == report["n_source"]
     assert results and results[-1]["recovered_utility"] == pytest.approx(1.0)
     assert b"pfec_receiver_sessions_total{outcome=\"done\"} 1.0" in metrics
@@ -451,6 +455,144 @@ def test_peer_with_another_model_is_refused_with_the_reason() -> None:
     assert results and "refused" in results[-1]["error"]
 
 
+# --------------------------------------------------------------------------- progressive precision
+
+
+def test_int8_handoff_streams_fewer_bytes_starts_when_ready_and_matches_full_kv(
+        tiny: llm.ModelRuntime) -> None:
+    """Tiny model at int8, no loss, a long deadline: the quantised stream is smaller than the native cache,
+    the receiver places every symbol by its stream index, rebuilds every block at int8, starts as soon as
+    the last symbol decodes (long before the deadline) and answers as the full cache does."""
+    identity = runtime_identity(tiny)
+
+    async def main() -> tuple[dict[str, Any], list[dict[str, Any]], bytes]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                  rx.address, rho=20.0, full_kv_answer=True, max_new_tokens=6,
+                                  precision="int8"))
+        report = await _wait(h)
+        metrics = tx.metrics.exposition()
+        await tx.close()
+        await rx.close()
+        return report, list(rx.results), metrics
+
+    report, results, metrics = run(main())
+    assert report["outcome"] == "done", report
+    assert report["precision"] == "int8" and report["received_precision"] == "int8", report
+    native_fragments = runtime_identity(tiny).plan(report["n_tokens"]).n_fragments
+    assert report["n_source"] < native_fragments and report["stream_bytes"] < report["native_bytes"], report
+    assert report["levels"]["int8"] == report["n_blocks"], report
+    assert report["recovered_utility"] == pytest.approx(1.0)
+    assert report["precision_utility"] == pytest.approx(1.0, abs=1e-3), report  # default table: int8 = 1
+    assert report["start"] == "ready" and report["ttft_s"] < report["deadline_ms"] / 1000 * 0.5, report
+    assert report["answer"] == report["full_kv_answer"] and report["answer"], report
+    assert report["planner_ttft_s"] > 0 and report["planner_choice"], report
+    assert results[-1]["start"] == "ready"
+    int8_bytes = [ln for ln in metrics.decode().splitlines()
+                  if ln.startswith('pfec_sender_precision_bytes_sent_total{precision="int8"}')]
+    assert int8_bytes and float(int8_bytes[0].split()[-1]) > 0, int8_bytes
+    assert b"pfec_sender_planner_choices_total{choice=" in metrics
+
+
+def test_rebuild_from_a_partial_stream_masks_the_blocks_with_no_level(tiny: llm.ModelRuntime) -> None:
+    """Blocks none of whose pieces arrived are masked (mask mode) or zero (zero mode), the rest are
+    dequantised into the compute dtype; the model answers from the result."""
+    identity = runtime_identity(tiny)
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, VOCAB, size=70)]
+    cache, _ = llm.prefill(tiny, ids)
+    utilities = synthetic_profile(identity.geometry.n_layers).block_utilities(identity.plan(len(ids)))
+    stream = plan_stream(identity, len(ids), "int4", utilities, "utility")
+    symbols = llm.serialise_stream(tiny, cache, stream.plan)
+    have = np.ones(stream.plan.n_symbols, dtype=bool)
+    have[stream.plan.n_symbols // 3 :] = False  # the stream opens with int2 bases: a third is half of them
+    levels, bases = stream.plan.usable(have)
+    assert (levels == 0).any() and (levels > 0).any()
+    store = np.where(have[:, None], symbols[:, 4:], 0).astype(np.uint8)
+    kv = llm.rebuild_from_stream(tiny, stream.plan, store, levels, bases, "mask")
+    assert kv.row_masks is not None and any(m is not None for m in kv.row_masks)
+    assert kv.keys[0].dtype == tiny.compute_dtype and 0 < kv.available_fraction < 1
+    assert llm.generate(tiny, kv, [7, 8], 3).token_ids
+    zero = llm.rebuild_from_stream(tiny, stream.plan, store, levels, bases, "zero")
+    assert zero.row_masks is None
+    with pytest.raises(ValueError, match="reconstruction mode"):
+        llm.rebuild_from_stream(tiny, stream.plan, store, levels, bases, "blur")  # type: ignore[arg-type]
+
+
+def test_quantised_partial_delivery_credits_blocks_at_the_level_that_arrived() -> None:
+    """Synthetic int4 stream, a deadline too short for it: every usable block is int2 or int4, the plain
+    block utility matches on both sides, and the utility credited at precision is below it."""
+    identity = synthetic_identity(SMALL)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=2048), rx.address, rho=0.2, generate=False,
+                                  precision="int4"))
+        report = await _wait(h)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "done", report
+    assert report["start"] == "deadline" and report["source_sent"] < report["n_source"], report
+    levels = report["levels"]
+    assert levels["int2"] > 0 and levels["int4"] > 0 and levels["int8"] == levels["native"] == 0, levels
+    assert 0.2 < report["recovered_utility"] < 1.0, report
+    assert report["receiver_recovered_utility"] == pytest.approx(report["recovered_utility"])
+    assert report["precision_utility"] < report["recovered_utility"], report
+
+
+def test_a_plan_the_receiver_cannot_recompute_is_refused_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OFFER's plan digest is not what the receiver computes from the same inputs: REFUSE, reason."""
+    import pfec.sender.kv as kv
+
+    identity = synthetic_identity(SMALL)
+    real = kv.plan_stream
+
+    def skewed(*args: Any, **kwargs: Any) -> kv.Stream:
+        stream = real(*args, **kwargs)
+        offer = dataclasses.replace(stream.offer, plan="0" * 16)
+        return dataclasses.replace(stream, offer=offer)
+
+    monkeypatch.setattr(kv, "plan_stream", skewed)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=256), rx.address, rho=2.0, generate=False,
+                                  precision="int8"))
+        report = await _wait(h, 10)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "refused", report
+    assert "does not match the plan recomputed here" in report["failure"], report
+
+
+def test_a_receiver_without_the_quantisation_scheme_is_refused_by_fingerprint() -> None:
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(dataclasses.replace(synthetic_identity(SMALL), quant_scheme=None), PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(synthetic_identity(SMALL), PSK, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=64), rx.address, rho=2.0, generate=False,
+                                  precision="int8"))
+        report = await _wait(h, 10)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "refused" and "FINGERPRINT_MISMATCH" in report["failure"], report
+
+
 # --------------------------------------------------------------------------- control API and CLI
 
 
@@ -495,6 +637,7 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
             ({"receiver": target, "synthetic_tokens": 64, "rho": -1}, "rho"),
             ({"receiver": target, "synthetic_tokens": 64, "scheme": "bogus"}, "scheme"),
             ({"receiver": target, "synthetic_tokens": 64, "reconstruction": "blur"}, "reconstruction"),
+            ({"receiver": target, "synthetic_tokens": 64, "precision": "int3"}, "precision"),
             ({"receiver": target, "synthetic_tokens": 64, "colour": 1}, "colour"),
             ({"receiver": target, "context": "x"}, "question"),
         ]

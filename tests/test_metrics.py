@@ -37,6 +37,8 @@ def populated_sender() -> SenderMetrics:
     m.scheduler_decisions([1_500, 800_000])
     m.handoff_finished("done", 0.42, recovered_utility=0.93)
     m.handoff_finished("refused", 0.01)
+    m.precision_bytes_sent("int8", 123_456)
+    m.planner_choice("split:int8-int4")
     return m
 
 
@@ -169,7 +171,8 @@ def test_names_follow_conventions() -> None:
                 assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
             assert not re.search(r"_(ms|milliseconds|us|kb|mb|bits)(_|$)", fam.name), fam.name
             labels = {k for s in fam.samples for k in s.labels if k != "le"}
-            assert labels <= {"type", "reason", "outcome"}, (fam.name, labels)
+            # precision: a KV precision level (int2/int4/int8/native); choice: the break-even planner's
+            assert labels <= {"type", "reason", "outcome", "precision", "choice"}, (fam.name, labels)
             types = {s.labels["type"] for s in fam.samples if "type" in s.labels}
             assert types <= set(DATAGRAM_TYPES)
 

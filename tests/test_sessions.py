@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
 
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
-from pfec.common.wire.messages import Header, Message, MsgType, RefuseCode, Role, Source
+from pfec.common.wire.messages import Header, Message, MsgType, Offer, RefuseCode, Role, Source
 from pfec.common.wire.seal import PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverConfig, SessionClosed
 from pfec.sender.session import (
+    MAX_SPAN,
     Failed,
     Refused,
     ResultReceived,
@@ -28,6 +29,7 @@ from pfec.sender.session import (
     SenderState,
     SourceInfo,
 )
+from pfec.sender.transfer import SPAN_SLACK, LinkBudget, decoder_span_for
 
 PSK = b"k" * 32
 FP = b"f" * 32
@@ -119,6 +121,7 @@ def make_pair(
     window_cap: int = 16,
     config: ReceiverConfig | None = None,
     first_flight: int = 128,
+    decoder_span: int = 0,
 ) -> tuple[Harness, np.ndarray]:
     symbols = make_symbols(n)
     sender = SenderSession(
@@ -133,6 +136,7 @@ def make_pair(
             app_blob=app_blob,
             result_wait_s=0.5,
             first_flight=first_flight,  # one RTT is 100 slots: the link stays busy through the handshake
+            decoder_span=decoder_span,
         ),
         symbols,
         policy or DeficitHeuristic(),  # type: ignore[arg-type]
@@ -192,6 +196,23 @@ def test_deadline_cuts_the_stream_and_partial_delivery_is_reported() -> None:
     assert 40 <= len(ev.decoded_esis) <= 50
     assert np.array_equal(ev.decoded_esis, np.arange(len(ev.decoded_esis)))
     assert h.sender.datagrams_sent["source"] <= 50
+
+
+def test_the_receiver_starts_when_everything_is_decoded_not_at_the_deadline() -> None:
+    """Start when ready: a stream that is whole at ~25 ms under a 50 ms budget ends decoding then, and says
+    so; a stream the deadline cuts ends at the deadline and says that."""
+    h, symbols = make_pair(policy=SourceOnly(), budget_s=0.05)
+    h.run()
+    ev = h.deadline_event()
+    deadline = ev.stats.deadline_at
+    assert ev.ready and len(ev.decoded_esis) == len(symbols), ev
+    assert ev.at < deadline - 0.01, (ev.at, deadline)  # 200 slots of 0.1 ms + one-way delays: ~30 ms
+    assert h.sender.state is SenderState.DONE
+
+    cut, _ = make_pair(budget_s=0.010, policy=SourceOnly())
+    cut.run()
+    ev = cut.deadline_event()
+    assert not ev.ready and ev.at >= ev.stats.deadline_at and len(ev.decoded_esis) < 200, ev
 
 
 def test_lost_offer_is_repeated_and_early_data_is_replayed() -> None:
@@ -318,19 +339,117 @@ def test_policy_choosing_a_masked_action_is_an_error() -> None:
         h.run(until=0.01)
 
 
-def test_fixed_rate_policy_spends_credit_only_when_masks_allow() -> None:
-    view = SchedulerView(n_source=100, slots_left=100, repair_budget=10, repairs_left=10)
+def test_fixed_rate_policy_is_open_loop_and_the_others_are_not() -> None:
     policy = FixedRate(rate=0.25)
+    assert policy.open_loop and not DeficitHeuristic.open_loop and not SourceOnly.open_loop
+    # Open loop: a repair needs no deficit, only credit (2 after 8 sources at 1/4) and a source to protect.
+    view = SchedulerView(n_source=100, slots_left=100, repair_budget=10, repairs_left=10, open_loop=True)
     view.sources_sent = 8
     view.window_size = 8
     view.deficit_estimate = 0.0
-    view.update_mask()
-    assert policy.decide(view) is Action.SOURCE  # credit 2, but no deficit: masked
-    view.deficit_estimate = 1.0
-    view.update_mask()
+    assert view.update_mask() and view.mask[Action.REPAIR_1]
     assert policy.decide(view) is Action.REPAIR_1
+    assert policy.decide(view) is Action.REPAIR_1
+    assert policy.decide(view) is Action.SOURCE  # the credit is spent
+    view.sources_sent = 100  # every source is out: nothing left for a fixed-rate code to protect
+    assert not view.update_mask()
+    # Closed loop (every other scheme): no repair without an estimated deficit.
+    closed = SchedulerView(n_source=100, slots_left=100, repair_budget=10, repairs_left=10)
+    closed.sources_sent = 8
+    closed.window_size = 8
+    closed.update_mask()
+    assert not closed.mask[Action.REPAIR_1]
+    closed.deficit_estimate = 1.0
+    closed.update_mask()
+    assert closed.mask[Action.REPAIR_1]
     with pytest.raises(ValueError):
         FixedRate(rate=1.5)
+
+
+def _sources_before(sender: SenderSession, repair: int) -> int:
+    """Source symbols the sender had sent when it sent repair number ``repair``."""
+    n = sender.encoder.next_esi
+    return int(np.count_nonzero(sender._src_pn[:n] < sender._rep_pn[repair]))
+
+
+def test_fixed_rate_repairs_proactively_over_the_newest_window() -> None:
+    """No loss at all: the fixed-rate code still sends 1 repair per 8 sources, each over the newest window
+    (it ends at the newest source sent); the deficit-driven heuristic sends none."""
+    h, symbols = make_pair(policy=FixedRate(rate=0.125))
+    h.run()
+    assert len(h.deadline_event().decoded_esis) == len(symbols)
+    sent = h.sender.view.repairs_sent
+    assert 20 <= sent <= len(symbols) // 8
+    for i in range(sent):
+        first, end = h.sender._rep_window[i]
+        assert end == _sources_before(h.sender, i) and 0 < end - first <= 16  # window_cap 16
+    closed, _ = make_pair(policy=DeficitHeuristic())
+    closed.run()
+    assert closed.sender.view.repairs_sent == 0
+
+
+def test_fixed_rate_repairs_aim_at_a_stalled_prefix() -> None:
+    """A loss burst the fixed rate cannot cover holds the receiver's prefix; once the newest window lies
+    past the decoder span (where the receiver refuses repairs), the repairs cover the window at its prefix,
+    and the burst is recovered before the stream ends."""
+    lost = {30, 31, 32, 33}  # datagrams: ESIs 26..29 (a repair follows every 8 sources)
+    h, symbols = make_pair(n=400, budget_s=0.08, policy=FixedRate(rate=0.125), window_cap=8,
+                           config=ReceiverConfig(ack_every=2, decoder_span=16))
+    h.drop_forward = lambda i, d: i in lost
+    h.run()
+    ev = h.deadline_event()
+    assert ev.stats.stalls >= 1
+    assert len(ev.decoded_esis) == len(symbols)
+    assert np.array_equal(ev.store, symbols)
+    windows = h.sender._rep_window[: h.sender.view.repairs_sent]
+    assert sum(first == 26 for first, _end in windows) >= 4  # at the stalled prefix: one per hole at least
+
+
+def test_offer_asks_for_a_decoder_span_and_both_ends_use_the_grant() -> None:
+    # The request, above the receiver's default (16 here): granted, and the sender's planner spans it.
+    h, symbols = make_pair(decoder_span=150, config=ReceiverConfig(ack_every=2, decoder_span=16))
+    h.run(until=0.02)
+    (session,) = h.endpoint.sessions.values()
+    assert session.span == 150 and session.decoder.window_cap == 150 and h.sender.planner.span == 150
+    assert session.config.decoder_span == 150 and h.endpoint.config.decoder_span == 16  # a per-session copy
+    # No more than the handoff's source symbols; never below the receiver's own default.
+    h, _ = make_pair(decoder_span=1000, config=ReceiverConfig(ack_every=2, decoder_span=16))
+    h.run(until=0.02)
+    assert h.sender.planner.span == 200 and h.endpoint.sessions[SID].span == 200
+    h, _ = make_pair(decoder_span=16, config=ReceiverConfig(ack_every=2, decoder_span=64))
+    h.run(until=0.02)
+    assert h.sender.planner.span == 64
+    # Shrunk to what max_session_bytes leaves for the decoder (the store is 200 x 64 B).
+    room = 200 * SYMBOL + endpoint_module.decoder_bytes(100, SYMBOL)
+    h, _ = make_pair(decoder_span=200, config=ReceiverConfig(ack_every=2, decoder_span=16,
+                                                               max_session_bytes=room))
+    h.run(until=0.02)
+    assert h.sender.planner.span == 100 and h.endpoint.sessions[SID].span == 100
+    h.run()
+    assert len(h.deadline_event().decoded_esis) == len(symbols)
+
+
+def test_a_decoder_span_past_the_codec_is_refused_and_the_store_bound_counts_the_decoder() -> None:
+    endpoint = ReceiverEndpoint(PSK, FP, ReceiverConfig(decoder_span=512, max_session_bytes=1 << 20))
+    offer = Offer(SYMBOL, 16, 200, 50_000, FP, sender_random=bytes(16), span=4096)
+    refusal = endpoint._check_offer(SID, offer)
+    assert refusal is not None and refusal[0] is RefuseCode.BAD_PARAMETERS and "4096" in refusal[1]
+    assert endpoint._check_offer(SID, replace(offer, span=4095)) is None
+    assert endpoint_module.grant_span(replace(offer, span=4095), endpoint.config) == 512  # n_source 200
+    # A store that fits alone, but not with the decoder of the receiver's own span: refused, with a reason.
+    tight = ReceiverEndpoint(PSK, FP, ReceiverConfig(decoder_span=512, max_session_bytes=200 * SYMBOL + 1000))
+    refusal = tight._check_offer(SID, replace(offer, span=0))
+    assert refusal is not None and refusal[0] is RefuseCode.OVERLOADED and "span 512" in refusal[1]
+
+
+def test_the_span_asked_for_covers_two_round_trips_of_packets_and_the_window() -> None:
+    def budget(owd_s: float) -> LinkBudget:
+        return LinkBudget(rate_bps=1e8, owd_s=owd_s, t_ser_s=1.0, deadline_s=1.0, slot_s=1e-4)
+
+    assert decoder_span_for(budget(0.01), 64, 100_000) == 2 * (200 + SPAN_SLACK) + 64  # 20 ms RTT: 528
+    assert decoder_span_for(budget(0.1), 64, 100_000) == MAX_SPAN  # 200 ms RTT: as far as RFC 8681 reaches
+    assert decoder_span_for(budget(0.1), 64, 1000) == 1000  # no more than the handoff's symbols
+    assert decoder_span_for(budget(0.0), 64, 10) == 64  # never below the window
 
 
 def test_source_info_features() -> None:

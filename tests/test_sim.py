@@ -102,9 +102,35 @@ def test_cli_json_contract() -> None:
     assert data["schemes"]["udp"]["repair_sent_mean"] == 0
 
 
+def test_a_quantised_precision_sends_the_piece_plans_symbols_and_credits_blocks_by_level() -> None:
+    """Same deadline (the native cache's), fewer symbols; on a lossless link the int4 stream fits where the
+    native cache does not, every block reaches int4 and is credited at int4's fidelity; under loss the
+    reference schemes score by level too, and native results carry no precision fields."""
+    native = simulate(small(loss=Bernoulli(0.0), rho=0.5), ["udp", "oracle"], 1)
+    int4 = simulate(small(loss=Bernoulli(0.0), rho=0.5, precision="int4"), ["udp", "oracle"], 1)
+    assert int4["inputs"]["deadline_ms"] == native["inputs"]["deadline_ms"]
+    assert int4["inputs"]["stream_symbols"] < 0.5 * native["inputs"]["n_source"]
+    assert "precision" not in native["inputs"]
+    assert "recovered_block_utility_mean" not in native["schemes"]["udp"]
+    for name in ("udp", "oracle"):
+        assert native["schemes"][name]["recovered_utility_mean"] < 0.8
+        s = int4["schemes"][name]
+        assert s["recovered_block_utility_mean"] == pytest.approx(1.0)
+        # int4's fidelity is below 1 in every layer group of the shipped table
+        assert 0.9 < s["recovered_utility_mean"] < s["recovered_block_utility_mean"] - 1e-4, s
+    lossy = simulate(small(rho=0.5, precision="int8"), ["udp", "heuristic", "arq", "oracle"], 2)
+    for s in lossy["schemes"].values():
+        assert s["recovered_utility_mean"] <= s["recovered_block_utility_mean"] + 1e-12
+    out = run_cli("sim", "--scheme", "udp", "--tokens", "128", "--realizations", "1", "--precision", "int2",
+                  "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["inputs"]["precision"] == "int2"
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
+        (["--precision", "int3"], "int3"),
         (["--loss", "gauss:0.1"], "gauss"),
         (["--loss", "ge:0.1,0.5"], "ge:"),
         (["--scheme", "tcp"], "unknown scheme 'tcp'"),

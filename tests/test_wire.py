@@ -24,6 +24,7 @@ from pfec.common.wire.messages import (
     MAX_TEXT,
     PARSE_REASONS,
     TAG_SIZE,
+    WIRE_VERSION,
     Accept,
     Ack,
     Close,
@@ -89,7 +90,7 @@ def sample_messages(ss: int = SS) -> list[Message]:
         Source(5, sym),
         Repair(7, 3, 40, 1000, sym),
         Ack(10, 20, 15, 3, 2, 99, 1500, 400, 12, 4, 12, b"\xa5\x30"),
-        Offer(ss, 256, 5000, 250_000, b"F" * 32, 0, 2, b"app-part-0", R_S),
+        Offer(ss, 256, 5000, 250_000, b"F" * 32, 0, 2, b"app-part-0", R_S, 2100),
         Accept(128, 5000, R_R),
         Refuse(RefuseCode.OVERLOADED, "busy ☃"),
         Result(4990, 1, 3, b"result bytes"),
@@ -123,7 +124,7 @@ def session_key(
 def forge(body: bytes, mtype: int, *, pn: int = 1, direction: str = "s2r", sid: int = SID) -> bytes:
     """An authentic session-phase datagram with an arbitrary (possibly malformed) body."""
     key = session_key(direction, sid)
-    header = struct.pack(">BBQI", 2, mtype, sid, pn)
+    header = struct.pack(">BBQI", WIRE_VERSION, mtype, sid, pn)
     return header + AESGCM(key).encrypt(bytes(8) + struct.pack(">I", pn), body, header)
 
 
@@ -138,9 +139,9 @@ def test_constants_and_sizes() -> None:
     assert sizes["Repair"] == 1400
     assert sizes["Ack"] == 30 + 38 + 2
     assert sizes["Accept"] == 30 + 12 + 22  # a handshake datagram: explicit nonce, R_r
-    assert sizes["Offer"] == 30 + 64 + len(b"app-part-0")  # once more under the session key
-    assert len(early_sender().seal(sample_messages()[3])) == 30 + 12 + 64 + len(b"app-part-0")
-    assert max_app_chunk(MsgType.OFFER) == 1294
+    assert sizes["Offer"] == 30 + 66 + len(b"app-part-0")  # once more under the session key
+    assert len(early_sender().seal(sample_messages()[3])) == 30 + 12 + 66 + len(b"app-part-0")
+    assert max_app_chunk(MsgType.OFFER) == 1292
     assert max_app_chunk(MsgType.RESULT) == 1362
     with pytest.raises(ValueError):
         max_app_chunk(MsgType.ACK)
@@ -149,7 +150,7 @@ def test_constants_and_sizes() -> None:
 def test_layout_is_big_endian_and_as_documented() -> None:
     s, _ = pair(16, auth=False)
     dg = s.seal(Repair(0x0102, 0xA, 0x0BC, 0x0D0E0F10, b"s" * 16))
-    assert dg[:14] == bytes([2, 2]) + SID.to_bytes(8, "big") + (1).to_bytes(4, "big")
+    assert dg[:14] == bytes([WIRE_VERSION, 2]) + SID.to_bytes(8, "big") + (1).to_bytes(4, "big")
     early = early_sender(16, auth=False).seal(Repair(0x0102, 0xA, 0x0BC, 0x0D0E0F10, b"s" * 16))
     assert early[1] == 0x42  # the early phase in the type byte's top bits
     assert dg[14:22] == bytes([0x01, 0x02, 0xA0, 0xBC, 0x0D, 0x0E, 0x0F, 0x10])
@@ -195,7 +196,7 @@ def test_sample_round_trip(auth: bool) -> None:
         dg, hdr, out = seal_open(msg, auth=auth)
         assert out == msg
         phase = KeyPhase.HANDSHAKE if msg.TYPE is MsgType.ACCEPT else KeyPhase.SESSION
-        assert hdr == Header(2, msg.TYPE, SID, 1, phase)
+        assert hdr == Header(WIRE_VERSION, msg.TYPE, SID, 1, phase)
         assert peek_header(dg) == hdr
         assert decode_body(msg.TYPE, encode_body(msg, SS), SS) == msg
 
@@ -249,6 +250,7 @@ def messages(draw: st.DrawFn) -> tuple[int, Message]:
             pc,
             draw(st.binary(max_size=max_app_chunk(MsgType.OFFER))),
             R_S,
+            draw(u16),
         )
     elif kind == 5:
         msg = Accept(draw(u16), draw(u32), draw(st.binary(min_size=16, max_size=16)))
@@ -368,6 +370,7 @@ def test_receiver_learns_the_symbol_size_late() -> None:
         Offer(1, 1, 1, 1, bytes(32), 0, 1 << 16, sender_random=R_S),
         Offer(1, 1, 1, 1, bytes(32)),  # no R_s
         Offer(1, 1, 1, 1, bytes(32), sender_random=R_R),  # not this sender's R_s
+        Offer(1, 1, 1, 1, bytes(32), sender_random=R_S, span=1 << 16),
         Close(CloseCode.DONE, "x" * 513),
         Close(9, "bad code"),  # type: ignore[arg-type]
     ],
@@ -617,7 +620,8 @@ def test_header_field_errors() -> None:
     dg = s.seal(Source(0, bytes(SS)))
     for pos, value, reason in [
         (0, 1, "bad_version"),
-        (0, 3, "bad_version"),
+        (0, 2, "bad_version"),  # version 2: the OFFER before its span field
+        (0, WIRE_VERSION + 1, "bad_version"),
         (0, 0, "bad_version"),
         (1, 0, "bad_type"),
         (1, 9, "bad_type"),
@@ -636,7 +640,8 @@ def test_header_field_errors() -> None:
     assert assert_parse_error(r, bytes(bad)).reason == "bad_field"
     with pytest.raises(ParseError):
         peek_header(bytes(bad))
-    for b in (bytes([3]) + dg[1:], dg[:1] + bytes([77]) + dg[2:], dg[:1] + bytes([0xC1]) + dg[2:]):
+    newer = bytes([WIRE_VERSION + 1]) + dg[1:]
+    for b in (newer, dg[:1] + bytes([77]) + dg[2:], dg[:1] + bytes([0xC1]) + dg[2:]):
         with pytest.raises(ParseError):
             peek_header(b)
 
@@ -784,7 +789,7 @@ def test_random_bytes_only_parse_error(data: bytes, auth: bool) -> None:
 def test_random_bodies_behind_valid_header(mtype: int, body: bytes, pn: int, zero_tag: bool) -> None:
     """Get past the header checks; unauthenticated receivers then parse random bodies."""
     for phase in (0x00, 0x40, 0x80):
-        header = struct.pack(">BBQI", 2, mtype | phase, SID, pn)
+        header = struct.pack(">BBQI", WIRE_VERSION, mtype | phase, SID, pn)
         dg = header + body + (bytes(16) if zero_tag else b"\x01" * 16)
         for auth in (True, False):
             for p in (*pair(64, auth=auth), early_sender(64, auth=auth)):

@@ -22,7 +22,9 @@ from transformers import DynamicCache
 
 from pfec.common.model.attention import Observation, observing
 from pfec.common.model.loading import ModelRuntime, check_length
+from pfec.common.model.quant import dequantise_stream, stream_symbols
 from pfec.common.plan.kvlayout import BlockPlan, assemble_rows, fragment_symbols
+from pfec.common.plan.precision import PiecePlan
 
 ReconstructionMode = Literal["mask", "zero"]
 
@@ -73,6 +75,16 @@ def serialise_symbols(runtime: ModelRuntime, cache: DynamicCache, plan: BlockPla
     if plan.geometry != runtime.geometry:
         raise ValueError(f"plan geometry {plan.geometry} is not the model's {runtime.geometry}")
     return fragment_symbols(plan, cache_rows(runtime, cache, plan.n_tokens), fragment_ids)
+
+
+def serialise_stream(runtime: ModelRuntime, cache: DynamicCache, plan: PiecePlan) -> npt.NDArray[np.uint8]:
+    """A progressive-precision stream's symbols (4-byte stream index + payload), quantised from ``cache``
+    where it lies (``quant.stream_symbols``)."""
+    if plan.layout.geometry != runtime.geometry:
+        raise ValueError(f"piece plan geometry {plan.layout.geometry} is not the model's {runtime.geometry}")
+    n = plan.layout.n_tokens
+    layers = [(k[:, :, :n], v[:, :, :n]) for k, v in cache_layers(cache)]
+    return stream_symbols(layers, plan)
 
 
 # --- Rebuild ----------------------------------------------------------------------------------------------
@@ -139,6 +151,23 @@ def rebuild_from_symbols(runtime: ModelRuntime, plan: BlockPlan, symbols: npt.ND
     kv = rebuild_from_rows(runtime, rows, available, mode)
     kv.rebuild_s = time.perf_counter() - started
     return kv
+
+
+def rebuild_from_stream(runtime: ModelRuntime, plan: PiecePlan, store: npt.NDArray[np.uint8],
+                        levels: npt.NDArray[np.int8], bases: npt.NDArray[np.int8],
+                        mode: ReconstructionMode = "mask") -> PartialKV:
+    """A stream's symbol store [n_symbols, payload] + each block's usable level -> PartialKV: every block
+    at the best level that arrived (dequantised into the compute dtype), blocks with none masked (mask
+    mode) or zero (zero mode), as a native rebuild treats missing blocks."""
+    if mode not in ("mask", "zero"):
+        raise ValueError(f"reconstruction mode {mode!r} is not one of mask, zero")
+    if plan.layout.geometry != runtime.geometry:
+        raise ValueError(f"piece plan geometry {plan.layout.geometry} is not the model's {runtime.geometry}")
+    started = time.perf_counter()
+    kv = dequantise_stream(plan, store, levels, bases, runtime.compute_dtype, runtime.device)
+    masks = _layer_masks(kv.available) if mode == "mask" else None
+    elapsed = time.perf_counter() - started
+    return PartialKV(kv.keys, kv.values, masks, plan.layout.n_tokens, mode, elapsed)
 
 
 def _layer_masks(available: torch.Tensor) -> list[torch.Tensor | None]:

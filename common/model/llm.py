@@ -24,7 +24,9 @@ from pfec.common.model.kvcache import (
     partial_from_cache,
     prefill,
     rebuild_from_rows,
+    rebuild_from_stream,
     rebuild_from_symbols,
+    serialise_stream,
     serialise_symbols,
 )
 from pfec.common.model.loading import (
@@ -75,10 +77,12 @@ __all__ = [
     "pfec_sdpa",
     "prefill",
     "rebuild_from_rows",
+    "rebuild_from_stream",
     "rebuild_from_symbols",
     "resolve_device",
     "row_masks",
     "runtime_from_model",
+    "serialise_stream",
     "serialise_symbols",
     "stop_token_ids",
     "teacher_forced_logits",

@@ -358,7 +358,8 @@ class LimitsConfig(_CommonLimits):
         default=1 << 30,
         ge=MIB,
         le=1 << 40,
-        description="Largest KV payload (symbols x symbol size) one session may allocate, bytes.",
+        description="Largest allocation one session may make, bytes: its KV payload (symbols x symbol "
+        "size) plus its decoder (span x span coefficients and span payload rows).",
     )
     session_grace_s: float = Field(
         default=30.0, ge=0, le=3600,

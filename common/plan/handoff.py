@@ -24,6 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
+from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
+from pfec.common.plan.stream import PrecisionOffer
 from pfec.common.plan.utility import (
     SHIPPED_PROFILE,
     ProfileError,
@@ -89,11 +91,15 @@ def _load_blob(blob: bytes, what: str, max_bytes: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What the fingerprint covers besides the layout; ``details`` is the model fingerprint's JSON."""
+    """What the fingerprint covers besides the layout; ``details`` is the model fingerprint's JSON.
+
+    ``quant_scheme`` names the KV quantisation scheme this node speaks (``precision.SCHEME``; None: native
+    only): it is in the fingerprint, so a peer without it is refused before a session exists."""
 
     model_id: str
     geometry: KVGeometry
     details: dict[str, Any]
+    quant_scheme: str | None = QUANT_SCHEME
 
     def layout(self, max_symbol_size: int = DEFAULT_SYMBOL_SIZE) -> tuple[int, int]:
         """(block tokens, fitted symbol size) of this model's plans."""
@@ -109,6 +115,7 @@ class ModelIdentity:
                 "symbol_size": symbol_size,
                 "wire_version": WIRE_VERSION,
                 "app_version": APP_VERSION,
+                "quant_scheme": self.quant_scheme,
             },
             sort_keys=True,
             default=str,
@@ -176,11 +183,16 @@ class OfferApp:
     max_new_tokens: int = 24
     model_id: str = ""
     generate: bool = True
+    precision: PrecisionOffer | None = None  # None: native fragments (the blob is then as before)
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["question_ids"] = list(self.question_ids)
         data["v"] = APP_VERSION
+        if self.precision is None:
+            del data["precision"]
+        else:
+            data["precision"] = self.precision.to_json()
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -221,8 +233,10 @@ class OfferApp:
         if not isinstance(generate, bool):
             raise ValueError("OFFER generate: expected true or false")
         profile = check_profile_name(data.get("profile", "synthetic"), "OFFER profile")
+        precision = data.get("precision")
+        offer = None if precision is None else PrecisionOffer.from_json(precision)
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
-                   max_new_tokens=max_new, model_id=model_id, generate=generate)
+                   max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer)
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:
@@ -263,6 +277,10 @@ class ResultApp:
     rebuild_s: float | None = None
     error: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    start: str | None = None  # "ready" (everything planned decoded before the deadline) or "deadline"
+    precision: str | None = None  # the mix received ("native" for fragments)
+    precision_utility: float | None = None  # utility x fidelity at the level each block arrived at
+    levels: dict[str, int] | None = None  # blocks per usable level
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -286,6 +304,13 @@ class ResultApp:
                     raise ValueError(f"RESULT {name}: must not be null")
             elif not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
                 raise ValueError(f"RESULT {name}: bad type {type(value).__name__}")
+        levels = data.get("levels")
+        if levels is not None and (len(levels) > 8 or not all(
+                isinstance(k, str) and len(k) <= 16 and type(v) is int for k, v in levels.items())):
+            raise ValueError("RESULT levels: expected at most 8 level names with integer block counts")
+        start = data.get("start")
+        if start not in (None, "ready", "deadline"):
+            raise ValueError("RESULT start: expected ready or deadline")
         return cls(**data)
 
 
@@ -306,6 +331,10 @@ _RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
     "rebuild_s": (_NUM, True, False),
     "error": ((str,), True, False),
     "stats": ((dict,), False, False),
+    "start": ((str,), True, False),
+    "precision": ((str,), True, False),
+    "precision_utility": (_NUM, True, False),
+    "levels": ((dict,), True, False),
 }
 
 

@@ -680,11 +680,14 @@ def _chain_priorities(values: npt.NDArray[np.float64],
 
 
 def value_order(layout: PieceLayout, block_utility: npt.ArrayLike, fidelity: FidelityTable,
-                kinds: Sequence[PieceKind]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+                kinds: Sequence[PieceKind], tops: npt.ArrayLike | None = None,
+                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(blocks, kinds) of every block's ``kinds`` ladder, ordered by marginal value per byte.
 
     A block at level L is worth ``utility[b] * fidelity[group(b), L]``; a piece's marginal value is what
     it adds to its block. Each block's pieces stay in ladder order; ties go to the higher-utility block.
+    ``tops`` [n_blocks] (Level values) cuts each block's ladder at its own top: the pieces above it are
+    left out (they weigh nothing in their chain, so the priorities of the pieces kept do not change).
     """
     kinds = tuple(PieceKind(k) for k in kinds)
     if not kinds or ladder(kinds[0].level, kinds[-1].level) != kinds:
@@ -698,11 +701,20 @@ def value_order(layout: PieceLayout, block_utility: npt.ArrayLike, fidelity: Fid
     levels = np.array([0] + [k.level for k in kinds])
     gains = util[:, None] * np.diff(fid[:, levels], axis=1)
     sizes = layout.size_table()[:, [int(k) for k in kinds]].astype(np.float64)
+    keep = np.ones(gains.shape, dtype=np.bool_)
+    if tops is not None:
+        top = np.asarray(tops, dtype=np.int64)
+        if top.shape != (layout.n_blocks,) or (top < kinds[0].level).any() or (top > kinds[-1].level).any():
+            raise ValueError(f"block tops must be {layout.n_blocks} levels between {kinds[0].level.label} "
+                             f"and {kinds[-1].level.label}")
+        keep = levels[None, 1:] <= top[:, None]
+        gains, sizes = np.where(keep, gains, 0.0), np.where(keep, sizes, 0.0)
     prio = _chain_priorities(gains, sizes)
     n, k = prio.shape
     block = np.repeat(np.arange(n), k)
     step = np.tile(np.arange(k), n)
     order = np.lexsort((step, block, -np.repeat(util, k), -prio.reshape(-1)))
+    order = order[keep.reshape(-1)[order]]
     return block[order].astype(np.int64), np.asarray([int(x) for x in kinds], dtype=np.int64)[step[order]]
 
 

@@ -51,6 +51,9 @@ class SchedulerView:
     sources_in_flight: int = 0
     repairs_in_flight: int = 0
     repair_effectiveness: float = 0.0  # P(a repair now has a nonzero coefficient on a reported hole)
+    # Open-loop repair (a fixed-rate code, the policy's ``open_loop``): a repair needs no reported deficit,
+    # only a source still to protect; the session aims each one at the newest window (see FixedRate).
+    open_loop: bool = False
     # Application (KV utility) features; neutral when the stream carries no utility.
     block_progress: float = 0.0  # share of the current block's fragments already sent
     block_utility: float = 0.0  # current block's utility / the largest block utility
@@ -70,8 +73,12 @@ class SchedulerView:
         slots = self.slots_left
         left = self.repairs_left
         mask = self.mask
-        source_ok = self.n_source > self.sources_sent and slots > 0
-        repair_ok = self.window_size > 0 and self.deficit_estimate >= 0.5
+        sources_left = self.n_source > self.sources_sent
+        source_ok = sources_left and slots > 0
+        if self.open_loop:  # a fixed-rate code: repairs ride along with the sources, not the feedback
+            repair_ok = self.window_size > 0 and sources_left
+        else:
+            repair_ok = self.window_size > 0 and self.deficit_estimate >= 0.5
         mask[0] = source_ok
         mask[1] = repair_ok and left >= 1 and slots >= 1
         mask[2] = repair_ok and left >= 4 and slots >= 4

@@ -3,6 +3,11 @@
 A scheme = a source order ("fifo": plan order, "utility": non-increasing block utility) + a policy.
 Every policy sees the same ``SchedulerView`` and must return an action its mask allows; the DDQN and
 FlEC-RT of later work plug in through the same ``Policy`` protocol.
+
+Closed loop (every policy but ``FixedRate``): a repair is allowed only against an estimated deficit and
+goes where the receiver's newest ACK reports holes. Open loop (``FixedRate``, the paper's fixed-rate
+baselines): a policy with ``open_loop = True`` sends repairs at its rate whatever the feedback, each over
+the newest window of sources (the session reads the attribute once; a policy without it is closed loop).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ SourceOrder = Literal["fifo", "utility"]
 class Policy(Protocol):
     name: str
     sends_repairs: bool  # False: the session gives this policy no repair budget at all
+    # Optional ``open_loop: bool`` (read with getattr, default False): see the module doc.
 
     def decide(self, view: SchedulerView) -> Action:
         """Pick an action allowed by ``view.mask`` (at least one is allowed when called)."""
@@ -42,6 +48,7 @@ class SourceOnly:
 
     name = "source-only"
     sends_repairs = False
+    open_loop = False
 
     def decide(self, view: SchedulerView) -> Action:
         return _first_allowed(view, (Action.SOURCE,))
@@ -51,14 +58,21 @@ class SourceOnly:
 
 
 class FixedRate:
-    """A fixed repair rate (`uniform-fec`, `priority-fixed`): ``rate`` repairs per source packet.
+    """A fixed repair rate (`uniform-fec`, `priority-fixed`): ``rate`` repairs per source packet, sent
+    proactively, as the paper's fixed-rate baselines do.
 
-    Credit accrues with every source burst and is spent as single repairs, independent of the decoder
-    state; the session's hard masks still apply (no repair without an estimated deficit).
+    Open loop: credit accrues with every source burst and is spent as single repairs over the newest
+    window of sources (at most ``window_cap`` of them, from the receiver's decoded prefix), whatever holes
+    or deficit the receiver reports: 1 repair per 8 sources at the default rate, within the repair budget
+    and the slots left. The one use of feedback is the ACK's prefix and seen end: once the receiver's
+    decoder is stalled (undecoded range past its span, where it refuses repairs), the window sits at its
+    prefix instead (see ``SenderSession._plan_from_ack``). No repair once every source is out (a
+    fixed-rate code has nothing left to protect).
     """
 
     name = "fixed-rate"
     sends_repairs = True
+    open_loop = True
 
     def __init__(self, rate: float = 0.125) -> None:
         if not 0.0 <= rate <= 1.0:
@@ -91,6 +105,7 @@ class DeficitHeuristic:
 
     name = "heuristic"
     sends_repairs = True
+    open_loop = False
 
     def decide(self, view: SchedulerView) -> Action:
         # A burst of k once the need reaches 3/4 of k (a single repair from half a symbol), largest first.

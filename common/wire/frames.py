@@ -10,7 +10,7 @@ big-endian (network order).
 
 Header (14 B, cleartext, authenticated)::
 
-    u8 version (= WIRE_VERSION = 2) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
+    u8 version (= WIRE_VERSION = 3) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
 
 The type byte's top two bits are the key phase (:class:`.messages.KeyPhase`): 0x00 SESSION (the session
 keys), 0x40 EARLY (the sender's early key, before the ACCEPT), 0x80 HANDSHAKE (the static handshake key of
@@ -32,10 +32,14 @@ Bodies (type: layout -- body size in bytes)::
                ESI decoded_prefix + i is undecoded
                (deficit, unknowns and the map cover the receiver's decoder span
                [decoded_prefix, decoded_prefix + hole_bits): where repairs can help)
-    OFFER   4  u16 symbol_size | u16 window_cap | u32 n_source |           64 + app
+    OFFER   4  u16 symbol_size | u16 window_cap | u32 n_source |           66 + app
                u32 budget_us | 32 B fingerprint | u16 part_index |
-               u16 part_count | 16 B sender_random (R_s) | app bytes (rest)
+               u16 part_count | 16 B sender_random (R_s) |
+               u16 span (the decoder span asked for; 0: the receiver's
+               choice) | app bytes (rest)
     ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r)   22
+               (window_cap: the decoder span the receiver granted, >= the
+               OFFER's window_cap)
     REFUSE  6  u8 RefuseCode | UTF-8 text (rest, <= 512 B)                 1 + text
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
@@ -52,8 +56,8 @@ Per-datagram overhead (on top of UDP/IP: +28 B IPv4, +48 B IPv6)::
     header 14 + tag 16 = 30 B for every datagram (+ the 12 B nonce of a handshake datagram)
     SOURCE  30 + 4 = 34 B  -> 1396 B datagram with the default 1362 B symbol
     REPAIR  30 + 8 = 38 B  -> 1400 B datagram (= MAX_DATAGRAM) with the default symbol
-    OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1294 / 1362 B per datagram
-    ACCEPT 30 + 12 + 22 = 64 B, answering an OFFER of at least 30 + 12 + 64 = 106 B
+    OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1292 / 1362 B per datagram
+    ACCEPT 30 + 12 + 22 = 64 B, answering an OFFER of at least 30 + 12 + 66 = 108 B
 
 No datagram may exceed MAX_DATAGRAM = 1400 B (1428 B on IPv4, 1448 B on IPv6 < 1500 MTU).
 
@@ -115,7 +119,7 @@ _HEADER = struct.Struct(">BBQI")
 _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
 _ACK = struct.Struct(">IIIHHIIIIIH")
-_OFFER = struct.Struct(">HHII32sHH16s")
+_OFFER = struct.Struct(">HHII32sHH16sH")
 _ACCEPT = struct.Struct(">HI16s")
 _RESULT = struct.Struct(">IHH")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
@@ -240,6 +244,7 @@ def _enc_offer(msg: Offer) -> bytes:
         msg.part_index,
         msg.part_count,
         bytes(msg.sender_random),
+        msg.span,
     )
     return fixed + msg.app
 
@@ -350,11 +355,11 @@ def _dec_parts(pi: int, pc: int, what: str) -> None:
 
 
 def _dec_offer(body: _Body) -> Offer:
-    ss, wc, ns, budget, fp, pi, pc, r_s = _OFFER.unpack_from(body)
+    ss, wc, ns, budget, fp, pi, pc, r_s, span = _OFFER.unpack_from(body)
     _dec_parts(pi, pc, "OFFER")
     if not 1 <= ss <= DEFAULT_SYMBOL_SIZE:  # no datagram could carry such a symbol
         raise ParseError("bad_field", f"OFFER symbol_size {ss}")
-    return Offer(ss, wc, ns, budget, fp, pi, pc, bytes(body[OFFER_FIXED_SIZE:]), r_s)
+    return Offer(ss, wc, ns, budget, fp, pi, pc, bytes(body[OFFER_FIXED_SIZE:]), r_s, span)
 
 
 def _dec_accept(body: _Body) -> Accept:

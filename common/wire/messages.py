@@ -12,7 +12,7 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 # --------------------------------------------------------------------------- constants
 
-WIRE_VERSION: Final = 2  # 2: key phases in the type byte, the handshake with fresh randomness per side
+WIRE_VERSION: Final = 3  # 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
 OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
@@ -24,7 +24,7 @@ ACK_BODY_SIZE: Final = 38  # fixed part; the hole map follows
 MAX_HOLE_BITS: Final = 4096
 RANDOM_SIZE: Final = 16  # each side's fresh handshake value (R_s in the OFFER, R_r in the ACCEPT)
 NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram, right after the header
-OFFER_FIXED_SIZE: Final = 48 + RANDOM_SIZE
+OFFER_FIXED_SIZE: Final = 50 + RANDOM_SIZE
 ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE
 RESULT_FIXED_SIZE: Final = 8
 FINGERPRINT_SIZE: Final = 32
@@ -231,6 +231,7 @@ class Offer:
     part_count: int = 1
     app: bytes = b""
     sender_random: bytes = b""  # R_s: RANDOM_SIZE fresh bytes per session (the sender's protector's)
+    span: int = 0  # decoder span the sender asks for (symbols past the prefix repairs may reach); 0: any
 
 
 @dataclass(frozen=True, slots=True)
