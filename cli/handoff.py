@@ -44,6 +44,10 @@ def handoff_cmd(
     precision: Annotated[str, typer.Option(
         help="KV precision: auto (the break-even planner's mix; native for synthetic KV) | native | int8 | "
         "int8-int4 | int4 | int2.")] = "auto",
+    mode: Annotated[str, typer.Option(
+        help="auto (the break-even planner's choice; handoff for synthetic KV) | handoff (the whole cache "
+        "streams) | split (the receiver prefills the front while the back streams) | local (the receiver "
+        "prefills everything, no KV sent).")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -55,7 +59,8 @@ def handoff_cmd(
         except OSError as exc:
             raise fail(f"--context-file {str(context_file)!r}: {exc.strerror}") from None
     body: dict[str, Any] = {"receiver": receiver, "reconstruction": reconstruction,
-                            "full_kv_answer": full_kv_answer, "precision": precision}
+                            "full_kv_answer": full_kv_answer, "precision": precision,
+                            "handoff_mode": mode}
     if synthetic_tokens is not None:
         body.update(synthetic_tokens=synthetic_tokens, generate=False)
     else:

@@ -35,6 +35,9 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of the loss realizations.")]
 RttOpt = Annotated[float, typer.Option(help="Round-trip time (one-way delay is half).")]
 PrecisionOpt = Annotated[str, typer.Option(
     help="KV precision: auto (the break-even planner's mix) | native | int8 | int8-int4 | int4 | int2.")]
+ModeOpt = Annotated[str, typer.Option(
+    help="auto (the break-even planner's choice) | handoff (the whole cache streams) | split (the receiver "
+    "prefills the front while the back streams) | local (the receiver prefills everything).")]
 
 
 # --------------------------------------------------------------------------- simulation
@@ -123,6 +126,7 @@ def demo_cmd(
     reconstruction: Annotated[str, typer.Option(help="mask | zero")] = "mask",
     compare_sim: Annotated[bool, typer.Option(help="Also run `pfec sim` on the same link (10 runs).")] = True,
     precision: PrecisionOpt = AUTO,
+    mode: ModeOpt = AUTO,
     as_json: JsonOpt = False,
 ) -> None:
     """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
@@ -131,7 +135,7 @@ def demo_cmd(
     try:
         cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
                          tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim,
-                         precision=precision)
+                         precision=precision, mode=mode)
         result = run_demo(cfg)
     except ValueError as exc:
         raise fail(str(exc)) from None
@@ -209,7 +213,11 @@ def emulate_cmd(
 
 
 def reliable_cmd(
-    proto: Annotated[str, typer.Option(help="tcp (kernel TCP, netns; root) | quic (aioquic).")] = "tcp",
+    proto: Annotated[str, typer.Option(
+        help="tcp | quic (the paper's: natural order) | priority-tcp | priority-quic (ours: utility order); "
+        "TCP is kernel TCP between namespaces (root), QUIC is aioquic.")] = "tcp",
+    congestion: Annotated[str | None, typer.Option(
+        help="Kernel TCP congestion control: cubic | bbr [the kernel's default]; TCP only.")] = None,
     rho: Annotated[
         float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")
     ] = DEFAULT_RHO,
@@ -224,22 +232,27 @@ def reliable_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
-    from pfec.lab.reliable import run_reliable  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.reliable import RELIABLE_SCHEMES, run_reliable  # deferred: numba (keeps `pfec --help` fast)
     from pfec.lab.sim import SimConfig  # deferred: numba
 
-    if proto not in ("tcp", "quic"):
-        raise fail(f"--proto {proto!r}: use 'tcp' or 'quic'")
+    if proto not in RELIABLE_SCHEMES:
+        raise fail(f"--proto {proto!r}: use one of {', '.join(RELIABLE_SCHEMES)}")
+    if congestion is not None and congestion not in ("cubic", "bbr"):
+        raise fail(f"--congestion {congestion!r}: use cubic or bbr")
+    if congestion is not None and RELIABLE_SCHEMES[proto].protocol != "tcp":
+        raise fail(f"--congestion applies to kernel TCP only, not to --proto {proto} (aioquic's is fixed)")
     try:
         loss_model = Bernoulli(0.0) if loss.strip().lower() == "none" else parse_loss_spec(loss)
         config = SimConfig(loss=loss_model, rate_mbps=rate_mbps, rtt_ms=rtt_ms, rho=rho, tokens=tokens,
                            seed=seed)
         if seed < 0 or realizations < 1:
             raise ValueError(f"--seed must be >= 0 and --realizations >= 1, got {seed} and {realizations}")
-        result = run_reliable(proto, config, realizations, progress=progress_line(f"reliable {proto}"))
+        result = run_reliable(proto, config, realizations, progress=progress_line(f"reliable {proto}"),
+                              congestion_control=congestion)
     except ValueError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
-        hint = "; run as root or use --proto quic" if proto == "tcp" else ""
+        hint = "; run as root or use --proto quic" if RELIABLE_SCHEMES[proto].protocol == "tcp" else ""
         raise fail(f"{exc}{hint}") from None
     result["inputs"]["loss"] = loss
     typer.echo(json.dumps(result, indent=2) if as_json else format_reliable_summary(result, proto))

@@ -25,7 +25,7 @@ from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, PRECISION_CHOICES
+from pfec.common.plan.stream import AUTO, HANDOFF_MODES, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.channel import parse_loss_spec
 from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
@@ -57,6 +57,7 @@ class DemoConfig:
     sim_realizations: int = 10
     model: str = "default"
     precision: str = AUTO
+    mode: str = AUTO  # auto (the planner's), handoff, split or local
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -75,6 +76,8 @@ class DemoConfig:
             parse_loss_spec(self.loss)
         if self.precision not in PRECISION_CHOICES:
             raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISION_CHOICES)}")
+        if self.mode not in HANDOFF_MODES:
+            raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(HANDOFF_MODES)}")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -120,7 +123,7 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     spec = HandoffSpec(
         ContextInput(context=example.context, question=example.question),
         tuple(relay_addr), rho=cfg.rho, scheme=cfg.scheme, mode=cfg.reconstruction,  # type: ignore[arg-type]
-        full_kv_answer=True, precision=cfg.precision,
+        full_kv_answer=True, precision=cfg.precision, handoff_mode=cfg.mode,
     )
     handoff = daemon.submit(spec)
     await handoff.done.wait()
@@ -146,6 +149,13 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
         "planner_choice": report.get("planner_choice"),
         "planner_ttft_s": report.get("planner_ttft_s"),
         "planner": report.get("planner"),
+        "mode": report.get("handoff_mode"),
+        "predicted_ttft_s": report.get("predicted_ttft_s"),
+        "predicted_local_ttft_s": report.get("predicted_local_ttft_s"),
+        "meeting_token_planned": report.get("meeting_token_planned"),
+        "computed_tokens": report.get("computed_tokens"),
+        "blocks_computed": report.get("blocks_computed"),
+        "blocks_received": report.get("blocks_received"),
         "bytes_sent": report.get("bytes_sent"),
         "native_bytes": report.get("native_bytes"),
         "stream_bytes": report.get("stream_bytes"),
@@ -245,6 +255,9 @@ def format_demo(result: dict[str, Any]) -> str:
         f"precision {result.get('precision')} (planner: {result.get('planner_choice')}, predicted TTFT "
         f"{_num(result.get('planner_ttft_s'), '.3f')} s); {_num(result.get('bytes_sent'), ',.0f')} bytes "
         f"sent for {_num(result.get('native_bytes'), ',.0f')} bytes of native KV",
+        f"mode {result.get('mode')}: predicted TTFT {_num(result.get('predicted_ttft_s'), '.3f')} s, local "
+        f"{_num(result.get('predicted_local_ttft_s'), '.3f')} s; meeting point planned "
+        f"{result.get('meeting_token_planned')}, computed here {result.get('computed_tokens')} tokens",
         f"TTFT {_num(result.get('ttft_s'), '.3f')} s (started at the {result.get('start')}) vs local prefill "
         f"{_num(result.get('local_prefill_ttft_s'), '.3f')} s: {_num(result.get('ttft_vs_local'), '.2f')}x",
     ]

@@ -54,18 +54,27 @@ from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExpo
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker, WorkerBusy
-from pfec.common.plan.handoff import BLOCK_TOKENS, ModelIdentity, OfferApp, ResultApp, pack_bits
+from pfec.common.plan.handoff import (
+    BLOCK_TOKENS,
+    LOCAL_SOURCE_SYMBOLS,
+    ModelIdentity,
+    OfferApp,
+    ResultApp,
+    pack_bits,
+)
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
 from pfec.common.plan.precision import PieceLayout
-from pfec.common.plan.stream import check_offer, fidelity_named
+from pfec.common.plan.stream import check_offer, fidelity_named, symbol_token_ends
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError, UtilityProfile
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import (
     AtDeadline,
+    Front,
     Reconstructed,
     StreamPlan,
+    compute_front,
     error_result,
     reconstruct,
     result_of,
@@ -109,6 +118,7 @@ class SessionInfo:
     stream: StreamPlan | None = None  # a quantised OFFER's piece plan, recomputed and checked here
     n_source: int = 0
     symbol_size: int = 0
+    front: Front | None = None  # a split's (or local prefill's) front, computed here in chunks
 
 
 @dataclass
@@ -167,6 +177,7 @@ class ReceiverDaemon:
         self._drops = DropExporter(self.metrics)
         self._jobs: set[asyncio.Future[Reconstructed]] = set()
         self._profile_jobs: set[asyncio.Future[UtilityProfile]] = set()
+        self._front_jobs: set[asyncio.Future[int]] = set()
         self._reaper: asyncio.TimerHandle | None = None
         self._live_seen: tuple[int, int] = (-1, -1)
 
@@ -375,6 +386,10 @@ class ReceiverDaemon:
                                   max_blob_bytes=self.limits.max_blob_bytes)
             plan = self.identity.plan(app.n_tokens)  # bounded: n_tokens <= max_tokens
             n_source = plan.n_fragments if app.precision is None else event.offer.n_source  # checked later
+            if app.split is not None:
+                self._check_split(app)
+                if app.precision is None:  # a local prefill: one placeholder symbol, no KV
+                    n_source = LOCAL_SOURCE_SYMBOLS
             if n_source != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
                 raise ValueError(
                     f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
@@ -389,6 +404,8 @@ class ReceiverDaemon:
             return
         info.app = app
         info.n_source, info.symbol_size = event.offer.n_source, event.offer.symbol_size
+        if app.split is not None and not self._start_front(info, app, session, now):
+            return
         n_layers = self.identity.geometry.n_layers
         info.profile = self.profiles.cached(app.profile, n_layers)
         if info.profile is not None:
@@ -399,6 +416,48 @@ class ReceiverDaemon:
             job = loop.run_in_executor(self._profile_executor, self.profiles.load, app.profile, n_layers)
             self._profile_jobs.add(job)
             job.add_done_callback(lambda fut: self._on_profile(event.session_id, app.profile, fut))
+
+    def _check_split(self, app: OfferApp) -> None:
+        """A split's token ids against this node's model (ValueError with the reason)."""
+        split = app.split
+        assert split is not None
+        if self.runtime is None:
+            raise ValueError("OFFER split: this receiver runs without a model (it cannot prefill the front)")
+        vocab = int(getattr(self.runtime.model.config, "vocab_size", 0) or 0)
+        if vocab and max(split.context_ids, default=0) >= vocab:
+            raise ValueError(f"OFFER split ids: a token id past this model's vocabulary of {vocab}")
+
+    def _start_front(self, info: SessionInfo, app: OfferApp, session: ReceiverSession, now: float) -> bool:
+        """Prefill the front in the worker, chunk by chunk, each chunk's end reported in the ACKs; False
+        when the session was refused (the worker is full)."""
+        split = app.split
+        loop = self._loop
+        assert split is not None and loop is not None and self.runtime is not None
+        sid = info.session_id
+        session.set_split(None, app.n_tokens, split.meeting_token, now)
+        front = Front(split.context_ids, split.meeting_token)
+
+        def progress(tokens: int) -> None:  # worker thread
+            loop.call_soon_threadsafe(self._on_front_progress, sid, tokens)
+
+        try:
+            job = self.worker.submit(compute_front, self.runtime, front, progress)
+        except WorkerBusy as exc:
+            info.state = "refused"
+            session.refuse(RefuseCode.OVERLOADED, f"receiver busy: {exc}")
+            return False
+        info.front = front
+        self._front_jobs.add(job)
+        job.add_done_callback(self._front_jobs.discard)
+        return True
+
+    def _on_front_progress(self, sid: int, tokens: int) -> None:
+        session = self.endpoint.sessions.get(sid)
+        if session is None or session.closed or session.state is not ReceiverState.RECEIVING:
+            return
+        now = clock()
+        session.set_computed(tokens, now)
+        self._service(now)
 
     def _on_profile(self, sid: int, name: str, fut: asyncio.Future[UtilityProfile]) -> None:
         self._profile_jobs.discard(fut)
@@ -434,8 +493,9 @@ class ReceiverDaemon:
             fidelity = fidelity_named(offer.fidelity, g.n_layers, self.identity.details.get("model_digest"))
             layout = PieceLayout(g, app.n_tokens, BLOCK_TOKENS)
             utilities = profile.block_utilities(self.identity.plan(app.n_tokens))
+            first_block = 0 if app.split is None else app.split.meeting_token // BLOCK_TOKENS
             plan = check_offer(offer, layout, utilities, fidelity, info.symbol_size - FRAGMENT_ID_SIZE,
-                               info.n_source, app.order, self.identity.quant_scheme)
+                               info.n_source, app.order, self.identity.quant_scheme, first_block)
         except ValueError as exc:
             session = self.endpoint.sessions.get(info.session_id)
             info.state = "refused"
@@ -443,6 +503,9 @@ class ReceiverDaemon:
                 session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
             return True
         info.stream = StreamPlan(offer.mix, plan, fidelity)
+        session = self.endpoint.sessions.get(info.session_id)
+        if app.split is not None and session is not None and session.state is ReceiverState.RECEIVING:
+            session.set_split(symbol_token_ends(plan), app.n_tokens, app.split.meeting_token, clock())
         return False
 
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:
@@ -460,10 +523,14 @@ class ReceiverDaemon:
         info.state = "generating"
         app = info.app
         at = AtDeadline.of(event, late)
+        front = info.front
+        if front is not None:
+            front.stop.set()  # the front job ends after its chunk; the rebuild runs next in the same worker
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
         try:
             job = self.worker.submit(reconstruct, self.runtime, self.identity, app, info.profile,
-                                     event.decoded_esis, event.store, info.stream)
+                                     event.decoded_esis, event.store, info.stream, front,
+                                     force=front is not None)
         except WorkerBusy as exc:
             self._result_without_rebuild(event, late, f"receiver busy: {exc}")
             return
@@ -544,12 +611,20 @@ class ReceiverDaemon:
         if done.utility is not None:
             self.metrics.recovered_utility(done.utility)
         ttft = None
-        if done.rebuilt.generation_ttft_s is not None:
+        split = info.app.split if info.app else None
+        if split is not None and done.rebuilt.first_token_at is not None:
+            # OFFER arrival -> first token, as the worker saw it: the front's last chunk, the join and
+            # rebuild (or the rest of a local prefill) and the forward are all inside.
+            ttft = done.rebuilt.first_token_at - info.opened_at
+            self.metrics.ttft(ttft)
+        elif done.rebuilt.generation_ttft_s is not None:
             # OFFER arrival -> first token: the wait for the deadline (or for the last symbol, when ready
             # first), start lateness, rebuild, forward.
             ttft = (at.reached_at + at.late_s + done.rebuilt.generation_ttft_s) - info.opened_at
             self.metrics.ttft(ttft)
-        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode)
+        local = info.app is not None and info.app.precision is None
+        mode = "handoff" if split is None else ("local" if local else "split")
+        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode)
         record = {"session_id": f"{sid:016x}", "finished_at": time.time(), **result.__dict__}
         record.pop("blocks_bitmap", None)
         info.result = record
@@ -562,6 +637,8 @@ class ReceiverDaemon:
 
     def _on_closed(self, event: SessionClosed) -> None:
         info = self.sessions.pop(event.session_id, None)
+        if info is not None and info.front is not None:
+            info.front.stop.set()
         reason = event.reason
         if info is None and reason.startswith("refused"):  # refused before it existed
             self.metrics.session_refused()

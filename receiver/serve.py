@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from pfec.common.node.config import ReceiverDaemonConfig
-from pfec.common.node.lifecycle import load_node_model, run_node
+from pfec.common.node.lifecycle import load_node_model, measure_node_speed, run_node
 from pfec.common.node.profiles import ProfileStore
 from pfec.receiver.control import receiver_routes
 from pfec.receiver.daemon import ReceiverDaemon
@@ -40,4 +40,5 @@ async def serve(config: ReceiverDaemonConfig, psk: bytes, token: str | None = No
         if ready is not None:
             ready(daemon)
 
+    await measure_node_speed(runtime, daemon.metrics)  # pfec_prefill_tokens_per_second, short lengths
     await run_node(daemon, receiver_routes(daemon), config, token, announce, stop)

@@ -19,6 +19,10 @@ Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED
 - At the deadline the session stops decoding and emits ``DeadlineReached`` with every decoded source
   symbol; it does so at once, before the deadline, when every source symbol is decoded and the OFFER is
   complete (start when ready: nothing more can arrive that the receiver could use; ``ready`` says which).
+  A split handoff (the application computes the front of the context itself, ``set_split`` and
+  ``set_computed``): ready once every symbol still needed is decoded, a symbol being needed while its
+  token end (``stream.symbol_token_ends``, by the stream index inside it) lies past the tokens computed
+  here. The ACK reports ``computed_tokens``, and one leaves at once when it moves.
   The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated
   until the sender's CLOSE or ``result_retries`` run out (a vanished sender), then the session closes.
 """
@@ -207,6 +211,14 @@ class ReceiverSession:
         self._result_tries = 0
         self._stalled_since: float | None = None
         self.close_reason = ""
+        # Split handoff: token end per stream index, which indices are decoded, the tokens computed here,
+        # and how many needed indices are still missing (None: not a split, or not known yet).
+        self._split_ends: npt.NDArray[np.int64] | None = None
+        self._split_have: npt.NDArray[np.bool_] | None = None
+        self._split_tokens = 0
+        self._split_front = 0
+        self.computed_tokens = 0
+        self._missing_needed = -1
         self._on_offer_part(offer)
 
     # ----------------------------------------------------------------- public API
@@ -239,6 +251,59 @@ class ReceiverSession:
         self.state = ReceiverState.RESULT_SENT
         self._result_tries = 1
         self._result_timer = now + self.config.result_retry_s
+
+    def set_split(self, token_end_of_index: npt.NDArray[np.int64] | None, n_tokens: int, front: int,
+                  now: float) -> None:
+        """This handoff is a split of a context of ``n_tokens``: the application computes its front
+        [0, ``front``) (no symbol carries it; ``front`` = ``n_tokens``: a local prefill, nothing streams).
+        ``token_end_of_index[i]`` is the token end of the symbol with stream index i (the plan the OFFER
+        names, recomputed and checked by the application); None until it is known (computed tokens are
+        reported meanwhile, and all of the context computed starts the session)."""
+        if not 0 < n_tokens <= 0xFFFF_FFFF or not 0 <= front <= n_tokens:
+            raise ValueError(f"split: a front of {front!r} tokens in a context of {n_tokens!r}")
+        self._split_tokens = n_tokens
+        self._split_front = front
+        if token_end_of_index is None:
+            return
+        ends = np.asarray(token_end_of_index, dtype=np.int64)
+        if ends.ndim != 1 or len(ends) != self.offer.n_source:
+            raise ValueError(f"split: {ends.shape} token ends for {self.offer.n_source} source symbols")
+        self._split_ends = ends
+        self._split_have = np.zeros(len(ends), dtype=np.bool_)
+        self._file_split(self.decoder.decoded_esis())
+        self._count_missing()
+        self._start_if_ready(now)
+
+    def set_computed(self, tokens: int, now: float) -> None:
+        """The application has computed context tokens [0, ``tokens``) itself: report it (an ACK now) and
+        start when nothing still needed is missing (or the whole context is computed)."""
+        if not 0 <= tokens <= self._split_tokens:
+            raise ValueError(f"computed tokens {tokens!r} outside the context 0..{self._split_tokens}")
+        if tokens <= self.computed_tokens or self.state is not ReceiverState.RECEIVING:
+            return
+        self.computed_tokens = tokens
+        self._count_missing()
+        self._send_ack(now)
+        self._start_if_ready(now)
+
+    def _file_split(self, esis: npt.NDArray[np.int64]) -> None:
+        """Newly decoded ESIs -> their stream indices (the first 4 bytes of the symbol), marked decoded."""
+        have, ends = self._split_have, self._split_ends
+        if have is None or ends is None or len(esis) == 0:
+            return
+        rows = np.ascontiguousarray(self.decoder.store[esis, :4])
+        idx = rows.view(">u4").reshape(-1).astype(np.int64)
+        idx = idx[idx < len(have)]
+        new = idx[~have[idx]]
+        if len(new):
+            have[new] = True
+            if self._missing_needed > 0:
+                self._missing_needed -= int(np.count_nonzero(ends[new] > self.computed_tokens))
+
+    def _count_missing(self) -> None:
+        have, ends = self._split_have, self._split_ends
+        if have is not None and ends is not None:
+            self._missing_needed = int(np.count_nonzero(~have & (ends > self.computed_tokens)))
 
     def refuse(self, code: RefuseCode, text: str) -> None:
         self._outbox.append(self.protector.seal(Refuse(code, clip_text(text))))
@@ -318,6 +383,8 @@ class ReceiverSession:
         finally:
             if cpu is not None:
                 cpu.decode_ns += cpu.clock() - t0
+        if self._split_have is not None and decoded:
+            self._file_split(decoder.newly_decoded)
         if is_source:
             if decoded == 0:
                 stats.duplicates += 1
@@ -333,8 +400,16 @@ class ReceiverSession:
 
     def _start_if_ready(self, now: float) -> None:
         """Everything planned is decoded and the OFFER is whole: no need to wait for the deadline."""
-        if (self.state is ReceiverState.RECEIVING and self._offer_complete
-                and self.decoder.decoded_count >= self.offer.n_source):
+        if self.state is not ReceiverState.RECEIVING or not self._offer_complete:
+            return
+        decoded_all = self.decoder.decoded_count >= self.offer.n_source
+        if self._split_tokens:  # a split: the front computed here, and what is still needed decoded
+            computed = self.computed_tokens
+            ready = computed >= self._split_tokens or (
+                computed >= self._split_front and (decoded_all or self._missing_needed == 0))
+        else:
+            ready = decoded_all
+        if ready:
             self._reach_deadline(now, ready=True)
 
     def _track_stall(self, now: float) -> None:
@@ -370,6 +445,7 @@ class ReceiverSession:
             loss_runs=stats.loss_runs,
             hole_bits=hole_bits,
             holes=self._hole_buf[: (hole_bits + 7) >> 3].tobytes(),
+            computed_tokens=self.computed_tokens,
         )
         if cpu is not None:  # sealing (framing + AEAD) is transport cost, as for data datagrams
             cpu.feedback_ns += cpu.clock() - t0

@@ -78,6 +78,10 @@ class HandoffRequest(BaseModel):
     precision: Literal["auto", "native", "int8", "int8-int4", "int4", "int2"] = Field(
         default="auto", description="KV precision: auto (the break-even planner's mix; native for "
         "synthetic KV) or a mix.")
+    handoff_mode: Literal["auto", "handoff", "split", "local"] = Field(
+        default="auto", description="auto (the break-even planner's choice; handoff for synthetic KV), "
+        "handoff (the whole cache streams), split (the receiver prefills the front while the back "
+        "streams) or local (the receiver prefills everything, no KV sent).")
 
     @field_validator("receiver")
     @classmethod
@@ -171,6 +175,7 @@ class HandoffRequest(BaseModel):
             repair_budget=self.repair_budget,
             destination=destination,
             precision=self.precision,
+            handoff_mode=self.handoff_mode,
         )
 
 

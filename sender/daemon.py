@@ -23,9 +23,10 @@ from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
 from pfec.common.node.worker import ModelWorker, WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
-from pfec.common.plan.handoff import ModelIdentity, OfferApp, default_profile_name
+from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.policies import Scheme, get_scheme
+from pfec.common.wire.messages import MsgType, split_app
 from pfec.sender.handoffs import (
     Handoff,
     HandoffSpec,
@@ -43,6 +44,9 @@ from pfec.sender.transfer import LinkBudget, SenderSetup, SendQueue, assemble_se
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
 
+#: OFFER datagrams a receiver takes by default (``ReceiverConfig.max_offer_parts``): a longer blob is refused
+#: here, before anything is sent.
+MAX_OFFER_PARTS = 64
 log = logging.getLogger("pfec.sender")
 GENERATION_WAIT_S = 30.0  # extra RESULT wait when the receiver generates an answer before replying
 
@@ -226,13 +230,15 @@ class SenderDaemon:
             self.metrics.prefill_done(prepared.prefill_s)
         if prepared.planner is not None:
             self.metrics.planner_choice(prepared.planner["choice"])
+        self.metrics.handoff_mode(prepared.handoff_mode)
         return prepared
 
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int) -> Prepared:
         """Worker thread: the profile by name (this node's profile directory), then the KV."""
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
-        precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, 2 * self.owd_s)
+        precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, 2 * self.owd_s,
+                                     spec.handoff_mode)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)
@@ -270,9 +276,17 @@ class SenderDaemon:
             )
         generate = spec.generate and self.runtime is not None
         stream = prepared.stream
+        split = prepared.split
         app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
                        spec.max_new_tokens, self.identity.model_id, generate,
-                       None if stream is None else stream.offer)
+                       None if stream is None else stream.offer,
+                       None if split is None else SplitOffer(split.meeting_token, split.context_ids))
+        blob = app.encode()
+        parts = len(split_app(blob, MsgType.OFFER))
+        if parts > MAX_OFFER_PARTS:
+            raise ValueError(f"the OFFER's application data needs {parts} datagrams, above the "
+                             f"{MAX_OFFER_PARTS} a receiver takes (a split carries the context's token ids: "
+                             "use --mode handoff for this context)")
         setup = SenderSetup(
             scheme=scheme,
             repair_budget=self.repair_budget if spec.repair_budget is None else spec.repair_budget,
@@ -280,11 +294,12 @@ class SenderDaemon:
             fingerprint=self.fingerprint,
             psk=self.psk,
             result_wait_s=self.result_wait_s + (GENERATION_WAIT_S if app.generate else 0.0),
-            app_blob=app.encode(),
+            app_blob=blob,
         )
         sid = secrets.randbits(64)
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
-                         None if stream is None else stream.block_of_symbol)
+                         None if stream is None else stream.block_of_symbol,
+                         None if split is None or stream is None else split.token_ends)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         link = self._links.setdefault(rate_bps, LinkClock(rate_bps))

@@ -40,6 +40,7 @@ class HandoffSpec:
     repair_budget: float | None = None
     destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
     precision: str = AUTO  # auto (the planner's mix; native for synthetic KV) or a mix of stream.MIXES
+    handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (stream.HANDOFF_MODES)
 
 
 @dataclass
@@ -94,6 +95,10 @@ def precision_report(prepared: Prepared) -> dict[str, Any]:
         "planner": planner,
         "planner_ttft_s": None if planner is None else round(float(planner["predicted_ttft_s"]), 6),
         "planner_choice": None if planner is None else planner["choice"],
+        "handoff_mode": prepared.handoff_mode,
+        "meeting_token_planned": None if prepared.split is None else prepared.split.meeting_token,
+        "predicted_ttft_s": None if planner is None else round(float(planner["predicted_ttft_s"]), 6),
+        "predicted_local_ttft_s": None if planner is None else round(float(planner["local_ttft_s"]), 6),
     }
     if stream is not None:
         out["quantise_s"] = round(stream.quantise_s, 6)
@@ -164,5 +169,9 @@ def result_report(result: ResultApp, prepared: Prepared) -> tuple[dict[str, Any]
         "received_precision": result.precision,
         "precision_utility": result.precision_utility,
         "levels": result.levels,
+        "receiver_mode": result.handoff_mode,
+        "computed_tokens": result.computed_tokens,
+        "blocks_computed": result.blocks_computed,
+        "blocks_received": result.blocks_received,
     })
     return report, utility

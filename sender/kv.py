@@ -18,20 +18,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.handoff import BLOCK_TOKENS, ModelIdentity
+from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
     AUTO,
     NATIVE,
+    ModeChoice,
     PrecisionOffer,
     choose_mix,
+    choose_mode,
     fidelity_name_for,
     fidelity_named,
     mix_summary,
     plan_digest,
     stream_plan,
+    symbol_token_ends,
 )
 from pfec.common.plan.utility import UtilityProfile, fifo_order, utility_order
 
@@ -58,6 +61,17 @@ class PrecisionRequest:
     precision: str = NATIVE  # auto, or a mix of stream.MIXES
     rate_bps: float = 100e6
     rtt_s: float = 0.02
+    mode: str = "handoff"  # auto, handoff (whole cache), split (compute the front, stream the back), local
+
+
+@dataclass(frozen=True)
+class Split:
+    """A split (or local) handoff: the receiver prefills [0, ``meeting_token``) from ``context_ids``; the
+    stream carries the back, each symbol's token end in send order (``stream.symbol_token_ends``)."""
+
+    meeting_token: int
+    context_ids: tuple[int, ...]
+    token_ends: npt.NDArray[np.int64]
 
 
 @dataclass
@@ -87,11 +101,20 @@ class Prepared:
     cache: Any = None  # the intact DynamicCache (kept only for the full-KV answer; a torch type)
     extra: dict[str, Any] = field(default_factory=dict)
     stream: Stream | None = None  # a quantised mix; None: the plan's native fragments
-    planner: dict[str, Any] | None = None  # choose_mix's view
+    planner: dict[str, Any] | None = None  # choose_mix's / choose_mode's view
+    split: Split | None = None  # a split or local handoff (None: the whole cache streams)
 
     @property
     def precision(self) -> str:
+        if self.split is not None and self.stream is None:
+            return "none"  # local: nothing streams
         return NATIVE if self.stream is None else self.stream.mix
+
+    @property
+    def handoff_mode(self) -> str:
+        if self.split is None:
+            return "handoff"
+        return "local" if self.stream is None else "split"
 
     @property
     def n_source(self) -> int:
@@ -104,15 +127,17 @@ def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> n
 
 
 def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt.NDArray[np.float64],
-                order: str) -> Stream:
-    """The piece plan of a quantised ``mix`` for this handoff, with the OFFER's description of it."""
+                order: str, first_block: int = 0) -> Stream:
+    """The piece plan of a quantised ``mix`` for this handoff (blocks ``first_block``.. only: a split's
+    back), with the OFFER's description of it."""
     native = identity.plan(n_tokens)
     n_layers = identity.geometry.n_layers
     digest = identity.details.get("model_digest")
     fidelity_name = fidelity_name_for(n_layers, digest)
     fidelity: FidelityTable = fidelity_named(fidelity_name, n_layers, digest)
     layout = PieceLayout(identity.geometry, n_tokens, BLOCK_TOKENS)
-    plan = stream_plan(layout, mix, utilities, fidelity, native.symbol_size - FRAGMENT_ID_SIZE, order)
+    plan = stream_plan(layout, mix, utilities, fidelity, native.symbol_size - FRAGMENT_ID_SIZE, order,
+                       first_block)
     offer = PrecisionOffer(QUANT_SCHEME, mix, layout.block_tokens, layout.value_group, fidelity_name,
                            plan_digest(plan, mix, fidelity_name))
     first_piece, _ = plan.symbol_piece_spans()
@@ -156,12 +181,24 @@ def prepare_model(
         raise ValueError(f"context: {len(context_ids)} tokens, above limits.max_context_tokens "
                          f"({max_context_tokens})")
     llm.check_length(runtime, len(context_ids), len(question_ids) + max_new_tokens)
+    request = precision or PrecisionRequest()
+    plan = identity.plan(len(context_ids))
+    utilities = profile.block_utilities(plan)
+    choice: ModeChoice | None = None
+    if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
+        choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
+                             request.rate_bps, request.rtt_s, block_tokens=BLOCK_TOKENS)
+        if choice.mode != "handoff":
+            return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,
+                                  keep_cache, choice, identity)
     started = time.perf_counter()
     cache, _ = llm.prefill(runtime, context_ids)
     prefill_s = time.perf_counter() - started
-    plan = identity.plan(len(context_ids))
-    utilities = profile.block_utilities(plan)
-    mix, planner = _mix_for(identity, plan.n_tokens, precision or PrecisionRequest())
+    planner: dict[str, Any] | None
+    if choice is not None and choice.mix is not None:
+        mix, planner = choice.mix, choice.view
+    else:
+        mix, planner = _mix_for(identity, plan.n_tokens, request)
     if mix == NATIVE:
         queue = _order(plan, utilities, order)
         symbols = llm.serialise_symbols(runtime, cache, plan, queue)
@@ -176,6 +213,36 @@ def prepare_model(
                     cache if keep_cache else None, stream=stream, planner=planner)
 
 
+def _prepare_split(runtime: ModelRuntime, context_ids: tuple[int, ...], question_ids: tuple[int, ...],
+                   plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str, profile_name: str,
+                   keep_cache: bool, choice: ModeChoice, identity: ModelIdentity) -> Prepared:
+    """A split (the back's quantised stream, each symbol's token end) or a local prefill (nothing)."""
+    from pfec.common.model import llm  # deferred: torch
+
+    cache, prefill_s = None, 0.0
+    if choice.mode == "split" or keep_cache:  # local needs no KV here (only for the full-KV answer)
+        started = time.perf_counter()
+        cache, _ = llm.prefill(runtime, context_ids)
+        prefill_s = time.perf_counter() - started
+    width = plan.symbol_size
+    if choice.mode == "local":
+        split = Split(plan.n_tokens, tuple(context_ids), np.zeros(0, dtype=np.int64))
+        queue = np.arange(LOCAL_SOURCE_SYMBOLS, dtype=np.int64)
+        return Prepared(plan, utilities, queue, np.zeros((LOCAL_SOURCE_SYMBOLS, width), dtype=np.uint8),
+                        question_ids, prefill_s, profile_name, cache if keep_cache else None,
+                        planner=choice.view, split=split)
+    assert choice.mix is not None and choice.meeting_token is not None and cache is not None
+    stream = plan_stream(identity, plan.n_tokens, choice.mix, utilities, order,
+                         choice.meeting_token // BLOCK_TOKENS)
+    started = time.perf_counter()
+    symbols = llm.serialise_stream(runtime, cache, stream.plan)
+    stream.quantise_s = time.perf_counter() - started
+    queue = np.arange(stream.plan.n_symbols, dtype=np.int64)
+    split = Split(choice.meeting_token, tuple(context_ids), symbol_token_ends(stream.plan))
+    return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
+                    cache if keep_cache else None, stream=stream, planner=choice.view, split=split)
+
+
 def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profile: UtilityProfile,
                       profile_name: str, seed: int, question_ids: Sequence[int] = (),
                       precision: PrecisionRequest | None = None) -> Prepared:
@@ -186,6 +253,9 @@ def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profil
     utilities = profile.block_utilities(plan)
     rng = np.random.default_rng(seed)
     request = precision or PrecisionRequest()
+    if request.mode in ("split", "local"):
+        raise ValueError(f"mode {request.mode}: synthetic KV has no model for the receiver to prefill with "
+                         "(use handoff or auto)")
     if request.precision not in (NATIVE, AUTO):
         stream = plan_stream(identity, n_tokens, request.precision, utilities, order)
         width = stream.plan.symbol_size + FRAGMENT_ID_SIZE

@@ -34,6 +34,7 @@ SENDER_DROP_REASONS: Final = (
     *sorted(PARSE_REASONS),
     "unexpected_type",  # a valid datagram of a type the session does not expect in its state
     "bad_result_part",  # RESULT part out of order / inconsistent
+    "bad_ack_computed",  # an ACK's computed_tokens past the context (or non-zero outside a split)
     "unknown_session",  # session id of no active handoff
     "send_failed",  # sendto raised (ENOBUFS, EPERM by a firewall, ...)
     "junk_header",  # no valid header
@@ -48,6 +49,9 @@ SENDER_DROP_REASONS: Final = (
 _DECISION_BUCKETS: Final = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3)
 _HANDOFF_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _PREFILL_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+HANDOFF_MODE_LABELS = ("handoff", "split", "local")
 
 
 class SenderMetrics(NodeMetrics):
@@ -88,6 +92,11 @@ class SenderMetrics(NodeMetrics):
         self._planner = self.counter(
             "planner_choices", "The break-even planner's choice per handoff (local, handoff:P or split:P).",
             ["choice"])
+        self._modes = self.counter(
+            "handoff_modes", "Handoffs by the mode they ran in (handoff: the whole cache streams; split: the "
+            "receiver prefills the front while the back streams; local: the receiver prefills everything).",
+            ["mode"])
+        self.precreate(self._modes, HANDOFF_MODE_LABELS)
 
     # ------------------------------------------------------------------ datagrams
 
@@ -127,6 +136,10 @@ class SenderMetrics(NodeMetrics):
         if not (choice == "local" or (mode in ("handoff", "split") and level in PLANNER_LEVELS)):
             raise ValueError(f"unknown planner choice {choice!r}")
         self._planner.labels(choice).inc()
+
+    def handoff_mode(self, mode: str) -> None:
+        """One handoff ran in ``mode`` (handoff, split or local)."""
+        self._modes.labels(check_label(mode, HANDOFF_MODE_LABELS, "handoff mode")).inc()
 
     def scheduler_decision(self, seconds: float, window_symbols: int, deficit_symbols: float) -> None:
         """One policy decision: its CPU time and the state it saw."""

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from pfec.common.node.config import SenderDaemonConfig
-from pfec.common.node.lifecycle import load_node_model, run_node
+from pfec.common.node.lifecycle import load_node_model, measure_node_speed, run_node
 from pfec.common.node.profiles import ProfileStore
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
@@ -34,4 +34,5 @@ async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None
         if ready is not None:
             ready(daemon)
 
+    await measure_node_speed(runtime, daemon.metrics)  # pfec_prefill_tokens_per_second, short lengths
     await run_node(daemon, sender_routes(daemon), config, token, announce, stop)

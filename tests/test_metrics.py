@@ -165,14 +165,15 @@ def test_names_follow_conventions() -> None:
         for fam in text_string_to_metric_families(m.exposition().decode()):
             if fam.name.startswith("process_"):
                 continue
-            assert fam.name.startswith(prefix), fam.name
+            assert fam.name.startswith(prefix) or fam.name in m.SHARED, fam.name
             assert fam.documentation, fam.name
             if fam.type == "counter":
                 assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
             assert not re.search(r"_(ms|milliseconds|us|kb|mb|bits)(_|$)", fam.name), fam.name
             labels = {k for s in fam.samples for k in s.labels if k != "le"}
             # precision: a KV precision level (int2/int4/int8/native); choice: the break-even planner's
-            assert labels <= {"type", "reason", "outcome", "precision", "choice"}, (fam.name, labels)
+            # mode: the mode a handoff ran in (handoff, split, local)
+            assert labels <= {"type", "reason", "outcome", "precision", "choice", "mode"}, (fam.name, labels)
             types = {s.labels["type"] for s in fam.samples if "type" in s.labels}
             assert types <= set(DATAGRAM_TYPES)
 
@@ -209,3 +210,22 @@ def test_http_serve() -> None:
     status, ctype, body = asyncio.run(main())
     assert status == 200 and ctype.startswith("text/plain")
     assert b'pfec_receiver_datagrams_received_total{type="source"} 7.0' in body
+
+
+def test_prefill_speed_and_handoff_modes() -> None:
+    """Issue 13: both daemons export their prefill speed under one name; the sender counts handoffs by the
+    mode they ran in (pre-created at zero) and refuses an unknown one."""
+    from pfec.common.node.lifecycle import measure_node_speed
+
+    for m in (SenderMetrics(process_metrics=False), ReceiverMetrics(process_metrics=False)):
+        assert m.registry.get_sample_value("pfec_prefill_tokens_per_second") == 0
+        m.prefill_speed(1234.5)
+        assert m.registry.get_sample_value("pfec_prefill_tokens_per_second") == 1234.5
+        assert asyncio.run(measure_node_speed(None, m)) is None  # no model: 0, not a stale value
+        assert m.registry.get_sample_value("pfec_prefill_tokens_per_second") == 0
+    s = SenderMetrics(process_metrics=False)
+    assert s.registry.get_sample_value("pfec_sender_handoff_modes_total", {"mode": "split"}) == 0
+    s.handoff_mode("split")
+    assert s.registry.get_sample_value("pfec_sender_handoff_modes_total", {"mode": "split"}) == 1
+    with pytest.raises(ValueError):
+        s.handoff_mode("both")

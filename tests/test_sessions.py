@@ -28,6 +28,7 @@ from pfec.sender.session import (
     SenderSession,
     SenderState,
     SourceInfo,
+    SplitInfo,
 )
 from pfec.sender.transfer import SPAN_SLACK, LinkBudget, decoder_span_for
 
@@ -457,3 +458,91 @@ def test_source_info_features() -> None:
     feats = info.per_esi_features()
     assert feats[:, 0].tolist() == [0, 1 / 3, 2 / 3, 0, 0.5, 0]
     assert feats[:, 1].tolist() == [1.0, 1.0, 1.0, 0.5, 0.5, 0.25]
+
+
+# --------------------------------------------------------------------------- split handoff (issue 13 item 1)
+
+SPLIT_TOKENS = 160  # 10 blocks of 16 tokens
+
+
+def make_split_pair(budget_s: float = 0.1, sender_tokens: int = SPLIT_TOKENS,
+                    ) -> tuple[Harness, np.ndarray, np.ndarray]:
+    """600 symbols, each carrying its stream index in its first 4 bytes and serving one block."""
+    h, symbols = make_pair(n=600, policy=SourceOnly(), budget_s=budget_s)
+    symbols[:, :4] = np.arange(len(symbols), dtype=">u4").view(np.uint8).reshape(-1, 4)
+    ends = (np.random.default_rng(5).integers(0, 10, size=len(symbols)) + 1) * 16
+    sender = h.sender
+    protector = PacketProtector(PSK, SID, Role.SENDER, SYMBOL, random_bytes=random.Random(1).randbytes)
+    h.sender = SenderSession(SID, sender.config, symbols, SourceOnly(), protector,
+                             split=SplitInfo(ends.astype(np.int64), sender_tokens))
+    h.sender.start(0.0)
+    return h, symbols, ends
+
+
+def _split_session(h: Harness, ends: np.ndarray, until: float, front: int = 0) -> object:
+    h.run(until=until)
+    session = h.endpoint.sessions[SID]
+    session.set_split(ends, SPLIT_TOKENS, front, h.now)
+    return session
+
+
+def test_split_sender_stops_sending_what_the_receiver_computed() -> None:
+    """The receiver reports 80 computed tokens mid-stream: the sender never sends the unsent symbols of
+    blocks below it, and the receiver starts as soon as everything else is decoded."""
+    h, symbols, ends = make_split_pair()
+    session = _split_session(h, ends, until=0.016)  # established (one RTT, then the first session datagram)
+    sent_before = h.sender.datagrams_sent["source"]
+    assert 0 < sent_before < 300
+    session.set_computed(80, h.now)  # type: ignore[attr-defined]
+    h.run()
+    ev = h.deadline_event()
+    assert ev.ready and ev.at < ev.stats.deadline_at - 0.01
+    got = ev.store[ev.decoded_esis, :4].copy().view(">u4").reshape(-1).astype(np.int64)
+    assert len(set(got.tolist())) == len(got)  # each stream index once
+    for esi, index in zip(ev.decoded_esis.tolist(), got.tolist(), strict=True):
+        assert np.array_equal(ev.store[esi], symbols[index]) or index < 0  # filed by the index inside
+    missing = np.setdiff1d(np.arange(len(symbols)), got)
+    assert len(missing) > 0 and (ends[missing] <= 80).all()  # only computed blocks never arrived
+    assert h.sender.sources_dropped == len(missing)
+    assert h.sender.datagrams_sent["source"] == len(symbols) - len(missing)
+    assert h.sender.computed_tokens == 80
+
+
+def test_split_receiver_starts_when_it_has_computed_everything() -> None:
+    h, _, ends = make_split_pair(budget_s=0.2)
+    session = _split_session(h, ends, until=0.016)
+    session.set_computed(SPLIT_TOKENS, h.now)  # type: ignore[attr-defined]
+    h.run()
+    ev = h.deadline_event()
+    assert ev.ready and len(ev.decoded_esis) < 300
+    with pytest.raises(ValueError, match="outside the context"):
+        session.set_computed(SPLIT_TOKENS + 1, h.now)  # type: ignore[attr-defined]
+
+
+def test_an_ack_reporting_computed_tokens_past_the_context_is_dropped() -> None:
+    """The sender's context is 64 tokens; a receiver reporting 80 computed is out of bounds: dropped with
+    its reason, and nothing is skipped."""
+    h, _, ends = make_split_pair(sender_tokens=SPLIT_TOKENS)
+    h.sender._split_n_tokens = 64  # the sender's bound (a receiver that disagrees about the context)
+    session = _split_session(h, ends, until=0.016)
+    session.set_computed(80, h.now)  # type: ignore[attr-defined]
+    h.run(until=0.03)
+    assert h.sender.drops.get("bad_ack_computed", 0) >= 1
+    assert h.sender.sources_dropped == 0 and h.sender.computed_tokens == 0
+
+
+def test_split_receiver_waits_for_its_front_even_when_every_symbol_arrived() -> None:
+    """The symbols carry only the back; with everything decoded the session still waits until its own
+    prefill has covered the front [0, 48), then starts at once."""
+    h, symbols, ends = make_split_pair(budget_s=0.2)
+    session = _split_session(h, ends, until=0.016, front=48)
+    h.run(until=0.09)  # every symbol is decoded by ~75 ms
+    assert session.decoder.decoded_count == len(symbols)  # type: ignore[attr-defined]
+    assert not [e for e in h.receiver_events if isinstance(e, DeadlineReached)]
+    session.set_computed(32, h.now)  # type: ignore[attr-defined]
+    assert not [e for e in h.receiver_events if isinstance(e, DeadlineReached)]
+    at = h.now  # (the harness has moved on to the sender's next timer)
+    session.set_computed(48, at)  # type: ignore[attr-defined]
+    h.run()
+    ev = h.deadline_event()
+    assert ev.ready and ev.at == at < ev.stats.deadline_at

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pfec.common.model import quant
-from pfec.common.plan.handoff import OfferApp, ResultApp, synthetic_identity
+from pfec.common.plan.handoff import OfferApp, ResultApp, SplitOffer, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
 from pfec.common.plan.precision import (
     SCHEME,
@@ -25,9 +25,12 @@ from pfec.common.plan.precision import (
     value_order,
 )
 from pfec.common.plan.stream import (
+    PLANNER_MODES,
     PrecisionOffer,
+    aligned_meeting_token,
     check_offer,
     choose_mix,
+    choose_mode,
     default_fidelity,
     fidelity_named,
     file_by_stream_index,
@@ -35,6 +38,7 @@ from pfec.common.plan.stream import (
     score_stream,
     shipped_fidelity,
     stream_plan,
+    symbol_token_ends,
 )
 from pfec.common.plan.utility import synthetic_profile
 from pfec.sender.handoffs import sent_bytes_by_level
@@ -144,6 +148,101 @@ def test_check_offer_recomputes_the_plan_or_refuses_with_the_reason() -> None:
     for args, reason in cases:
         with pytest.raises(ValueError, match=reason):
             check_offer(*args)  # type: ignore[arg-type]
+
+
+def test_a_split_plan_is_the_back_of_every_layer_in_the_same_order_and_names_each_symbols_stake() -> None:
+    """Split (issue 13 item 1): the back's token blocks [2, 5) in all 3 layers, nothing of the front, in the
+    whole plan's order; each symbol's token end is that of the last token block it carries; the receiver
+    recomputes the same plan only with the same first block."""
+    layout = _layout()  # 70 tokens: 5 token blocks x 3 layers
+    util = _utility(layout)
+    table = default_fidelity(GEOM.n_layers)
+    whole = stream_plan(layout, "int8-int4", util, table, PAYLOAD)
+    back = stream_plan(layout, "int8-int4", util, table, PAYLOAD, first_block=2)
+    token_block = back.blocks % layout.n_token_blocks
+    assert (token_block >= 2).all()
+    assert set(back.blocks.tolist()) == {b for b in range(layout.n_blocks) if b % layout.n_token_blocks >= 2}
+    keep = whole.blocks % layout.n_token_blocks >= 2
+    assert np.array_equal(back.blocks, whole.blocks[keep]) and np.array_equal(back.kinds, whole.kinds[keep])
+    ends = symbol_token_ends(back)
+    for sym in range(back.n_symbols):
+        want = max(min((int(back.blocks[p]) % layout.n_token_blocks + 1) * 16, 70)
+                   for p in back.symbol_pieces(sym))
+        assert ends[sym] == want
+    assert set(ends.tolist()) <= {48, 64, 70} and 70 in ends.tolist()
+    digest = plan_digest(back, "int8-int4", "default")
+    assert digest != plan_digest(whole, "int8-int4", "default")
+    offer = PrecisionOffer(SCHEME, "int8-int4", 16, layout.value_group, "default", digest)
+    got = check_offer(offer, layout, util, table, PAYLOAD, back.n_symbols, "utility", SCHEME, 2)
+    assert np.array_equal(got.blocks, back.blocks)
+    with pytest.raises(ValueError, match="does not match"):
+        check_offer(offer, layout, util, table, PAYLOAD, back.n_symbols, "utility", SCHEME, 1)
+    with pytest.raises(ValueError, match="first token block"):
+        stream_plan(layout, "int8", util, table, PAYLOAD, first_block=5)
+
+
+def test_the_offer_split_part_is_typed_and_bounded() -> None:
+    offer = PrecisionOffer.from_json(_offer_json())
+    split = SplitOffer(32, tuple(range(40)))
+    app = OfferApp(40, (1, 2), precision=offer, split=split)
+    assert OfferApp.decode(app.encode()) == app
+    local = OfferApp(40, (1,), split=SplitOffer(40, tuple(range(40))))
+    assert OfferApp.decode(local.encode()) == local
+    base = json.loads(app.encode())
+    cases = [
+        ({"m": 33, "ids": list(range(40))}, "multiple of 16"),
+        ({"m": 48, "ids": list(range(40))}, "multiple of 16"),
+        ({"m": -16, "ids": list(range(40))}, "multiple of 16"),
+        ({"m": True, "ids": list(range(40))}, "multiple of 16"),
+        ({"m": 32, "ids": list(range(39))}, "40 token ids"),
+        ({"m": 32, "ids": list(range(41))}, "40 token ids"),
+        ({"m": 32, "ids": [*range(39), -1]}, "token ids in"),
+        ({"m": 32, "ids": [*range(39), 2**40]}, "token ids in"),
+        ({"m": 32, "ids": [*range(39), 1.0]}, "token ids in"),
+        ({"m": 32}, "m and ids"),
+        ({"m": 32, "ids": [], "x": 1}, "m and ids"),
+        ({"m": 40, "ids": list(range(40))}, "local prefill"),  # local with a precision part
+    ]
+    for split_json, reason in cases:
+        with pytest.raises(ValueError, match=reason):
+            OfferApp.decode(json.dumps({**base, "split": split_json}).encode())
+    no_precision = {k: v for k, v in base.items() if k != "precision"}
+    with pytest.raises(ValueError, match="precision needed"):
+        OfferApp.decode(json.dumps(no_precision).encode())
+
+
+def test_result_split_fields_are_checked() -> None:
+    base = ResultApp(1.0, 1, 1, 1, 1, "", None, None, 0.0, None, "mask", handoff_mode="split",
+                     computed_tokens=512, blocks_computed=32, blocks_received=80)
+    assert ResultApp.decode(base.encode()) == base
+    for field, value in (("handoff_mode", "both"), ("computed_tokens", -1), ("blocks_computed", 2**40),
+                         ("blocks_received", "3")):
+        data = json.loads(base.encode())
+        data[field] = value
+        with pytest.raises(ValueError, match=field):
+            ResultApp.decode(json.dumps(data).encode())
+
+
+def test_the_planner_picks_the_mode_and_a_block_aligned_meeting_point() -> None:
+    held = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)  # auto: whole cache (AUTO_MODES)
+    assert held.mode == "handoff" and held.view["choice"] == "split:int8-int4", held
+    auto = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02, auto_modes=PLANNER_MODES)
+    assert auto.mode == "split" and auto.mix == "int8-int4" and auto.view["choice"] == "split:int8-int4"
+    assert auto.meeting_token is not None and auto.meeting_token % 16 == 0 and 0 < auto.meeting_token < 1800
+    assert auto.view["predicted_ttft_s"] < 0.5 * auto.view["local_ttft_s"]
+    whole = choose_mode("handoff", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)
+    assert whole.mode == "handoff" and whole.meeting_token is None
+    assert whole.view["used"].startswith("handoff:")
+    local = choose_mode("local", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)
+    assert local.mode == "local" and local.mix is None and local.meeting_token == 1800
+    assert choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02, auto_modes=("handoff",)).mode == \
+        "handoff"
+    assert choose_mode("split", "int4", 1800, DEFAULT_GEOMETRY, 100e6, 0.02).mix == "int4"
+    with pytest.raises(ValueError, match="quantised back"):
+        choose_mode("split", "native", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)
+    with pytest.raises(ValueError, match="mode 'both'"):
+        choose_mode("both", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)
+    assert aligned_meeting_token(700.5, 1800, 16) == 688 and aligned_meeting_token(5000, 1800, 16) == 1792
 
 
 # --- the OFFER's precision part ---------------------------------------------------------------------------

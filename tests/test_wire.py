@@ -89,7 +89,7 @@ def sample_messages(ss: int = SS) -> list[Message]:
     return [
         Source(5, sym),
         Repair(7, 3, 40, 1000, sym),
-        Ack(10, 20, 15, 3, 2, 99, 1500, 400, 12, 4, 12, b"\xa5\x30"),
+        Ack(10, 20, 15, 3, 2, 99, 1500, 400, 12, 4, 12, b"\xa5\x30", 777),
         Offer(ss, 256, 5000, 250_000, b"F" * 32, 0, 2, b"app-part-0", R_S, 2100),
         Accept(128, 5000, R_R),
         Refuse(RefuseCode.OVERLOADED, "busy ☃"),
@@ -137,7 +137,7 @@ def test_constants_and_sizes() -> None:
     sizes = {type(m).__name__: len(seal_open(m)[0]) for m in sample_messages()}
     assert sizes["Source"] == 1396
     assert sizes["Repair"] == 1400
-    assert sizes["Ack"] == 30 + 38 + 2
+    assert sizes["Ack"] == 30 + 42 + 2
     assert sizes["Accept"] == 30 + 12 + 22  # a handshake datagram: explicit nonce, R_r
     assert sizes["Offer"] == 30 + 66 + len(b"app-part-0")  # once more under the session key
     assert len(early_sender().seal(sample_messages()[3])) == 30 + 12 + 66 + len(b"app-part-0")
@@ -237,6 +237,7 @@ def messages(draw: st.DrawFn) -> tuple[int, Message]:
             *(draw(u32) for _ in range(5)),
             9,
             b"\xff\x80",
+            draw(u32),
         )
     elif kind == 4:
         pc = draw(st.integers(1, 0xFFFF))
@@ -387,6 +388,8 @@ def test_sender_seal_refuses_bad_fields(msg: Message) -> None:
     [
         Ack(-1, 0, 0, 0, 0, 0, 0, 0, 0, 0),
         Ack(1 << 32, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        Ack(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, computed_tokens=1 << 32),
+        Ack(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, computed_tokens=-1),
         Ack(0, 0, 0, -1, 0, 0, 0, 0, 0, 0),
         Ack(0, 0, 0, 0, 0, 0, 1 << 32, 0, 0, 0),
         Accept(1 << 16, 0, R_R),

@@ -44,6 +44,51 @@ def prefill(runtime: ModelRuntime, context_ids: Sequence[int],
     return cache, obs
 
 
+def prefill_chunk(runtime: ModelRuntime, cache: DynamicCache | None,
+                  chunk_ids: Sequence[int]) -> DynamicCache:
+    """Extend ``cache`` (the KV of context tokens [0, i); None: i = 0) with ``chunk_ids`` = tokens [i, j).
+
+    Exact: a causal prefix's KV does not depend on what follows, so prefilling [0, N) chunk by chunk gives
+    the one-pass cache (to the float rounding of a different matmul split). The receiver of a split handoff
+    computes the front this way, reporting progress after every chunk. Returns the (same) cache.
+    """
+    start = 0 if cache is None else int(cache.get_seq_length())
+    if not chunk_ids:
+        if cache is None:
+            raise ValueError("an empty first chunk: nothing to prefill")
+        return cache
+    check_length(runtime, start + len(chunk_ids))
+    ids = torch.tensor([list(chunk_ids)], device=runtime.device)
+    positions = torch.arange(start, start + len(chunk_ids), device=runtime.device)[None]
+    with torch.inference_mode():
+        if cache is None:
+            cache = DynamicCache(config=runtime.model.config)
+        runtime.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def join_prefix(kv: PartialKV, prefix: DynamicCache, n_prefix: int) -> PartialKV:
+    """Replace context tokens [0, n_prefix) of a rebuilt cache with a locally computed ``prefix`` (exact),
+    marking them available; the received rows after it stay as rebuilt (missing ones masked as before)."""
+    layers = cache_layers(prefix)
+    have = int(layers[0][0].shape[2])
+    if not 0 <= n_prefix <= min(have, kv.n_context):
+        raise ValueError(f"prefix of {n_prefix} tokens: {have} computed, {kv.n_context} in the context")
+    if n_prefix == 0:
+        return kv
+    for i, (k, v) in enumerate(layers):
+        kv.keys[i][:, :, :n_prefix] = k[:, :, :n_prefix].to(kv.keys[i].dtype)
+        kv.values[i][:, :, :n_prefix] = v[:, :, :n_prefix].to(kv.values[i].dtype)
+    if kv.row_masks is not None:
+        masks = kv.row_masks
+        for i, mask in enumerate(masks):
+            if mask is not None:
+                mask[:, :n_prefix] = True
+                if bool(mask.all()):
+                    masks[i] = None
+    return kv
+
+
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) per layer, each [1, n_kv_heads, T, head_dim]."""
     return [(layer.keys, layer.values) for layer in cache.layers]

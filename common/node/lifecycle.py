@@ -43,6 +43,30 @@ async def load_node_model(model: ModelConfig) -> tuple[ModelRuntime | None, Mode
     )
 
 
+#: Context lengths timed at start-up for the prefill-speed metric: short, so start-up stays fast (the
+#: planner's stored curve comes from a longer measurement, ``breakeven.DEFAULT_MODEL_PREFILL``).
+STARTUP_SPEED_LENGTHS = (64, 256)
+
+
+async def measure_node_speed(runtime: ModelRuntime | None, metrics: NodeMetrics) -> float | None:
+    """Time this node's prefill at ``STARTUP_SPEED_LENGTHS`` in a thread and export it as
+    ``pfec_prefill_tokens_per_second``; None (and 0 exported) without a model or a model too short."""
+    if runtime is None:
+        metrics.prefill_speed(0.0)
+        return None
+    from pfec.common.model.speed import measure_prefill_speed  # deferred: torch
+
+    try:
+        speed = await asyncio.get_running_loop().run_in_executor(
+            None, measure_prefill_speed, runtime, STARTUP_SPEED_LENGTHS)
+    except ValueError:  # the model's context is shorter than the lengths
+        metrics.prefill_speed(0.0)
+        return None
+    tokens_per_second = speed.tokens_per_second(STARTUP_SPEED_LENGTHS[-1])
+    metrics.prefill_speed(tokens_per_second)
+    return tokens_per_second
+
+
 async def run_node(daemon: D, routes: list[web.RouteDef], config: DaemonConfig, token: str | None = None,
                    ready: Callable[[D], None] | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve ``routes`` on the configured control sockets and the metrics endpoint, call ``ready``, wait

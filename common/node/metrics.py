@@ -62,6 +62,9 @@ def check_label(value: str, allowed: Iterable[str], what: str) -> str:
 class NodeMetrics:
     """The series every node has, in a registry of its own (``self.registry``)."""
 
+    #: Series named alike on both nodes (no role in the name): the same fact about any node.
+    SHARED: ClassVar[tuple[str, ...]] = ("pfec_prefill_tokens_per_second",)
+
     ROLE: ClassVar[str]  # "sender" or "receiver": names are pfec_<ROLE>_*
     PEERS: ClassVar[str]  # who the datagrams go to and come from, for the help texts
     DROP_REASONS: ClassVar[tuple[str, ...]]  # the "reason" label values (must include "other")
@@ -85,6 +88,11 @@ class NodeMetrics:
             ["reason"],
         )
         self._utility = self.histogram("recovered_utility", self.UTILITY_HELP, UTILITY_BUCKETS)
+        # Not role-prefixed: the same fact on both nodes (the planner's receiver speed, issue 13).
+        self._prefill_speed = Gauge(
+            "pfec_prefill_tokens_per_second", "This node's prefill speed for its model (tokens/s at the "
+            "longest length measured at start-up with common/model/speed.py; 0: not measured, no model).",
+            registry=self.registry)
         # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
         self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
         self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
@@ -139,6 +147,10 @@ class NodeMetrics:
         for reason, n in counts.items():
             if n:
                 self.dropped(reason, n)
+
+    def prefill_speed(self, tokens_per_second: float) -> None:
+        """This node's measured prefill speed (tokens/s)."""
+        self._prefill_speed.set(max(0.0, float(tokens_per_second)))
 
     def recovered_utility(self, utility: float) -> None:
         self._utility.observe(min(1.0, max(0.0, utility)))

@@ -45,6 +45,9 @@ MAX_QUESTION_TOKENS: Final = 4096
 MAX_TOKEN_ID: Final = (1 << 31) - 1
 MAX_BLOB_JSON_DEPTH: Final = 8
 MAX_NEW_TOKENS: Final = 512
+#: A local prefill's OFFER (split with m = n_tokens) streams one placeholder symbol and no KV: the transport
+#: has no session without source symbols.
+LOCAL_SOURCE_SYMBOLS: Final = 1
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -172,6 +175,36 @@ def default_profile_name(identity: ModelIdentity) -> str:
 
 
 @dataclass(frozen=True)
+class SplitOffer:
+    """A split handoff's part of the OFFER: the receiver prefills the context's front [0, m) itself (from
+    the token ids given here, the whole context, so it may compute past m) while the back streams.
+
+    JSON: ``{"m": <block-aligned meeting token>, "ids": [<n_tokens context token ids>]}``; ``m`` equal to
+    the context length is a local prefill (nothing streams)."""
+
+    meeting_token: int
+    context_ids: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"m": self.meeting_token, "ids": list(self.context_ids)}
+
+    @classmethod
+    def from_json(cls, data: object, n_tokens: int) -> SplitOffer:
+        """Typed and bounded against the OFFER's context; ValueError naming the bad field."""
+        if not isinstance(data, dict) or set(data) != {"m", "ids"}:
+            raise ValueError("OFFER split: expected an object with m and ids")
+        m, ids = data["m"], data["ids"]
+        if type(m) is not int or not 0 <= m <= n_tokens or (m % BLOCK_TOKENS and m != n_tokens):
+            raise ValueError(f"OFFER split m: expected a multiple of {BLOCK_TOKENS} in 0..{n_tokens} (or "
+                             f"{n_tokens}: all local)")
+        if not isinstance(ids, list) or len(ids) != n_tokens:
+            raise ValueError(f"OFFER split ids: expected the context's {n_tokens} token ids")
+        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"OFFER split ids: expected token ids in 0..{MAX_TOKEN_ID}")
+        return cls(m, tuple(ids))
+
+
+@dataclass(frozen=True)
 class OfferApp:
     """The OFFER's application blob: what the receiver needs to rebuild and generate."""
 
@@ -184,15 +217,17 @@ class OfferApp:
     model_id: str = ""
     generate: bool = True
     precision: PrecisionOffer | None = None  # None: native fragments (the blob is then as before)
+    split: SplitOffer | None = None  # None: the whole cache streams (the blob is then as before)
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["question_ids"] = list(self.question_ids)
         data["v"] = APP_VERSION
-        if self.precision is None:
-            del data["precision"]
-        else:
-            data["precision"] = self.precision.to_json()
+        for name, part in (("precision", self.precision), ("split", self.split)):
+            if part is None:
+                del data[name]
+            else:
+                data[name] = part.to_json()
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -235,8 +270,16 @@ class OfferApp:
         profile = check_profile_name(data.get("profile", "synthetic"), "OFFER profile")
         precision = data.get("precision")
         offer = None if precision is None else PrecisionOffer.from_json(precision)
+        split_data = data.get("split")
+        split = None if split_data is None else SplitOffer.from_json(split_data, n_tokens)
+        if split is not None:  # a split streams a quantised back; a local prefill streams nothing
+            local = split.meeting_token == n_tokens
+            if local != (offer is None):
+                raise ValueError("OFFER split: a split below the context streams a quantised back (precision "
+                                 "needed); a local prefill (m = n_tokens) streams nothing (no precision)")
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
-                   max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer)
+                   max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
+                   split=split)
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:
@@ -281,6 +324,10 @@ class ResultApp:
     precision: str | None = None  # the mix received ("native" for fragments)
     precision_utility: float | None = None  # utility x fidelity at the level each block arrived at
     levels: dict[str, int] | None = None  # blocks per usable level
+    handoff_mode: str | None = None  # "handoff" (whole cache), "split" or "local"
+    computed_tokens: int | None = None  # split/local: context tokens [0, c) prefilled by the receiver
+    blocks_computed: int | None = None  # blocks entirely inside [0, c)
+    blocks_received: int | None = None  # blocks after c rebuilt from what arrived
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -311,6 +358,11 @@ class ResultApp:
         start = data.get("start")
         if start not in (None, "ready", "deadline"):
             raise ValueError("RESULT start: expected ready or deadline")
+        if data.get("handoff_mode") not in (None, "handoff", "split", "local"):
+            raise ValueError("RESULT handoff_mode: expected handoff, split or local")
+        for name in ("computed_tokens", "blocks_computed", "blocks_received"):
+            if data.get(name) is not None and not 0 <= data[name] <= MAX_TOKEN_ID:
+                raise ValueError(f"RESULT {name}: expected a count in 0..{MAX_TOKEN_ID}")
         return cls(**data)
 
 
@@ -335,6 +387,10 @@ _RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
     "precision": ((str,), True, False),
     "precision_utility": (_NUM, True, False),
     "levels": ((dict,), True, False),
+    "handoff_mode": ((str,), True, False),
+    "computed_tokens": ((int,), True, False),
+    "blocks_computed": ((int,), True, False),
+    "blocks_received": ((int,), True, False),
 }
 
 

@@ -44,7 +44,10 @@ from pfec.common.plan.breakeven import (
     DEFAULT_MODEL_PREFILL,
     LinkModel,
     ReceiverModel,
+    level_named,
     plan_handoff,
+    split_at,
+    split_option,
 )
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.plan.precision import (
@@ -160,23 +163,47 @@ def block_tops(mix: str, block_utility: npt.ArrayLike) -> npt.NDArray[np.int64]:
 
 
 def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fidelity: FidelityTable,
-                payload_size: int, order: str = "utility") -> PiecePlan:
+                payload_size: int, order: str = "utility", first_block: int = 0) -> PiecePlan:
     """The piece plan of a quantised ``mix``: pieces packed into ``payload_size``-byte symbol payloads.
 
     ``order`` ``utility`` sends pieces by marginal value per byte (``precision.value_order``); ``fifo``
     sends block by block in block order, each block's ladder at once (the fifo schemes' order).
+    ``first_block`` > 0 (a split handoff: the receiver computes the front itself) keeps only the pieces of
+    token blocks ``first_block``.. (the back, in every layer), in the same order; the tops are those of
+    the whole cache, so the back's blocks get the levels they would get in a whole-cache handoff.
     """
+    if not 0 <= first_block < layout.n_token_blocks:
+        raise ValueError(f"first token block {first_block!r} lies outside the context's "
+                         f"0..{layout.n_token_blocks - 1}")
     tops = block_tops(mix, block_utility)
     kinds = ladder(BASE_LEVEL, Level(int(tops.max())))
     if order == "utility":
         blocks, kind_ids = value_order(layout, block_utility, fidelity, kinds, tops)
-        return PiecePlan(layout, blocks, kind_ids, payload_size)
-    if order != "fifo":
+    elif order == "fifo":
+        plan = full_plan(layout, kinds, payload_size)
+        keep = np.asarray([kinds[int(i)].level for i in range(len(kinds))] * layout.n_blocks) <= np.repeat(
+            tops, len(kinds))
+        blocks, kind_ids = plan.blocks[keep], plan.kinds[keep]
+    else:
         raise ValueError(f"order {order!r} is not one of utility, fifo")
-    plan = full_plan(layout, kinds, payload_size)
-    keep = np.asarray([kinds[int(i)].level for i in range(len(kinds))] * layout.n_blocks) <= np.repeat(
-        tops, len(kinds))
-    return PiecePlan(layout, plan.blocks[keep], plan.kinds[keep], payload_size)
+    if first_block:
+        back = blocks % layout.n_token_blocks >= first_block
+        blocks, kind_ids = blocks[back], kind_ids[back]
+    return PiecePlan(layout, blocks, kind_ids, payload_size)
+
+
+def symbol_token_ends(plan: PiecePlan) -> npt.NDArray[np.int64]:
+    """For every symbol of ``plan``, the token end of the last token block any of its pieces belongs to
+    (in any layer): once the receiver has computed the context up to it (a split handoff), nothing in the
+    symbol is needed."""
+    lo, hi = plan.symbol_piece_spans()
+    blocks = plan.blocks.astype(np.int64) % plan.layout.n_token_blocks
+    top = blocks[lo].copy()
+    width = int((hi - lo).max(initial=1))
+    for k in range(1, width):  # a symbol touches a few pieces at most (pieces span many symbols)
+        more = lo + k < hi
+        top[more] = np.maximum(top[more], blocks[(lo + k)[more]])
+    return np.minimum((top + 1) * plan.layout.block_tokens, plan.layout.n_tokens)
 
 
 def plan_digest(plan: PiecePlan, mix: str, fidelity: str) -> str:
@@ -255,7 +282,7 @@ class PrecisionOffer:
 
 def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.ArrayLike,
                 fidelity: FidelityTable, payload_size: int, n_source: int, order: str,
-                scheme: str | None) -> PiecePlan:
+                scheme: str | None, first_block: int = 0) -> PiecePlan:
     """The plan the OFFER describes, recomputed here; ValueError with the reason when this node does not
     know the scheme, cannot rebuild the layout, or gets another plan (digest or symbol count)."""
     if scheme is None or offer.scheme != scheme:
@@ -267,7 +294,7 @@ def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.A
             f"{offer.value_group} channels, this receiver's are {layout.block_tokens} and "
             f"{layout.value_group}"
         )
-    plan = stream_plan(layout, offer.mix, block_utility, fidelity, payload_size, order)
+    plan = stream_plan(layout, offer.mix, block_utility, fidelity, payload_size, order, first_block)
     digest = plan_digest(plan, offer.mix, offer.fidelity)
     if digest != offer.plan:
         raise ValueError(f"OFFER precision plan {offer.plan} does not match the plan recomputed here "
@@ -355,3 +382,89 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
         "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor,
     }
     return mix, view
+
+
+# --- Which mode ---------------------------------------------------------------------------------------------
+
+HANDOFF_MODES: Final = (AUTO, "handoff", "split", "local")
+PLANNER_MODES: Final = ("handoff", "split", "local")
+#: The modes ``auto`` may pick from the planner's choice (the others fall back to a whole-cache handoff).
+#: Whole-cache handoff only, for now: split works end to end (``--mode split``: same answer as the full
+#: cache), but on this 2-core machine, with sender, link emulator and receiver sharing the cores (and the
+#: receiver's front prefill sharing its process with its event loop), the demo measured split TTFT 3.0-3.7 s
+#: against 2.4 s for the whole-cache int8-int4 handoff in the same conditions, where the planner, which
+#: models no contention, predicts 1.16 s and 1.80 s. Widen to PLANNER_MODES once the planner models the
+#: receiver's prefill while it decodes (or measured on separate machines).
+AUTO_MODES: Final = ("handoff",)
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """How one handoff goes: ``handoff`` (the whole cache streams at ``mix``), ``split`` (the receiver
+    prefills [0, ``meeting_token``), the back streams at ``mix``) or ``local`` (the receiver prefills
+    everything, ``mix`` None, ``meeting_token`` = the context), with the planner's view of it."""
+
+    mode: str
+    mix: str | None
+    meeting_token: int | None
+    view: dict[str, Any]
+
+
+def aligned_meeting_token(m: float, n_tokens: int, block_tokens: int) -> int:
+    """The planner's meeting point, down to a block boundary, leaving at least one block to stream."""
+    aligned = int(m) // block_tokens * block_tokens
+    return max(0, min(aligned, (n_tokens - 1) // block_tokens * block_tokens))
+
+
+def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
+                receiver: ReceiverModel | None = None, block_tokens: int = 16,
+                auto_modes: tuple[str, ...] = AUTO_MODES) -> ModeChoice:
+    """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
+    or a mix), from the break-even planner (this handoff's tokens, the link's rate and RTT, the receiver's
+    prefill curve, by default the stored curve of the default model). ValueError for an unknown mode or
+    mix, or a split at native precision (a split streams a quantised back)."""
+    if mode not in HANDOFF_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(HANDOFF_MODES)}")
+    if precision != AUTO:
+        check_mix(precision)
+    recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
+    link = LinkModel(rate_bps, rtt_s)
+    plan = plan_handoff(n_tokens, geometry, link, recv)
+    used_mode = mode
+    if mode == AUTO:
+        used_mode = plan.choice.mode if plan.choice.mode in auto_modes else "handoff"
+    keeping = [o for o in plan.options if o.keeps_floor]
+    mix: str | None = None
+    meeting: int | None = None
+    if used_mode == "local":
+        used = plan.option("local")
+        meeting = n_tokens
+    elif used_mode == "handoff":
+        if precision != AUTO:
+            mix = precision
+        elif plan.choice.mode == "handoff":
+            mix = plan.choice.precision
+        else:
+            mix = min((o for o in keeping if o.mode == "handoff"), key=lambda o: o.ttft_s).precision
+        used = plan.option("handoff", mix)
+    else:
+        if precision == NATIVE:
+            raise ValueError("a split streams a quantised back: choose a precision other than native")
+        if precision != AUTO:
+            mix = precision
+        elif plan.choice.mode == "split":
+            mix = plan.choice.precision
+        else:
+            mix = min((o for o in keeping if o.mode == "split"), key=lambda o: o.ttft_s).precision
+        if mix == NATIVE:
+            mix = "int8"  # the planner's native split: int8 keeps everything (issue 13) at half the bytes
+        level = level_named(mix)
+        best = split_option(n_tokens, geometry, level, link, recv, True)
+        meeting = aligned_meeting_token(best.meeting_token or 0, n_tokens, block_tokens)
+        used = split_at(meeting, n_tokens, geometry, level, link, recv)
+    view = {
+        "requested": precision, "requested_mode": mode, "mode": used_mode, "choice": plan.choice.label,
+        "choice_ttft_s": plan.choice.ttft_s, "used": used.label, "predicted_ttft_s": used.ttft_s,
+        "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor, "meeting_token": meeting,
+    }
+    return ModeChoice(used_mode, mix, meeting, view)

@@ -24,10 +24,12 @@ Bodies (type: layout -- body size in bytes)::
     SOURCE  1  u32 esi | symbol[symbol_size]                               4 + ss
     REPAIR  2  u16 repair_key | u16 (DT:4 | NSS:12) | u32 fss_esi |         8 + ss
                symbol[symbol_size]   (RFC 8681 Repair FEC Payload ID, GF(2^8); NSS >= 1)
-    ACK     3  u32 decoded_prefix | u32 seen_end | u32 decoded_count |     38 + map
+    ACK     3  u32 decoded_prefix | u32 seen_end | u32 decoded_count |     42 + map
                u16 deficit (saturating) | u16 unknowns (saturating) |
                u32 largest_pn | u32 ack_delay_us | u32 received |
-               u32 lost | u32 loss_runs | u16 hole_bits (<= 4096) |
+               u32 lost | u32 loss_runs | u32 computed_tokens (the
+               receiver's own prefill: context tokens [0, c) computed; 0
+               unless split) | u16 hole_bits (<= 4096) |
                hole map: ceil(hole_bits / 8) bytes, bit i (MSB first) set when
                ESI decoded_prefix + i is undecoded
                (deficit, unknowns and the map cover the receiver's decoder span
@@ -118,7 +120,7 @@ from pfec.common.wire.messages import (
 _HEADER = struct.Struct(">BBQI")
 _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
-_ACK = struct.Struct(">IIIHHIIIIIH")
+_ACK = struct.Struct(">IIIHHIIIIIIH")
 _OFFER = struct.Struct(">HHII32sHH16sH")
 _ACCEPT = struct.Struct(">HI16s")
 _RESULT = struct.Struct(">IHH")
@@ -220,6 +222,7 @@ def _enc_ack(msg: Ack) -> bytes:
         msg.received,
         msg.lost,
         msg.loss_runs,
+        msg.computed_tokens,
         msg.hole_bits,
     ) + bytes(msg.holes)
 
@@ -346,7 +349,8 @@ def _dec_ack(body: _Body) -> Ack:
     hole_bits = fields[-1]
     if hole_bits > MAX_HOLE_BITS or len(body) != ACK_BODY_SIZE + (hole_bits + 7) // 8:
         raise ParseError("bad_length", f"ACK hole map: {hole_bits} bits in {len(body) - ACK_BODY_SIZE} bytes")
-    return Ack(*fields, bytes(body[ACK_BODY_SIZE:]))  # type: ignore[call-arg]
+    *counters, computed, _ = fields
+    return Ack(*counters, hole_bits, bytes(body[ACK_BODY_SIZE:]), computed)  # type: ignore[call-arg]
 
 
 def _dec_parts(pi: int, pc: int, what: str) -> None:

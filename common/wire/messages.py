@@ -12,7 +12,9 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 # --------------------------------------------------------------------------- constants
 
-WIRE_VERSION: Final = 3  # 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span
+# Wire versions: 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span;
+# 4: the ACK's computed_tokens (how far the receiver's own prefill has got: compute front, stream back)
+WIRE_VERSION: Final = 4
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
 OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
@@ -20,7 +22,7 @@ MAX_DATAGRAM: Final = 1400
 SOURCE_ID_SIZE: Final = 4
 REPAIR_ID_SIZE: Final = 8
 DEFAULT_SYMBOL_SIZE: Final = MAX_DATAGRAM - HEADER_SIZE - TAG_SIZE - REPAIR_ID_SIZE  # 1362
-ACK_BODY_SIZE: Final = 38  # fixed part; the hole map follows
+ACK_BODY_SIZE: Final = 42  # fixed part; the hole map follows
 MAX_HOLE_BITS: Final = 4096
 RANDOM_SIZE: Final = 16  # each side's fresh handshake value (R_s in the OFFER, R_r in the ACCEPT)
 NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram, right after the header
@@ -217,6 +219,10 @@ class Ack:
     loss_runs: int
     hole_bits: int = 0  # length of the hole map in bits
     holes: bytes = b""  # packed map of undecoded ESIs from decoded_prefix (see module doc)
+    # Context tokens [0, computed_tokens) the receiver has prefilled itself (a split handoff; 0 otherwise):
+    # the sender stops sending pieces of blocks entirely below it. Checked against the context by the
+    # sender (a value past it is dropped with a reason).
+    computed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
