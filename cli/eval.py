@@ -90,7 +90,7 @@ def eval_cmd(
     task_prompts: Annotated[
         int | None,
         typer.Option(
-            help="Needle-QA prompts for the task score (loads the default model; 0 skips) [4; small 0]."
+            help="Needle-QA prompts for the task score (loads the default model; 0 skips) [32; small 0]."
         ),
     ] = None,
     task_rhos: Annotated[str | None, typer.Option(help="Deadlines of the task score [0.6,0.8,1.0].")] = None,
@@ -103,8 +103,31 @@ def eval_cmd(
     reliable_realizations: Annotated[
         int | None,
         typer.Option(
-            help="Real tcp/quic handoffs per cell of the main config (real time, slow; 0 skips) [5; small 0]."
+            help="Real tcp/quic handoffs per row and cell of the main config (real time, slow; 0 skips) "
+            "[20; small 2]."
         ),
+    ] = None,
+    reliable_rhos: Annotated[
+        str | None, typer.Option(help="Deadlines rho of the real tcp/quic runs [0.6,0.8,1.0; small 0.8].")
+    ] = None,
+    congestion: Annotated[
+        str | None, typer.Option(help="Kernel TCP congestion controls, one tcp row each [cubic,bbr].")
+    ] = None,
+    grid_realizations: Annotated[
+        int | None,
+        typer.Option(help="Realizations per RTT x context x rho grid cell (0 skips) [10; small 2]."),
+    ] = None,
+    grid_rtts: Annotated[
+        str | None, typer.Option(help="RTTs (ms) of the grid [5,20,50,100,200; small 20,200].")
+    ] = None,
+    grid_tokens: Annotated[
+        str | None, typer.Option(help="Context tokens of the grid [192,384,1536,4096; small 192].")
+    ] = None,
+    grid_rhos: Annotated[
+        str | None, typer.Option(help="Deadlines rho of the grid [0.6,0.8,1.0; small 0.8].")
+    ] = None,
+    grid_schemes: Annotated[
+        str | None, typer.Option(help="Schemes of the grid [priorityfec,priority-arq,arq,oracle].")
     ] = None,
     jobs: Annotated[int, typer.Option(help="Worker processes for the utility sweep.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations and the workload.")] = 1,
@@ -136,16 +159,23 @@ def eval_cmd(
 
 # EvalConfig fields that take an option's value as typed.
 _PLAIN_OPTIONS = ("realizations", "headline_realizations", "profile", "tokens", "task_prompts",
-                  "overhead_realizations", "reliable_realizations")
+                  "overhead_realizations", "reliable_realizations", "grid_realizations")
 
 
 def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
     """EvalConfig fields from the options given: numbers as typed, lists parsed (a bad one exits 2)."""
     fields = {key: given[key] for key in _PLAIN_OPTIONS if key in given}
-    for key in ("rhos", "task_rhos"):
+    for key in ("rhos", "task_rhos", "reliable_rhos", "grid_rhos"):
         if key in given:
             fields[key] = tuple(parse_floats(given[key], key.replace("_", "-"), "0.6,0.8,1.0"))
-    for key in ("schemes", "task_schemes"):
+    if "grid_rtts" in given:
+        fields["grid_rtts_ms"] = tuple(parse_floats(given["grid_rtts"], "grid-rtts", "5,20,50,100,200"))
+    if "grid_tokens" in given:
+        tokens = parse_floats(given["grid_tokens"], "grid-tokens", "192,384,1536,4096")
+        if any(t != int(t) for t in tokens):
+            raise fail(f"--grid-tokens {given['grid_tokens']!r}: whole token counts, e.g. 192,384,1536,4096")
+        fields["grid_tokens"] = tuple(int(t) for t in tokens)
+    for key in ("schemes", "task_schemes", "congestion", "grid_schemes"):
         if key in given:
             fields[key] = tuple(parse_names(given[key]))
     profile = given.get("profile")

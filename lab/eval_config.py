@@ -15,13 +15,17 @@ from typing import Final
 
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, synthetic_profile
 from pfec.common.sched.policies import SCHEMES, get_scheme
+from pfec.lab.arq_sim import ARQ_SCHEMES
 from pfec.lab.channel import LossModel, parse_loss_spec
+from pfec.lab.reliable import RELIABLE_SCHEMES
 from pfec.lab.sim import REFERENCE_SCHEMES, SimConfig
 
 __all__ = [
     "SMALL",
     "EvalConfig",
+    "ReliableRow",
     "parse_configs",
+    "scheme_definitions",
     "scheme_status",
     "stand_in",
 ]
@@ -45,12 +49,24 @@ ALL_SCHEMES = (
     "priority-fixed",
     "flec-rt",
     "arq",
+    "priority-arq",
+    "arq-ideal",
     "rl-fec",
     "heuristic",
     "priorityfec",
     "oracle",
+    "priority-tcp",
+    "priority-quic",
 )
-RELIABLE = ("tcp", "quic")  # real transport runs (lab/reliable.py), not slot-simulator schemes
+RELIABLE = tuple(RELIABLE_SCHEMES)  # real transport runs (lab/reliable.py), not slot-simulator schemes
+CONGESTION_CONTROLS = ("cubic", "bbr")  # kernel TCP's, one row each (lab/reliable.py)
+# Session schemes (common/sched/policies.py SCHEMES) by their role in the paper: its compared transports,
+# its ablation variants, and ours. ARQ and real-transport schemes carry their own flag (ARQ_SCHEMES,
+# RELIABLE_SCHEMES); the oracle is a bound.
+PAPER_SESSION_BASELINES = ("udp", "uniform-fec", "flec-rt")
+PAPER_ABLATION_VARIANTS = ("priority", "priority-fixed", "rl-fec")
+GRID_SCHEMES = ("priorityfec", "priority-arq", "arq", "oracle")
+GRID_AUTO = "priorityfec@auto"  # the grid's extra row: priorityfec with --precision auto
 TASK_SCHEMES = ("udp", "priority", "heuristic", "priorityfec")
 ABLATION_SCHEMES = ("priority", "rl-fec", "priority-fixed", "priorityfec")
 ABLATION_RHOS = (0.8, 1.0)
@@ -60,6 +76,18 @@ RESULTS_BEGIN = "<!-- BEGIN pfec eval (generated: rerun `pfec eval` to replace t
 RESULTS_END = "<!-- END pfec eval -->"
 PAPER = {"utility_rho08": 0.991, "best_baseline_rho08": 0.823, "gain_points": 16.8}
 HEADLINE = ("main", 0.8)  # the issue's headline cell: main GE config, rho 0.8
+
+
+@dataclass(frozen=True)
+class ReliableRow:
+    """One real-transport row of the eval: a RELIABLE_SCHEMES name and (TCP) its congestion control."""
+
+    scheme: str
+    congestion: str | None
+
+    @property
+    def label(self) -> str:
+        return self.scheme if self.congestion is None else f"{self.scheme}/{self.congestion}"
 
 
 @dataclass(frozen=True)
@@ -75,14 +103,23 @@ class EvalConfig:
     rtt_ms: float = 20.0
     seed: int = 1
     jobs: int = 2
-    task_prompts: int = 4
+    reverse_lossy: bool = True  # the cell's loss model on the ACK path too (paper-like; sim's default: none)
+    task_prompts: int = 32
     task_rhos: tuple[float, ...] = (0.6, 0.8, 1.0)
     task_schemes: tuple[str, ...] = TASK_SCHEMES
     context_tokens: int = 1500
     max_new_tokens: int = 24
     overhead_realizations: int = 3
-    reliable_realizations: int = 5  # tcp/quic run in real time over an emulated link: slow, so fewer
+    reliable_realizations: int = 20  # tcp/quic runs per cell, real time over an emulated link (issue: >= 20)
     reliable_configs: tuple[str, ...] = ("main",)  # loss configs whose cells also get real tcp/quic runs
+    reliable_rhos: tuple[float, ...] = (0.6, 0.8, 1.0)  # real time is the eval's slowest stage
+    congestion: tuple[str, ...] = CONGESTION_CONTROLS  # one tcp row per kernel congestion control
+    grid_rtts_ms: tuple[float, ...] = (5.0, 20.0, 50.0, 100.0, 200.0)
+    grid_tokens: tuple[int, ...] = (192, 384, 1536, 4096)
+    grid_rhos: tuple[float, ...] = (0.6, 0.8, 1.0)
+    grid_schemes: tuple[str, ...] = GRID_SCHEMES
+    grid_realizations: int = 10  # per grid cell (0 skips the grid)
+    grid_auto: bool = True  # the priorityfec --precision auto row, scored by credited utility
     overhead_rhos: tuple[float, ...] = ABLATION_RHOS
     command: str = "pfec eval"
 
@@ -93,16 +130,22 @@ class EvalConfig:
             raise ValueError(f"--headline-realizations must be >= 1, got {self.headline_realizations}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
-        if min(self.task_prompts, self.overhead_realizations, self.reliable_realizations) < 0:
+        if min(self.task_prompts, self.overhead_realizations, self.reliable_realizations,
+               self.grid_realizations) < 0:
             raise ValueError(
-                "--task-prompts, --overhead-realizations and --reliable-realizations must be >= 0 "
-                "(0 skips that stage)"
+                "--task-prompts, --overhead-realizations, --reliable-realizations and --grid-realizations "
+                "must be >= 0 (0 skips that stage)"
             )
-        for rho in (*self.rhos, *self.task_rhos, *self.overhead_rhos):
+        for cc in self.congestion:
+            if cc not in CONGESTION_CONTROLS:
+                raise ValueError(f"--congestion {cc!r}: use {' or '.join(CONGESTION_CONTROLS)}")
+        if any(rtt < 0 for rtt in self.grid_rtts_ms) or any(t < 1 for t in self.grid_tokens):
+            raise ValueError("--grid-rtts must be >= 0 ms and --grid-tokens >= 1")
+        for rho in (*self.rhos, *self.task_rhos, *self.overhead_rhos, *self.reliable_rhos, *self.grid_rhos):
             if not rho > 0:
                 raise ValueError(f"rho {rho!r} must be positive (e.g. --rhos 0.6,0.8,1.0,1.2)")
         known = {*ALL_SCHEMES, *SCHEMES, *REFERENCE_SCHEMES}
-        unknown = [s for s in (*self.schemes, *self.task_schemes) if s not in known]
+        unknown = [s for s in (*self.schemes, *self.task_schemes, *self.grid_schemes) if s not in known]
         if unknown:
             raise ValueError(f"unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(ALL_SCHEMES)}")
         if not self.configs:
@@ -122,15 +165,29 @@ class EvalConfig:
         """The loss spec of the ``main`` config (as given in ``configs``, else the named default)."""
         return dict(self.configs).get("main", NAMED_CONFIGS["main"])
 
-    def sim_config(self, loss: LossModel, rho: float, profile: UtilityProfile) -> SimConfig:
+    def reliable_rows(self, names: Sequence[str]) -> list[ReliableRow]:
+        """The real-transport rows of ``names``: one per congestion control for TCP, one for QUIC."""
+        rows = []
+        for name in names:
+            if RELIABLE_SCHEMES[name].protocol == "tcp":
+                rows += [ReliableRow(name, cc) for cc in self.congestion]
+            else:
+                rows.append(ReliableRow(name, None))
+        return rows
+
+    def sim_config(self, loss: LossModel, rho: float, profile: UtilityProfile, rtt_ms: float | None = None,
+                   tokens: int | None = None, precision: str = "native") -> SimConfig:
+        """A cell's simulator config; the loss model on both directions unless ``reverse_lossy`` is off."""
         return SimConfig(
             loss=loss,
             rate_mbps=self.rate_mbps,
-            rtt_ms=self.rtt_ms,
+            rtt_ms=self.rtt_ms if rtt_ms is None else rtt_ms,
             rho=rho,
-            tokens=self.tokens,
+            tokens=self.tokens if tokens is None else tokens,
+            reverse_loss=loss if self.reverse_lossy else None,
             profile=profile,
             seed=self.seed,
+            precision=precision,
         )
 
 
@@ -144,7 +201,12 @@ SMALL = EvalConfig(
     task_prompts=0,
     overhead_realizations=1,
     overhead_rhos=(0.8,),
-    reliable_realizations=0,
+    reliable_realizations=2,
+    reliable_rhos=(0.8,),
+    grid_rtts_ms=(20.0, 200.0),
+    grid_tokens=(192,),
+    grid_rhos=(0.8,),
+    grid_realizations=2,
     command="pfec eval --small",
 )
 
@@ -175,7 +237,7 @@ def scheme_status(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     available: list[str] = []
     missing: dict[str, str] = {}
     for name in names:
-        if name in REFERENCE_SCHEMES or name in RELIABLE:
+        if name in REFERENCE_SCHEMES or name in RELIABLE or name in ARQ_SCHEMES:
             available.append(name)
             continue
         if name not in SCHEMES:
@@ -196,3 +258,34 @@ def stand_in(name: str, available: Sequence[str]) -> str | None:
         return name
     fallback = FALLBACK.get(name)
     return fallback if fallback in SCHEMES else None
+
+
+def scheme_definitions(names: Sequence[str], congestion: Sequence[str] = CONGESTION_CONTROLS,
+                       ) -> list[dict[str, str | bool]]:
+    """What each scheme of ``names`` is and whether it is one of the paper's baselines, from the scheme
+    tables themselves (``SCHEMES``' descriptions, ``ARQ_SCHEMES``, ``RELIABLE_SCHEMES``); the report prints
+    these rows as they are."""
+    out: list[dict[str, str | bool]] = []
+    for name in dict.fromkeys(names):
+        if name in ARQ_SCHEMES:
+            arq = ARQ_SCHEMES[name]
+            role = "paper baseline" if arq.paper_baseline else "reference (ours)"
+            out.append({"scheme": name, "role": role, "paper_baseline": arq.paper_baseline,
+                        "definition": arq.definition})  # fmt: skip
+        elif name in RELIABLE_SCHEMES:
+            rel = RELIABLE_SCHEMES[name]
+            ccs = f"; one row per congestion control ({', '.join(congestion)})"
+            ccs = ccs if rel.protocol == "tcp" else ""
+            role = "paper baseline" if rel.paper_baseline else "reference (ours)"
+            out.append({"scheme": name, "role": role, "paper_baseline": rel.paper_baseline,
+                        "definition": rel.definition + ccs})  # fmt: skip
+        elif name == "oracle":
+            out.append({"scheme": name, "role": "bound", "paper_baseline": False,
+                        "definition": REFERENCE_SCHEMES["oracle"]})  # fmt: skip
+        elif name in SCHEMES:
+            role = ("paper baseline" if name in PAPER_SESSION_BASELINES
+                    else "paper ablation variant" if name in PAPER_ABLATION_VARIANTS
+                    else "the method" if name == "priorityfec" else "ours")  # fmt: skip
+            out.append({"scheme": name, "role": role, "paper_baseline": name in PAPER_SESSION_BASELINES,
+                        "definition": SCHEMES[name].description})  # fmt: skip
+    return out

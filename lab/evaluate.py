@@ -3,10 +3,12 @@
 Stages, each a function of an ``EvalConfig`` (``eval_config``):
 
 1. ``eval_sweep.utility_sweep``: recovered utility of every scheme on paired loss realizations for each
-   (loss config, rho) cell; ``eval_sweep.reliable_sweep`` adds the real tcp/quic runs. Schemes that are not
-   registered (or fail to build) are listed as missing.
-2. ``eval_task.task_scores``: needle-QA F1 of the answer generated from the partial KV cache each scheme
-   delivers (its recovered block set on one realization per prompt), mask and zero receivers.
+   (loss config, rho) cell; ``eval_sweep.reliable_sweep`` adds the real tcp/quic runs (TCP per congestion
+   control, both orders). Schemes that are not registered (or fail to build) are listed as missing.
+   ``eval_sweep.grid_sweep``: priorityfec, priority-arq, arq and the oracle over RTT x context x rho (main
+   config, native precision) and priorityfec with ``--precision auto``.
+2. ``eval_task.task_scores``: needle-QA answers generated from the partial KV cache each scheme delivers
+   (its recovered block set on one realization per prompt), mask and zero receivers, every scheme scored.
 3. ``ablation``: priority / rl-fec / priority-fixed / priorityfec rows picked from stages 1 and 2.
 4. ``eval_overhead.overhead``: CPU per 1000 transmitted packets by component and the scheduler's decision
    latency.
@@ -35,11 +37,12 @@ from pfec.lab.eval_config import (
     NAMED_CONFIGS,
     RELIABLE,
     EvalConfig,
+    scheme_definitions,
     scheme_status,
     stand_in,
 )
 from pfec.lab.eval_overhead import overhead
-from pfec.lab.eval_sweep import reliable_sweep, utility_sweep
+from pfec.lab.eval_sweep import grid_sweep, reliable_sweep, utility_sweep
 from pfec.lab.progress import StageProgress
 
 __all__ = ["ablation", "run_eval", "write_example_trace"]
@@ -53,24 +56,40 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
             available.remove(name)
             missing[name] = "skipped (--reliable-realizations 0)"
     sim_schemes = [s for s in available if s not in RELIABLE]
+    stages: dict[str, float] = {}
+    t0 = time.perf_counter()
     cells = utility_sweep(cfg, sim_schemes, progress)
+    stages["utility_sweep"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    grid = grid_sweep(cfg, available, progress)
+    stages["grid"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     reliable_sweep(cfg, [s for s in available if s in RELIABLE], cells, progress)
+    stages["reliable"] = time.perf_counter() - t0
     substitutes = {
         name: FALLBACK[name]
         for name in (*cfg.task_schemes, *ABLATION_SCHEMES)
         if name not in available and stand_in(name, available) not in (None, name)
     }
+    t0 = time.perf_counter()
     task = _task_stage(cfg, _task_pairs(cfg, available) + [(s, s) for s in sim_schemes], progress)
+    stages["task"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    overhead_rows = overhead(cfg, sim_schemes, progress)
+    stages["overhead"] = time.perf_counter() - t0
     result: dict[str, Any] = {
         "config": _describe(cfg),
         "schemes_available": available,
         "schemes_missing": missing,
+        "definitions": scheme_definitions([*available, *grid["schemes"]], cfg.congestion),
         "substitutes": substitutes,
         "cells": cells,
+        "grid": grid,
         "task": task,
         "ablation": ablation(cells, task, available),
-        "overhead": overhead(cfg, sim_schemes, progress),
+        "overhead": overhead_rows,
     }
+    result["stage_seconds"] = {k: round(v, 1) for k, v in stages.items()}
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 

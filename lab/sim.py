@@ -2,7 +2,9 @@
 
 Nothing sleeps. A forward link of ``rate_mbps`` serialises one datagram at a time (a datagram of L bytes
 holds the link for 8L/C seconds) and delivers it ``fwd_owd_s`` later unless the loss model erases it;
-ACKs and RESULTs come back over a reverse link with its own delay (lossless unless ``reverse_loss``).
+ACKs and RESULTs come back over a reverse link with its own delay; the reverse path is lossless unless
+``reverse_loss`` is set (``pfec sim`` leaves it lossless; ``pfec eval`` sets the cell's loss model on both
+directions, the paper-like choice, see ``lab/eval_config.py``).
 
 Paired realizations: the forward loss sequence is drawn once per (seed, realization) and indexed by the
 data datagram's position in the stream (k-th SOURCE/REPAIR sent), so every scheme meets the same erasure
@@ -18,10 +20,13 @@ recovered utility = sum U_b x fidelity(level_b) (``recovered_block_utility`` is 
 usable at any level). The deadline stays that of the native cache: precision buys time inside it.
 The event loop in simulated time is ``lab/sim_engine.py``.
 
-Two reference schemes run outside the sessions on the same forward realization: ``arq`` (idealised
-selective-repeat retransmission, an upper bound for TCP/QUIC, lab/arq_sim.py) and ``oracle`` (the
-clairvoyant bound, lab/oracle.py). The oracle is computed for every realization even when not asked
-for: every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization.
+Reference schemes run outside the sessions on the same forward realization (``REFERENCE_SCHEMES``): the
+ARQ models of ``lab/arq_sim.py`` (``ARQ_SCHEMES``) -- ``arq``, the paper's baseline (natural order, ACKs
+over the reverse path meeting the reverse loss realization drawn here, reordering threshold or RTO),
+``priority-arq`` (the same in utility order, ours) and ``arq-ideal`` (utility order, lossless instant
+feedback: idealised feedback, not an upper bound of the realistic ARQ's outcome) -- and ``oracle`` (the
+clairvoyant bound, lab/oracle.py). The oracle is computed for every realization even when not asked for:
+every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from pfec.common.wire.messages import (
     SOURCE_ID_SIZE,
     TAG_SIZE,
 )
-from pfec.lab.arq_sim import ARQ_NOTE, simulate_arq
+from pfec.lab.arq_sim import ARQ_SCHEMES, simulate_arq_scheme
 from pfec.lab.channel import LossModel, realization_rng
 from pfec.lab.oracle import DataTiming, oracle_delivered
 from pfec.lab.sim_engine import DeadlineScore, SimLink, SimLinks, SimRun
@@ -75,7 +80,7 @@ from pfec.sender.transfer import LinkBudget, SenderSetup, SendQueue, assemble_se
 SIM_PSK = bytes(range(32))
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
 REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
-    "arq": ARQ_NOTE,
+    **{name: scheme.definition for name, scheme in ARQ_SCHEMES.items()},
     "oracle": "clairvoyant bound: knows the losses, sends sources in utility order only in arriving slots",
 }
 
@@ -250,7 +255,7 @@ class RunResult:
     cpu_ns: dict[str, int]
     wall_s: float
     failure: str | None = None
-    # Per block id: every fragment decoded (arq: delivered in order) by the deadline.
+    # Per block id: every fragment decoded (ARQ schemes: delivered in order) by the deadline.
     recovered_blocks: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     block_utility: float | None = None  # quantised precision: plain share of blocks usable at any level
 
@@ -258,19 +263,24 @@ class RunResult:
 def _links(handoff: Handoff, realization: int) -> SimLinks:
     """The three directions of one realization; each draws its losses from its own stream of the seed."""
     cfg = handoff.config
-    max_data = int(handoff.deadline_s / handoff.slot_s) + 64
     slot = handoff.slot_s
     ctl_lost = cfg.loss.realize(64, slot, realization_rng(cfg.seed, realization, "control"))
-    rev_lost = (
-        cfg.reverse_loss.realize(max_data, slot, realization_rng(cfg.seed, realization, "reverse"))
-        if cfg.reverse_loss is not None
-        else None
-    )
     return SimLinks(
         SimLink(cfg.rate_bps, cfg.owd_s, forward_losses(handoff, realization)),
         SimLink(cfg.rate_bps, cfg.owd_s, ctl_lost),
-        SimLink(cfg.rate_bps, cfg.owd_s, rev_lost),
+        SimLink(cfg.rate_bps, cfg.owd_s, reverse_losses(handoff, realization)),
     )
+
+
+def reverse_losses(handoff: Handoff, realization: int) -> npt.NDArray[np.bool_] | None:
+    """The reverse (ACK) path's erasure pattern of one realization (None: lossless), indexed by the k-th
+    datagram on the reverse path; the sessions' ACKs and the ARQ models' ACKs meet the same one."""
+    cfg = handoff.config
+    if cfg.reverse_loss is None:
+        return None
+    max_data = int(handoff.deadline_s / handoff.slot_s) + 64
+    rng = realization_rng(cfg.seed, realization, "reverse")
+    return cfg.reverse_loss.realize(max_data, handoff.slot_s, rng)
 
 
 def seeded_random_bytes(seed: int, realization: int, side: str) -> Callable[[int], bytes]:
@@ -391,11 +401,12 @@ def complete_blocks(handoff: Handoff, fragments: npt.NDArray[np.int64]) -> npt.N
 
 
 def _reference_result(
-    handoff: Handoff, name: str, realization: int, sent: npt.NDArray[np.int64], delivered: int, **kw: int
+    handoff: Handoff, name: str, realization: int, sent: npt.NDArray[np.int64], delivered: int,
+    order: str = "utility", **kw: int,
 ) -> RunResult:
-    """A reference scheme's result; ``sent`` are the positions of the utility queue delivered in time."""
-    n_source = len(handoff.queue("utility"))
-    complete, utility, plain = handoff.credit("utility", sent)
+    """A reference scheme's result; ``sent`` are the positions of ``order``'s queue delivered in time."""
+    n_source = len(handoff.queue(order))
+    complete, utility, plain = handoff.credit(order, sent)
     return RunResult(
         scheme=name,
         realization=realization,
@@ -411,7 +422,7 @@ def _reference_result(
         stalls=0,
         stall_time_s=0.0,
         late_datagrams=0,
-        acks=0,
+        acks=kw.get("acks", 0),
         decisions=0,
         cpu_ns={"encode": 0, "decode": 0, "feedback": 0, "policy": 0},
         wall_s=kw.get("wall_ns", 0) / 1e9,
@@ -429,28 +440,32 @@ def run_oracle(handoff: Handoff, realization: int) -> RunResult:
     return _reference_result(handoff, "oracle", realization, np.arange(delivered), delivered, wall_ns=wall_ns)
 
 
-def run_arq(handoff: Handoff, realization: int) -> RunResult:
-    """Idealised selective-repeat ARQ on this realization (sources in utility order, in-order delivery).
+def run_arq(handoff: Handoff, realization: int, name: str = "arq") -> RunResult:
+    """One ARQ scheme of ``ARQ_SCHEMES`` on this realization: its order's queue, the shared forward
+    realization and (realistic models) the reverse realization ``reverse_losses`` draws; in-order delivery.
 
-    ``repair_sent`` counts its retransmissions."""
+    ``repair_sent`` counts its retransmissions, ``acks`` the ACKs its receiver sent."""
     t0 = time.perf_counter_ns()
-    queue = handoff.queue("utility")
+    scheme = ARQ_SCHEMES[name]
+    queue = handoff.queue(scheme.queue_order)
     cfg = handoff.config
-    arq = simulate_arq(forward_losses(handoff, realization), data_timing(handoff), 2 * cfg.owd_s, len(queue))
+    lost, lost_reverse = forward_losses(handoff, realization), reverse_losses(handoff, realization)
+    arq = simulate_arq_scheme(name, lost, lost_reverse, data_timing(handoff), 2 * cfg.owd_s, len(queue))
     in_order = arq.delivered(handoff.deadline_s)
     wall_ns = time.perf_counter_ns() - t0
     return _reference_result(
-        handoff, "arq", realization, np.flatnonzero(in_order), int(in_order.sum()),
+        handoff, name, realization, np.flatnonzero(in_order), int(in_order.sum()), scheme.queue_order,
         source_sent=arq.new_sent, repair_sent=arq.retransmissions, forward_lost=arq.lost, wall_ns=wall_ns,
+        acks=arq.acks_sent,
     )  # fmt: skip
 
 
 def run_scheme(handoff: Handoff, name: str, realization: int, verify: bool = True) -> RunResult:
-    """One realization of a session scheme (SCHEMES) or a reference scheme (arq, oracle)."""
+    """One realization of a session scheme (SCHEMES) or a reference scheme (REFERENCE_SCHEMES)."""
     if name == "oracle":
         return run_oracle(handoff, realization)
-    if name == "arq":
-        return run_arq(handoff, realization)
+    if name in ARQ_SCHEMES:
+        return run_arq(handoff, realization, name)
     return run_once(handoff, get_scheme(name), realization, verify=verify)
 
 

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from pfec.cli.app import app
 from pfec.common.sched import policies
-from pfec.lab import evaluate
+from pfec.lab import eval_sweep, evaluate
 from pfec.lab.channel import parse_loss_spec
-from pfec.lab.eval_config import NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
+from pfec.lab.eval_config import GRID_AUTO, NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
 from pfec.lab.eval_report import update_results_md
 from pfec.lab.eval_sweep import check_pairing
 from pfec.lab.evaluate import run_eval, write_example_trace
@@ -164,3 +164,98 @@ def test_task_rows_keep_the_reports_fields_and_pair_against_priorityfec() -> Non
     assert udp["f1_gold"] == pytest.approx(0.5) and len(udp["f1_gold_ci95"]) == 2
     assert udp["agreement"] == pytest.approx(1 / 3) and udp["f1_full"] == pytest.approx(0.5)
     assert udp["vs_priorityfec"]["exact_match"]["mean"] == pytest.approx(-2 / 3)
+
+
+# ---------------------------------------------------------------------- issue 14: baselines, grid, report
+
+
+def test_small_run_has_the_grid_its_heat_maps_and_every_baseline_defined(
+    small_run: tuple[Path, dict[str, Any]],
+) -> None:
+    out, data = small_run
+    cells = data["grid"]["cells"]
+    assert {(c["tokens"], c["rtt_ms"], c["rho"]) for c in cells} == {(192, 20.0, 0.8), (192, 200.0, 0.8)}
+    for c in cells:
+        assert set(c["schemes"]) == {"priorityfec", "priority-arq", "arq", "oracle", GRID_AUTO}
+        pf, parq = c["schemes"]["priorityfec"], c["schemes"]["priority-arq"]
+        diffs = [100 * (a - b) for a, b in zip(pf["recovered_utility_runs"], parq["recovered_utility_runs"],
+                                                strict=True)]  # fmt: skip
+        assert c["lead_over_priority_arq"]["mean"] == pytest.approx(sum(diffs) / len(diffs))
+        assert c["schemes"]["oracle"]["efficiency_mean"] == pytest.approx(1.0)
+        assert c["schemes"][GRID_AUTO]["utility_kind"] == "credited at precision"
+    for name in ("eval_grid_efficiency.png", "eval_grid_lead.png"):
+        assert (out / "fig" / name).stat().st_size > 10_000
+    with (out / "eval_grid.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2 * 5
+    generated = (out / "RESULTS.md").read_text().split(RESULTS_BEGIN)[1].split(RESULTS_END)[0]
+    assert "| arq | paper baseline | the paper's ARQ baseline" in generated
+    assert "| priority-arq | reference (ours) |" in generated
+    assert "| arq-ideal | reference (ours) |" in generated
+    assert "### Robustness across RTT and context" in generated and "eval_grid_lead.png" in generated
+    for stale in ("RL-FEC", "strongest", "idealised selective-repeat bound", "upper bound", "(1 - 8.4%)"):
+        assert stale not in generated, stale
+    assert data["config"]["reverse_lossy"] and "on the ACK path too" in generated
+
+
+def test_small_run_runs_every_real_transport_row_or_says_why(small_run: tuple[Path, dict[str, Any]]) -> None:
+    _out, data = small_run
+    cell = data["cells"][0]
+    rows = ("tcp/cubic", "tcp/bbr", "priority-tcp/cubic", "priority-tcp/bbr", "quic", "priority-quic")
+    for row in rows:
+        assert (row in cell["schemes"]) != (row in cell["errors"]), row  # ran, or its error is reported
+        if row in cell["schemes"]:
+            assert cell["schemes"][row]["n"] == 2 and "outliers" in cell["schemes"][row]
+
+
+def test_reliable_rows_are_labelled_paired_and_failures_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str | None]] = []
+
+    def fake(proto: str, sim: Any, n: int, progress: Any, cc: str | None) -> dict[str, Any]:
+        calls.append((proto, cc))
+        if proto == "priority-quic":
+            raise OSError("no aioquic here")
+        runs = [{"realization": r, "utility": 0.5} for r in range(n)]
+        return {"schemes": {proto: {"recovered_utility_mean": 0.5, "runs": runs, "outliers": []}}}
+
+    monkeypatch.setattr(eval_sweep, "run_reliable", fake)
+    cfg = replace(SMALL, reliable_realizations=2, congestion=("cubic", "bbr"))
+    cell: dict[str, Any] = {"config": "main", "rho": 0.8, "errors": {},
+                            "schemes": {"oracle": {"recovered_utility_mean": 0.8,
+                                                   "recovered_utility_runs": [1.0, 0.5]}}}  # fmt: skip
+    eval_sweep.reliable_sweep(cfg, ["tcp", "quic", "priority-quic"], [cell])
+    assert calls == [("tcp", "cubic"), ("tcp", "bbr"), ("quic", None), ("priority-quic", None)]
+    assert {"tcp/cubic", "tcp/bbr", "quic"} <= set(cell["schemes"]) and "priority-quic" in cell["errors"]
+    tcp = cell["schemes"]["tcp/cubic"]
+    assert tcp["efficiency_kind"] == "paired" and tcp["efficiency_mean"] == pytest.approx((0.5 + 1.0) / 2)
+    assert tcp["congestion"] == "cubic" and tcp["recovered_utility_runs"] == [0.5, 0.5]
+
+
+def _grid_cell(rho: float, rtt: float, eff: float, lead: float) -> dict[str, Any]:
+    return {"rho": rho, "rtt_ms": rtt, "tokens": 192, "schemes": {"priorityfec": {"efficiency_mean": eff}},
+            "lead_over_priority_arq": {"mean": lead, "ci95": [lead - 1, lead + 1], "n": 3}}  # fmt: skip
+
+
+def test_grid_claims_name_the_cells_that_miss_and_lead() -> None:
+    from pfec.lab.eval_report import _grid_claims
+
+    text = "\n".join(_grid_claims([_grid_cell(0.6, 20, 0.90, 0.0), _grid_cell(0.8, 20, 0.99, -0.2),
+                                   _grid_cell(0.8, 200, 0.80, 12.0), _grid_cell(1.0, 100, 0.98, -0.7)]))
+    assert "2 of 3 cells; below: 192 tok / 200 ms / rho 0.8 (80.0%)" in text  # rho 0.6 is not held to it
+    assert "3 of 4 cells; behind: 192 tok / 100 ms / rho 1.0 (-0.7 pts)" in text
+    assert "by >= 5 points: 192 tok / 200 ms / rho 0.8 (+12.0 pts)." in text
+
+
+def test_never_worse_needs_the_ci_low_end_above_minus_half_a_point() -> None:
+    from pfec.lab.eval_report import _claims
+
+    def claim(diffs: list[float]) -> str:
+        base = [0.9] * len(diffs)
+        ours = [b + d for b, d in zip(base, diffs, strict=True)]
+        schemes = {"priorityfec": {"n": len(diffs), "recovered_utility_runs": ours},
+                   "heuristic": {"n": len(diffs), "recovered_utility_runs": base}}  # fmt: skip
+        lines = _claims({"cells": [{"config": "main", "rho": 0.8, "schemes": schemes}]})
+        return next(line for line in lines if line.startswith("| DDQN never worse"))
+
+    assert claim([0.0, 0.0, 0.0]).endswith("| yes |")
+    # A mean of 0 with a wide interval (its upper end >= 0) is not "never worse".
+    assert claim([0.02, -0.02, 0.02, -0.02]).endswith("| **no** |")

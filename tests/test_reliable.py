@@ -164,6 +164,21 @@ def test_quic_small_handoff_without_loss_delivers_everything_via_cli() -> None:
     assert s["handshake_ms_mean"] >= 18.0  # at least one emulated RTT
 
 
+@needs_netns
+def test_cli_runs_a_named_scheme_with_a_chosen_congestion_control() -> None:
+    default_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    other = [c for c in ("cubic", "bbr") if c != default_cc and c in available_congestion_controls()]
+    if not other:
+        pytest.skip("this kernel offers neither cubic nor bbr besides its default")
+    args = ["reliable", "--proto", "priority-tcp", "--congestion", other[0], "--loss", "none", "--tokens",
+            "32", "--rho", "40", "--realizations", "1", "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout[res.stdout.index("{") :])["schemes"]["priority-tcp"]
+    assert s["congestion_control"] == [other[0]] and s["stream_order"] == "utility"
+    assert not s["paper_baseline"] and s["recovered_utility_mean"] == pytest.approx(1.0)
+
+
 def test_loss_and_a_tight_deadline_shorten_the_in_order_prefix() -> None:
     proto = "tcp" if _NETNS_OK else "quic"
     lossless = run_reliable(proto, _small(deadline_ms=150.0), 1)["schemes"][proto]
@@ -181,6 +196,10 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="realizations"):
         run_reliable("quic", _small(rho=1.0), 0)
     res = CliRunner().invoke(app, ["reliable", "--proto", "sctp"])
-    assert res.exit_code == 2 and "use 'tcp' or 'quic'" in res.output
+    assert res.exit_code == 2 and "use one of tcp, quic, priority-tcp, priority-quic" in res.output
+    res = CliRunner().invoke(app, ["reliable", "--proto", "priority-quic", "--congestion", "bbr"])
+    assert res.exit_code == 2 and "kernel TCP only" in res.output
+    res = CliRunner().invoke(app, ["reliable", "--proto", "tcp", "--congestion", "vegas"])
+    assert res.exit_code == 2 and "use cubic or bbr" in res.output
     res = CliRunner().invoke(app, ["reliable", "--proto", "quic", "--rho", "-1"])
     assert res.exit_code == 2 and "rho must be positive" in res.output
