@@ -55,18 +55,15 @@ from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker, WorkerBusy
 from pfec.common.plan.handoff import (
-    BLOCK_TOKENS,
-    LOCAL_SOURCE_SYMBOLS,
     ModelIdentity,
     OfferApp,
     ResultApp,
     pack_bits,
 )
-from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
-from pfec.common.plan.precision import PieceLayout
-from pfec.common.plan.stream import check_offer, fidelity_named, symbol_token_ends
+from pfec.common.plan.stream import symbol_token_ends
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError, UtilityProfile
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
+from pfec.receiver.admission import admit, check_offer_app, check_stream
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import (
@@ -363,17 +360,8 @@ class ReceiverDaemon:
             self._on_closed(event)
 
     def _admit(self, _sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
-        """The endpoint's admission check, before the session allocates anything: the budget and the KV
-        size against this node's limits (the blob's own fields are checked in ``_on_offer``)."""
-        max_us = self.limits.max_budget_ms * 1000
-        if offer.budget_us > max_us:
-            return (RefuseCode.BAD_PARAMETERS, f"OFFER budget {offer.budget_us / 1000:.0f} ms is above this "
-                    f"receiver's limits.max_budget_ms ({self.limits.max_budget_ms:g})")
-        if offer.n_source > self._max_plan.n_fragments or offer.symbol_size != self._max_plan.symbol_size:
-            return (RefuseCode.BAD_PARAMETERS, f"OFFER of {offer.n_source} symbols of {offer.symbol_size} B "
-                    f"exceeds this receiver's maximum context of {self.max_tokens} tokens "
-                    f"({self._max_plan.n_fragments} symbols of {self._max_plan.symbol_size} B)")
-        return None
+        """The endpoint's admission check (``admission.admit``)."""
+        return admit(offer, self.limits, self._max_plan, self.max_tokens)
 
     def _on_offer(self, event: OfferReceived, now: float) -> None:
         session = self.endpoint.sessions.get(event.session_id)
@@ -382,22 +370,8 @@ class ReceiverDaemon:
         info = SessionInfo(event.session_id, self._peers.get(event.session_id), now, session.deadline)
         self.sessions[event.session_id] = info
         try:
-            app = OfferApp.decode(event.app_blob, max_tokens=self.max_tokens,
-                                  max_blob_bytes=self.limits.max_blob_bytes)
-            plan = self.identity.plan(app.n_tokens)  # bounded: n_tokens <= max_tokens
-            n_source = plan.n_fragments if app.precision is None else event.offer.n_source  # checked later
-            if app.split is not None:
-                self._check_split(app)
-                if app.precision is None:  # a local prefill: one placeholder symbol, no KV
-                    n_source = LOCAL_SOURCE_SYMBOLS
-            if n_source != event.offer.n_source or plan.symbol_size != event.offer.symbol_size:
-                raise ValueError(
-                    f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
-                    f"{plan.symbol_size} B here, the sender offers {event.offer.n_source} of "
-                    f"{event.offer.symbol_size} B"
-                )
-            if app.generate and self.runtime is None:
-                raise ValueError("OFFER asks for generation, but this receiver runs without a model")
+            app = check_offer_app(event.app_blob, event.offer, self.identity, self.runtime, self.max_tokens,
+                                  self.limits.max_blob_bytes)
         except ValueError as exc:
             info.state = "refused"
             session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
@@ -416,16 +390,6 @@ class ReceiverDaemon:
             job = loop.run_in_executor(self._profile_executor, self.profiles.load, app.profile, n_layers)
             self._profile_jobs.add(job)
             job.add_done_callback(lambda fut: self._on_profile(event.session_id, app.profile, fut))
-
-    def _check_split(self, app: OfferApp) -> None:
-        """A split's token ids against this node's model (ValueError with the reason)."""
-        split = app.split
-        assert split is not None
-        if self.runtime is None:
-            raise ValueError("OFFER split: this receiver runs without a model (it cannot prefill the front)")
-        vocab = int(getattr(self.runtime.model.config, "vocab_size", 0) or 0)
-        if vocab and max(split.context_ids, default=0) >= vocab:
-            raise ValueError(f"OFFER split ids: a token id past this model's vocabulary of {vocab}")
 
     def _start_front(self, info: SessionInfo, app: OfferApp, session: ReceiverSession, now: float) -> bool:
         """Prefill the front in the worker, chunk by chunk, each chunk's end reported in the ACKs; False
@@ -487,25 +451,17 @@ class ReceiverDaemon:
         app, profile = info.app, info.profile
         if app is None or app.precision is None or profile is None or info.state != "receiving":
             return False
-        offer = app.precision
-        g = self.identity.geometry
         try:
-            fidelity = fidelity_named(offer.fidelity, g.n_layers, self.identity.details.get("model_digest"))
-            layout = PieceLayout(g, app.n_tokens, BLOCK_TOKENS)
-            utilities = profile.block_utilities(self.identity.plan(app.n_tokens))
-            first_block = 0 if app.split is None else app.split.meeting_token // BLOCK_TOKENS
-            plan = check_offer(offer, layout, utilities, fidelity, info.symbol_size - FRAGMENT_ID_SIZE,
-                               info.n_source, app.order, self.identity.quant_scheme, first_block)
+            stream = info.stream = check_stream(self.identity, app, profile, info.symbol_size, info.n_source)
         except ValueError as exc:
             session = self.endpoint.sessions.get(info.session_id)
             info.state = "refused"
             if session is not None and not session.closed:
                 session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
             return True
-        info.stream = StreamPlan(offer.mix, plan, fidelity)
         session = self.endpoint.sessions.get(info.session_id)
         if app.split is not None and session is not None and session.state is ReceiverState.RECEIVING:
-            session.set_split(symbol_token_ends(plan), app.n_tokens, app.split.meeting_token, clock())
+            session.set_split(symbol_token_ends(stream.plan), app.n_tokens, app.split.meeting_token, clock())
         return False
 
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:

@@ -43,14 +43,12 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.codec.fec import DEFAULT_WINDOW, Encoder, FecError
-from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
+from pfec.common.codec.fec import Encoder, FecError
+from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import (
@@ -72,147 +70,35 @@ from pfec.common.wire.messages import (
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
 from pfec.sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
+from pfec.sender.session_types import (
+    MAX_SPAN,
+    Accepted,
+    Failed,
+    Refused,
+    ResultReceived,
+    SenderConfig,
+    SenderEvent,
+    SenderState,
+    SendingStopped,
+    SourceInfo,
+    SplitInfo,
+)
 
-MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
-
-
-@dataclass(frozen=True, slots=True)
-class SenderConfig:
-    budget_s: float  # D: from start() until the receiver must start decoding
-    slot_s: float  # link time of one full-size datagram (pacing unit)
-    owd_s: float  # estimated forward one-way delay
-    repair_budget: int  # B_rep, repair datagrams at most
-    fingerprint: bytes  # 32-byte compatibility hash checked by the receiver
-    window_cap: int = DEFAULT_WINDOW
-    target_nonzeros: int | None = 8
-    fixed_dt: int | None = None
-    app_blob: bytes = b""  # application part of the OFFER (split over parts)
-    offer_retry_s: float = 0.05
-    result_wait_s: float = 2.0
-    rate_bps: float = 0.0  # link rate for the OFFER's own serialisation time (0: ignore)
-    first_flight: int = 64  # data datagrams sent before the receiver's ACCEPT (about one BDP)
-    handshake_timeout_s: float = 3.0  # no ACCEPT by start + this: fail, CLOSE
-    max_result_parts: int = 1024  # RESULT datagrams of one handoff (1024 x 1362 B of application data)
-    # The decoder span asked for in the OFFER (symbols past the receiver's prefix that repairs may reach:
-    # about two bandwidth-delay products plus the window, ``transfer.decoder_span_for``); 0: the
-    # receiver's default. The receiver grants what its bounds allow and says so in the ACCEPT.
-    decoder_span: int = 0
-
-    def __post_init__(self) -> None:
-        if self.budget_s <= 0:
-            raise ValueError(f"budget_s must be positive, got {self.budget_s!r}")
-        if self.slot_s <= 0:
-            raise ValueError(f"slot_s must be positive, got {self.slot_s!r}")
-        if self.owd_s < 0:
-            raise ValueError(f"owd_s must be >= 0, got {self.owd_s!r}")
-        if self.repair_budget < 0:
-            raise ValueError(f"repair_budget must be >= 0, got {self.repair_budget!r}")
-        if len(self.fingerprint) != 32:
-            raise ValueError(f"fingerprint must be 32 bytes, got {len(self.fingerprint)}")
-        if self.first_flight < 1:
-            raise ValueError(f"first_flight must be >= 1, got {self.first_flight!r}")
-        if self.handshake_timeout_s <= 0:
-            raise ValueError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s!r}")
-        if self.max_result_parts < 1:
-            raise ValueError(f"max_result_parts must be >= 1, got {self.max_result_parts!r}")
-        if self.decoder_span != 0 and not self.window_cap <= self.decoder_span <= MAX_SPAN:
-            raise ValueError(f"decoder_span must be 0 or window_cap..{MAX_SPAN}, got {self.decoder_span!r}")
-
-
-class SenderState(Enum):
-    IDLE = "idle"
-    STREAMING = "streaming"
-    DRAINING = "draining"
-    DONE = "done"
-    FAILED = "failed"
-
-
-# Events the sender emits.
-@dataclass(frozen=True, slots=True)
-class Accepted(Event):
-    window_cap: int
-
-
-@dataclass(frozen=True, slots=True)
-class Refused(Event):
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ResultReceived(Event):
-    decoded_count: int
-    app_blob: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class SendingStopped(Event):
-    """No transmission slot is left before the deadline."""
-
-    sources_sent: int
-    repairs_sent: int
-
-
-@dataclass(frozen=True, slots=True)
-class Failed(Event):
-    reason: str
-
-
-SenderEvent = Accepted | Refused | ResultReceived | SendingStopped | Failed | DatagramDropped
-
-
-@dataclass(frozen=True, slots=True)
-class SourceInfo:
-    """Per-ESI KV context for the policy's application features (optional)."""
-
-    block_of_esi: npt.NDArray[np.int64]  # block id of every source symbol, in send order
-    block_utility: npt.NDArray[np.float64]  # utility of every block id
-
-    UPCOMING_BLOCKS = 8
-
-    def normalised(self) -> npt.NDArray[np.float64]:
-        top = float(self.block_utility.max()) if len(self.block_utility) else 0.0
-        return self.block_utility / top if top > 0 else np.zeros_like(self.block_utility)
-
-    def per_esi_features(self) -> npt.NDArray[np.float64]:
-        """(N, 3): block progress, normalised block utility, mean utility of the next blocks, per ESI.
-
-        Computed once per handoff so a decision only indexes a row.
-        """
-        blocks = np.asarray(self.block_of_esi, dtype=np.int64)
-        n = len(blocks)
-        out = np.zeros((n, 3), dtype=np.float64)
-        if n == 0:
-            return out
-        norm = self.normalised()
-        # Runs of equal block ids are one block's fragments, contiguous in the queue.
-        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
-        lengths = np.diff(np.r_[starts, n])
-        run_of_esi = np.repeat(np.arange(len(starts)), lengths)
-        out[:, 0] = (np.arange(n) - starts[run_of_esi]) / lengths[run_of_esi]
-        run_utility = norm[blocks[starts]]
-        out[:, 1] = run_utility[run_of_esi]
-        k = self.UPCOMING_BLOCKS
-        padded = np.r_[run_utility, np.zeros(k)]
-        csum = np.r_[0.0, np.cumsum(padded)]
-        nxt = np.arange(len(starts)) + 1
-        upcoming = (csum[nxt + k] - csum[nxt]) / k
-        out[:, 2] = upcoming[run_of_esi]
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class SplitInfo:
-    """A split handoff's stake of each source symbol: nothing in ESI ``i`` is needed once the receiver has
-    computed context tokens [0, ``token_end_of_esi[i]``) itself (send order at the start)."""
-
-    token_end_of_esi: npt.NDArray[np.int64]
-    n_tokens: int  # the context: an ACK's computed_tokens beyond it is dropped
-
-    def __post_init__(self) -> None:
-        ends = self.token_end_of_esi
-        if ends.ndim != 1 or (len(ends) and (int(ends.min()) < 1 or int(ends.max()) > self.n_tokens)):
-            raise ValueError(f"split token ends must lie in 1..{self.n_tokens}, one per source symbol")
+# The session's inputs and outputs live in session_types; callers import them from here too.
+__all__ = [
+    "MAX_SPAN",
+    "Accepted",
+    "Failed",
+    "Refused",
+    "ResultReceived",
+    "SenderConfig",
+    "SenderEvent",
+    "SenderSession",
+    "SenderState",
+    "SendingStopped",
+    "SourceInfo",
+    "SplitInfo",
+]
 
 
 class SenderSession:

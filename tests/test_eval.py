@@ -236,7 +236,7 @@ def _grid_cell(rho: float, rtt: float, eff: float, lead: float) -> dict[str, Any
 
 
 def test_grid_claims_name_the_cells_that_miss_and_lead() -> None:
-    from pfec.lab.eval_report import _grid_claims
+    from pfec.lab.eval_markdown import _grid_claims
 
     text = "\n".join(_grid_claims([_grid_cell(0.6, 20, 0.90, 0.0), _grid_cell(0.8, 20, 0.99, -0.2),
                                    _grid_cell(0.8, 200, 0.80, 12.0), _grid_cell(1.0, 100, 0.98, -0.7)]))
@@ -246,7 +246,7 @@ def test_grid_claims_name_the_cells_that_miss_and_lead() -> None:
 
 
 def test_never_worse_needs_the_ci_low_end_above_minus_half_a_point() -> None:
-    from pfec.lab.eval_report import _claims
+    from pfec.lab.eval_markdown import _claims
 
     def claim(diffs: list[float]) -> str:
         base = [0.9] * len(diffs)

@@ -21,7 +21,7 @@ FOLDERS = ("common", "sender", "receiver", "lab", "cli")  # installed as pfec.<f
 # The sans-IO core: bytes and `now` in, datagrams, timers and events out. Prefixes of module names.
 SANS_IO = (
     "pfec.common.codec", "pfec.common.wire", "pfec.common.sched", "pfec.common.plan", "pfec.common.events",
-    "pfec.sender.session", "pfec.sender.repair_plan", "pfec.sender.transfer",
+    "pfec.sender.session", "pfec.sender.session_types", "pfec.sender.repair_plan", "pfec.sender.transfer",
     "pfec.receiver.session", "pfec.receiver.endpoint",
 )
 IO = {"asyncio", "socket", "time", "threading", "selectors", "uvloop", "aiohttp", "prometheus_client"}

@@ -53,16 +53,12 @@ subclasses here (:class:`AuthError`, :class:`ReplayError`), sealing our own malf
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
-from collections.abc import Callable
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pfec.common.wire.frames import (
     decode_checked_body,
@@ -73,9 +69,27 @@ from pfec.common.wire.frames import (
     repair_fec_id,
     unpack_header,
 )
+from pfec.common.wire.handshake import (
+    AuthError,
+    ByteBuffer,
+    MalformedError,
+    ReplayError,
+    drop_reason,
+    open_handshake,
+    seal_handshake,
+)
+from pfec.common.wire.keyring import (
+    KEY_SIZE,
+    MIN_PSK_SIZE,
+    Keyring,
+    RandomBytes,
+    check_psk,
+    check_random,
+    check_sid,
+    keyring_for,
+)
 from pfec.common.wire.messages import (
     HEADER_SIZE,
-    MAX_BODY,
     NONCE_SIZE,
     OVERHEAD,
     PHASE_BY_INT,
@@ -91,7 +105,6 @@ from pfec.common.wire.messages import (
     MsgType,
     Offer,
     ParseError,
-    ParseReason,
     Repair,
     Role,
     Source,
@@ -116,206 +129,14 @@ __all__ = [
     "seal_handshake",
 ]
 
-KEY_SIZE: Final = 32
-MIN_PSK_SIZE: Final = 32
-
-RandomBytes = Callable[[int], bytes]  # n -> n fresh random bytes (os.urandom in the daemons)
-
-_U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
-_SID = struct.Struct(">Q")
 _NONCE_PACK: Final = struct.Struct(">8xI").pack
 _ZERO_TAG: Final = bytes(TAG_SIZE)
 _SOURCE: Final = int(MsgType.SOURCE)
 _REPAIR: Final = int(MsgType.REPAIR)
-_HANDSHAKE: Final = int(KeyPhase.HANDSHAKE)
 _HS_PHASE: Final = KeyPhase.HANDSHAKE
 _EARLY: Final = int(KeyPhase.EARLY)
 _MSGTYPE_BY_INT: Final = {int(t): t for t in MsgType}
 _DATA_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR})
-_HS_OFFSET: Final = HEADER_SIZE + NONCE_SIZE  # where a handshake datagram's ciphertext starts
-
-ByteBuffer = bytes | bytearray | memoryview
-
-
-class AuthError(ParseError):
-    """The authentication tag did not verify (wrong key, tampering, corruption)."""
-
-    def __init__(self, reason: ParseReason = "auth", detail: str = "") -> None:
-        super().__init__(reason, detail)
-
-
-class ReplayError(ParseError):
-    """Duplicate packet number (``replay``) or one older than the window (``too_old``)."""
-
-
-class MalformedError(ParseError):
-    """An authentic datagram whose body fields are out of their domain: the key holder's bug, not junk."""
-
-
-def drop_reason(exc: ParseError) -> str:
-    """The reason a receive path counts a rejected datagram under: junk (nothing authenticated) is
-    ``junk_header`` or ``junk_auth`` whatever type it claims; ``bad_version`` (a peer on another wire
-    version); after authentication ``replay``, ``too_old`` or ``malformed`` (an authentic body out of its
-    domain: the key holder's bug)."""
-    if isinstance(exc, ReplayError):
-        return exc.reason
-    if isinstance(exc, MalformedError):
-        return "malformed"
-    if isinstance(exc, AuthError):
-        return "junk_auth"
-    return "bad_version" if exc.reason == "bad_version" else "junk_header"
-
-
-def _decode(mtype: int, body: memoryview) -> Message:
-    try:
-        return decode_checked_body(mtype, body)
-    except ParseError as exc:
-        raise MalformedError(exc.reason, str(exc)) from None
-
-
-# --------------------------------------------------------------------------- keys
-
-
-def _check_psk(psk: bytes) -> bytes:
-    if not isinstance(psk, (bytes, bytearray)) or len(psk) < MIN_PSK_SIZE:
-        raise ValueError(f"psk must be at least {MIN_PSK_SIZE} bytes")
-    return bytes(psk)
-
-
-def _hkdf(psk: bytes, salt: bytes, info: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=KEY_SIZE, salt=salt, info=info).derive(psk)
-
-
-def _check_sid(session_id: int) -> None:
-    if not isinstance(session_id, int) or not 0 <= session_id <= _U64_MAX:
-        raise ValueError(f"session_id must be a u64, got {session_id!r}")
-
-
-def _check_random(value: bytes, what: str) -> bytes:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != RANDOM_SIZE:
-        raise ValueError(f"{what} must be {RANDOM_SIZE} bytes")
-    return bytes(value)
-
-
-class Keyring:
-    """The key material of one PSK: the two static handshake AEADs, derived once here, and the derivation
-    of each session's early and session keys. One per daemon, endpoint or simulation (see the module doc).
-
-    ``derivations`` counts HKDF derivations (a forged datagram must cause none)."""
-
-    __slots__ = ("_psk", "authenticate", "derivations", "hs_r2s", "hs_s2r")
-
-    def __init__(self, psk: bytes, *, authenticate: bool = True) -> None:
-        self._psk = _check_psk(psk)
-        self.authenticate = authenticate
-        self.derivations = 0
-        self.hs_s2r = self._aead(b"pfec/2 handshake", b"pfec/2 hs s2r")
-        self.hs_r2s = self._aead(b"pfec/2 handshake", b"pfec/2 hs r2s")
-
-    def _aead(self, salt: bytes, info: bytes) -> AESGCM | None:
-        self.derivations += 1
-        key = _hkdf(self._psk, salt, info)
-        return AESGCM(key) if self.authenticate else None
-
-    def early(self, session_id: int, sender_random: bytes) -> AESGCM | None:
-        """K0_s2r: the sender's early key (data and CLOSE before the ACCEPT)."""
-        _check_sid(session_id)
-        r_s = _check_random(sender_random, "sender_random")
-        return self._aead(r_s, b"pfec/2 s2r-early" + _SID.pack(session_id))
-
-    def session(
-        self, session_id: int, sender_random: bytes, receiver_random: bytes
-    ) -> tuple[AESGCM | None, AESGCM | None]:
-        """(K_s2r, K_r2s): the session keys, each direction fresh from its own side's randomness."""
-        _check_sid(session_id)
-        salt = _check_random(sender_random, "sender_random")
-        salt += _check_random(receiver_random, "receiver_random")
-        sid = _SID.pack(session_id)
-        return self._aead(salt, b"pfec/2 s2r" + sid), self._aead(salt, b"pfec/2 r2s" + sid)
-
-
-@functools.lru_cache(maxsize=8)
-def keyring_for(psk: bytes, authenticate: bool = True) -> Keyring:
-    """The shared :class:`Keyring` of ``psk`` (built once: the sender assembles a session per handoff)."""
-    return Keyring(psk, authenticate=authenticate)
-
-
-# --------------------------------------------------------------------------- handshake datagrams
-
-
-def _handshake_aead(keyring: Keyring, sealer: Role) -> AESGCM | None:
-    return keyring.hs_s2r if sealer is Role.SENDER else keyring.hs_r2s
-
-
-def seal_handshake(
-    keyring: Keyring, sealer: Role, msg: Message, session_id: int, packet_number: int, nonce: bytes,
-    sender_random: bytes,
-) -> bytes:
-    """A handshake datagram: header (phase HANDSHAKE) | 12-byte nonce | AEAD(static key of the direction).
-
-    The associated data is header + nonce, and for the receiver's datagrams (ACCEPT, REFUSE) also the
-    sender's ``sender_random`` R_s. ValueError for a type ``sealer`` never seals in this phase, a bad field,
-    a nonce of the wrong size or a body that would not fit."""
-    mtype = msg.TYPE
-    if (KeyPhase.HANDSHAKE, mtype) not in phases_sent_by(sealer):
-        raise ValueError(f"{sealer.name} never seals {mtype.name} in the handshake phase")
-    if len(nonce) != NONCE_SIZE:
-        raise ValueError(f"handshake nonce must be {NONCE_SIZE} bytes")
-    if not 1 <= packet_number <= U32_MAX:
-        raise ValueError(f"packet number {packet_number!r} outside 1..{U32_MAX}")
-    body = encode_body(msg)
-    if len(body) > MAX_BODY - NONCE_SIZE:
-        raise ValueError(f"{mtype.name} body of {len(body)} B does not fit a handshake datagram")
-    header = pack_header(WIRE_VERSION, int(mtype) | _HANDSHAKE, session_id, packet_number)
-    aead = _handshake_aead(keyring, sealer)
-    if aead is None:
-        return b"".join((header, nonce, body, _ZERO_TAG))
-    aad = header + nonce if sealer is Role.SENDER else header + nonce + _check_random(sender_random, "R_s")
-    return header + nonce + aead.encrypt(nonce, body, aad)
-
-
-def open_handshake(keyring: Keyring, opener: Role, header: Header, datagram: ByteBuffer,
-                   sender_random: bytes = b"") -> Message:
-    """Open a handshake datagram whose ``header`` :func:`.frames.peek_header` parsed; ``opener`` is the
-    local role. A receiver's datagram (opened by the sender) must carry ``sender_random`` as associated
-    data. Raises ParseError (``bad_type``, ``truncated``, ``bad_length``, ``auth``, ``bad_field``) only;
-    no key is derived here (the static AEADs are the keyring's)."""
-    sealer = Role.RECEIVER if opener is Role.SENDER else Role.SENDER
-    mtype = header.type
-    bounds = _HS_BOUNDS[sealer].get(mtype)
-    if header.phase is not _HS_PHASE or bounds is None:
-        raise ParseError("bad_type", f"{mtype.name} in phase {header.phase.name} not opened by {opener.name}")
-    n = len(datagram)
-    lo, hi = bounds
-    blen = n - OVERHEAD - NONCE_SIZE
-    if blen < lo:
-        raise ParseError("truncated", f"{mtype.name} body {blen} B < {lo}")
-    if blen > hi:
-        raise ParseError("bad_length", f"{mtype.name} body {blen} B > {hi}")
-    view = memoryview(datagram)
-    aead = _handshake_aead(keyring, sealer)
-    if aead is None:
-        if view[n - TAG_SIZE :] != _ZERO_TAG:
-            raise AuthError("auth", "non-zero tag in unauthenticated mode")
-        body = view[_HS_OFFSET : n - TAG_SIZE]
-    else:
-        aad: ByteBuffer = view[:_HS_OFFSET]
-        if sealer is Role.RECEIVER:
-            aad = bytes(aad) + sender_random
-        try:
-            body = memoryview(aead.decrypt(view[HEADER_SIZE:_HS_OFFSET], view[_HS_OFFSET:], aad))
-        except InvalidTag:
-            raise AuthError("auth", f"{mtype.name} handshake datagram") from None
-    return _decode(int(mtype), body)
-
-
-# Body bounds of the handshake types each role seals (precomputed: a forged OFFER is rejected per datagram).
-_HS_BOUNDS: Final[dict[Role, dict[MsgType, tuple[int, int]]]] = {
-    role: {t: body_bounds(t, 0) for p, t in phases_sent_by(role) if p is KeyPhase.HANDSHAKE} for role in Role
-}
-
-
-# --------------------------------------------------------------------------- per-session protector
 
 
 class PacketProtector:
@@ -379,8 +200,8 @@ class PacketProtector:
         if not isinstance(role, Role):
             raise ValueError(f"role must be a Role, got {role!r}")
         if isinstance(keyring, (bytes, bytearray)):
-            keyring = keyring_for(_check_psk(keyring), authenticate)
-        _check_sid(session_id)
+            keyring = keyring_for(check_psk(keyring), authenticate)
+        check_sid(session_id)
         if symbol_size is not None:
             check_symbol_size(symbol_size)
         if not isinstance(replay_window, int) or not 1 <= replay_window <= 1 << 20:
@@ -391,7 +212,7 @@ class PacketProtector:
         self._role = role
         self._session_id = session_id
         self._random_bytes = random_bytes
-        self._local_random = _check_random(
+        self._local_random = check_random(
             random_bytes(RANDOM_SIZE) if local_random is None else local_random, "local_random"
         )
         self._window = replay_window
@@ -414,7 +235,7 @@ class PacketProtector:
         else:
             if peer_random is None:
                 raise ValueError("a receiver's protector needs the sender's random (R_s) from the OFFER")
-            r_s = _check_random(peer_random, "peer_random")
+            r_s = check_random(peer_random, "peer_random")
             self._peer_random = r_s
             k_s2r, k_r2s = keyring.session(session_id, r_s, self._local_random)
             self._early_opener = keyring.early(session_id, r_s)
@@ -450,7 +271,7 @@ class PacketProtector:
             raise ValueError("only a sender learns the peer's random from an ACCEPT")
         if self._has_keys:
             raise ValueError("the session keys are already set")
-        r_r = _check_random(receiver_random, "receiver_random")
+        r_r = check_random(receiver_random, "receiver_random")
         k_s2r, k_r2s = self._keyring.session(self._session_id, self._local_random, r_r)
         self._peer_random = r_r
         self._sealer, self._opener = k_s2r, k_r2s

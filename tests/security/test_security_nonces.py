@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pfec.common.sched.policies import SourceOnly
-from pfec.common.wire import seal as seal_module
+from pfec.common.wire import keyring as keyring_module
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.receiver.endpoint import ReceiverEndpoint
@@ -52,7 +52,7 @@ class RecordingAESGCM:
 
 @pytest.fixture(autouse=True)
 def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(seal_module, "AESGCM", RecordingAESGCM)
+    monkeypatch.setattr(keyring_module, "AESGCM", RecordingAESGCM)
     SEALS.clear()
     yield
     SEALS.clear()

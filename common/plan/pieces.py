@@ -1,0 +1,242 @@
+"""Precision levels and pieces (sans-IO, numpy only): the levels, the piece kinds and their ladders, and the
+byte size of every piece of a KV cache (``PieceLayout``).
+
+The quantiser, the ladder of pieces and their byte layout are described in :mod:`.precision`'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from pfec.common.plan.kvlayout import KVGeometry
+
+__all__ = [
+    "BASE_OF_LEVEL",
+    "CODE_BITS",
+    "DEFAULT_BLOCK_TOKENS",
+    "DEFAULT_VALUE_GROUP",
+    "LEVEL_NAMES",
+    "META_BYTES",
+    "N_KINDS",
+    "QUANTISED_LEVELS",
+    "REFINE_TO",
+    "SCHEME",
+    "Level",
+    "PieceKind",
+    "PieceLayout",
+    "default_value_group",
+    "ladder",
+    "parse_level",
+]
+
+SCHEME: Final = "pfec-kivi-bitplane/1"
+CODE_BITS: Final = 8  # the quantiser's full code width; lower levels keep its top bits
+META_BYTES: Final = 2  # fp16 minimum and step
+DEFAULT_BLOCK_TOKENS: Final = 16
+DEFAULT_VALUE_GROUP: Final = 32  # KIVI's group of value channels
+
+
+class Level(IntEnum):
+    """Precision a block can be used at; NONE means nothing usable arrived (the block is masked)."""
+
+    NONE = 0
+    INT2 = 1
+    INT4 = 2
+    INT8 = 3
+    NATIVE = 4
+
+    @property
+    def bits(self) -> int:
+        """Code bits of a quantised level (0 for NONE and NATIVE)."""
+        return _LEVEL_BITS.get(self, 0)
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_LEVEL_BITS: Final = {Level.INT2: 2, Level.INT4: 4, Level.INT8: 8}
+QUANTISED_LEVELS: Final = (Level.INT2, Level.INT4, Level.INT8)
+LEVEL_NAMES: Final = {lvl.label: lvl for lvl in Level if lvl is not Level.NONE}
+
+
+def parse_level(name: object) -> Level:
+    """``int2`` / ``int4`` / ``int8`` / ``native`` -> Level; anything else is a ValueError naming them."""
+    if isinstance(name, str) and name.strip().lower() in LEVEL_NAMES:
+        return LEVEL_NAMES[name.strip().lower()]
+    raise ValueError(f"precision {name!r} is not one of {', '.join(LEVEL_NAMES)}")
+
+
+class PieceKind(IntEnum):
+    """What a piece of a block carries (values are the kinds' wire codes)."""
+
+    BASE2 = 0
+    BASE4 = 1
+    BASE8 = 2
+    REFINE4 = 3
+    REFINE8 = 4
+    NATIVE = 5
+
+    @property
+    def level(self) -> Level:
+        """The level a block reaches with this piece (and what it needs)."""
+        return _KIND_LEVEL[self]
+
+    @property
+    def is_base(self) -> bool:
+        return self in (PieceKind.BASE2, PieceKind.BASE4, PieceKind.BASE8)
+
+    @property
+    def code_bits(self) -> int:
+        """Bits of code per element in this piece (0 for NATIVE)."""
+        return _KIND_CODE_BITS[self]
+
+    @property
+    def needs(self) -> Level:
+        """Level that must already be usable for this piece to help (NONE: self-contained)."""
+        return _KIND_NEEDS.get(self, Level.NONE)
+
+    @property
+    def code_shift(self) -> int:
+        """Right shift of the 8-bit code that yields this piece's field (then masked to ``code_bits``)."""
+        return CODE_BITS - self.level.bits if self is not PieceKind.NATIVE else 0
+
+
+_KIND_LEVEL: Final = {
+    PieceKind.BASE2: Level.INT2, PieceKind.BASE4: Level.INT4, PieceKind.BASE8: Level.INT8,
+    PieceKind.REFINE4: Level.INT4, PieceKind.REFINE8: Level.INT8, PieceKind.NATIVE: Level.NATIVE,
+}
+_KIND_CODE_BITS: Final = {
+    PieceKind.BASE2: 2, PieceKind.BASE4: 4, PieceKind.BASE8: 8,
+    PieceKind.REFINE4: 2, PieceKind.REFINE8: 4, PieceKind.NATIVE: 0,
+}
+_KIND_NEEDS: Final = {PieceKind.REFINE4: Level.INT2, PieceKind.REFINE8: Level.INT4}
+BASE_OF_LEVEL: Final = {Level.INT2: PieceKind.BASE2, Level.INT4: PieceKind.BASE4, Level.INT8: PieceKind.BASE8}
+REFINE_TO: Final = {Level.INT4: PieceKind.REFINE4, Level.INT8: PieceKind.REFINE8}
+N_KINDS: Final = len(PieceKind)
+
+
+def ladder(base: Level, top: Level) -> tuple[PieceKind, ...]:
+    """The pieces that take a block from nothing to ``top``, starting with a base at ``base``.
+
+    ``ladder(INT2, INT8)`` is BASE2, REFINE4, REFINE8; a ``top`` of NATIVE appends NATIVE (which then
+    supersedes the quantised pieces); a ``base`` of NATIVE is NATIVE alone.
+    """
+    base, top = Level(base), Level(top)
+    if base is Level.NONE or top < base:
+        raise ValueError(f"ladder needs a base level and top >= base, got base {base.label}, top {top.label}")
+    if base is Level.NATIVE:
+        return (PieceKind.NATIVE,)
+    kinds = [BASE_OF_LEVEL[base]]
+    kinds += [REFINE_TO[lvl] for lvl in QUANTISED_LEVELS if base < lvl <= top]
+    if top is Level.NATIVE:
+        kinds.append(PieceKind.NATIVE)
+    return tuple(kinds)
+
+
+def default_value_group(head_dim: int) -> int:
+    """KIVI's 32 channels when they tile the head; otherwise the whole head row of a token."""
+    return DEFAULT_VALUE_GROUP if head_dim % DEFAULT_VALUE_GROUP == 0 else head_dim
+
+
+# --- Sizes --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """The blocks of one handoff and the byte size of every piece kind of every block."""
+
+    geometry: KVGeometry
+    n_tokens: int
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    value_group: int = 0  # 0: default_value_group(head_dim)
+
+    def __post_init__(self) -> None:
+        for name in ("n_tokens", "block_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PieceLayout.{name} must be a positive integer, got {value!r}")
+        if self.value_group == 0:
+            object.__setattr__(self, "value_group", default_value_group(self.geometry.head_dim))
+        group = self.value_group
+        if not isinstance(group, int) or group <= 0 or self.geometry.head_dim % group:
+            raise ValueError(
+                f"value group {group!r} must be a positive divisor of the head dim {self.geometry.head_dim}"
+            )
+
+    @property
+    def n_token_blocks(self) -> int:
+        return -(-self.n_tokens // self.block_tokens)
+
+    @property
+    def n_full_token_blocks(self) -> int:
+        return self.n_tokens // self.block_tokens
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens of the last, partial token block (0 when the blocks tile the context)."""
+        return self.n_tokens % self.block_tokens
+
+    @property
+    def n_blocks(self) -> int:
+        return self.geometry.n_layers * self.n_token_blocks
+
+    @property
+    def elements_per_token(self) -> int:
+        """K and V elements of one token in one layer (all KV heads)."""
+        return 2 * self.geometry.n_kv_heads * self.geometry.head_dim
+
+    def block_layer(self, block: int) -> int:
+        return block // self.n_token_blocks
+
+    def block_token_range(self, block: int) -> tuple[int, int]:
+        start = (block % self.n_token_blocks) * self.block_tokens
+        return start, min(start + self.block_tokens, self.n_tokens)
+
+    def block_n_tokens(self) -> npt.NDArray[np.int64]:
+        """Tokens in every block [n_blocks]."""
+        per_tb = np.full(self.n_token_blocks, self.block_tokens, dtype=np.int64)
+        if self.tail_tokens:
+            per_tb[-1] = self.tail_tokens
+        return np.tile(per_tb, self.geometry.n_layers)
+
+    def meta_bytes(self, tokens: int) -> int:
+        """Bytes of a base piece's fp16 minima and steps for a block of ``tokens`` tokens."""
+        g = self.geometry
+        groups = g.n_kv_heads * g.head_dim + g.n_kv_heads * tokens * (g.head_dim // self.value_group)
+        return 2 * META_BYTES * groups
+
+    def piece_size(self, kind: PieceKind, tokens: int) -> int:
+        """Exact bytes of one piece of a block of ``tokens`` tokens."""
+        kind = PieceKind(kind)
+        elements = tokens * self.elements_per_token
+        if kind is PieceKind.NATIVE:
+            return elements * self.geometry.dtype_bytes
+        codes = -(-elements * kind.code_bits // 8)
+        return codes + (self.meta_bytes(tokens) if kind.is_base else 0)
+
+    def piece_sizes(self, kind: PieceKind) -> npt.NDArray[np.int64]:
+        """Bytes of ``kind`` for every block [n_blocks]."""
+        full = self.piece_size(kind, self.block_tokens)
+        sizes = np.full(self.n_blocks, full, dtype=np.int64)
+        if self.tail_tokens:
+            sizes[self.n_token_blocks - 1 :: self.n_token_blocks] = self.piece_size(kind, self.tail_tokens)
+        return sizes
+
+    def size_table(self) -> npt.NDArray[np.int64]:
+        """[n_blocks, N_KINDS] bytes of every piece kind of every block."""
+        return np.stack([self.piece_sizes(k) for k in PieceKind], axis=1)
+
+    def native_bytes(self) -> int:
+        return self.n_tokens * self.geometry.n_layers * self.elements_per_token * self.geometry.dtype_bytes
+
+    def bytes_per_token(self, kinds: Sequence[PieceKind]) -> float:
+        """Mean bytes per context token when every block carries ``kinds``."""
+        table = self.size_table()
+        return float(table[:, [int(k) for k in kinds]].sum()) / self.n_tokens
