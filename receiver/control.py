@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from pfec.common.node.control import node_routes
 from pfec.receiver.daemon import ReceiverDaemon
 
 
@@ -17,17 +18,8 @@ def receiver_routes(daemon: ReceiverDaemon) -> list[web.RouteDef]:
     async def results(_request: web.Request) -> web.Response:
         return web.json_response({"results": list(daemon.results)})
 
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response(daemon.health())
-
-    async def readyz(_request: web.Request) -> web.Response:
-        ready, body = daemon.readiness()
-        return web.json_response(body, status=200 if ready else 503)
-
     return [
         web.get("/sessions", sessions),
         web.get("/results", results),
-        web.get("/healthz", healthz),
-        web.get("/readyz", readyz),
-        web.get("/metrics", daemon.metrics.aiohttp_handler()),
+        *node_routes(daemon),
     ]

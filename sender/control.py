@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pfec.common.node.config import SenderLimitsConfig, parse_host_port
-from pfec.common.node.control import json_error, read_model, wait_flag
+from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO
@@ -225,18 +225,9 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
     async def list_handoffs(_request: web.Request) -> web.Response:
         return web.json_response({"handoffs": [h.view() for h in daemon.handoffs.values()]})
 
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response(daemon.health())
-
-    async def readyz(_request: web.Request) -> web.Response:
-        ready, body = daemon.readiness()
-        return web.json_response(body, status=200 if ready else 503)
-
     return [
         web.post("/handoffs", post_handoff),
         web.get("/handoffs", list_handoffs),
         web.get("/handoffs/{id}", get_handoff),
-        web.get("/healthz", healthz),
-        web.get("/readyz", readyz),
-        web.get("/metrics", daemon.metrics.aiohttp_handler()),
+        *node_routes(daemon),
     ]

@@ -19,13 +19,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ValidationError
 
+from pfec.common.node.metrics import NodeMetrics
 from pfec.common.plan.handoff import json_depth
 
 MAX_WAIT_S = 600.0
@@ -124,6 +125,35 @@ def bearer_middleware(token: str) -> Middleware:
         return await handler(request)
 
     return check
+
+
+class NodeStatus(Protocol):
+    """What the routes both daemons share read from a daemon."""
+
+    @property
+    def metrics(self) -> NodeMetrics: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]: ...
+
+
+def node_routes(node: NodeStatus) -> list[web.RouteDef]:
+    """/healthz (liveness), /readyz (503 while the model worker is stuck) and /metrics, as both daemons
+    serve them."""
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response(node.health())
+
+    async def readyz(_request: web.Request) -> web.Response:
+        ready, body = node.readiness()
+        return web.json_response(body, status=200 if ready else 503)
+
+    return [
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", node.metrics.aiohttp_handler()),
+    ]
 
 
 def control_app(routes: list[web.RouteDef], token: str | None = None,
