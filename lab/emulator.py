@@ -70,10 +70,21 @@ async def _run_front(
     quiet: bool,
 ) -> dict[str, Any]:
     stop = asyncio.Event()
-    stop_on_signals(stop)
     front: UdpRelay | TunBridge = (
         UdpRelay(config, listen, forward_to) if mode == "relay" else TunBridge(config, spec)
     )
+    with stop_on_signals(stop):
+        return await _relay_until_stopped(front, forward_to, stop, stats_interval, duration, quiet)
+
+
+async def _relay_until_stopped(
+    front: UdpRelay | TunBridge,
+    forward_to: tuple[str, int],
+    stop: asyncio.Event,
+    stats_interval: float,
+    duration: float,
+    quiet: bool,
+) -> dict[str, Any]:
     async with front:
         _announce(front, forward_to)
         t0 = time.monotonic()

@@ -71,7 +71,9 @@ def _map(
             results.append(fn(task))
             on_done()
         return results
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a forked worker inherits the parent's threads (asyncio executors, tqdm's monitor) and
+    # signal handlers mid-state; one that ignores SIGTERM outlives Pool.terminate() and hangs the join.
+    ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(min(jobs, len(tasks)), initializer=warm_up) as pool:
         results = []
         for result in pool.imap_unordered(fn, tasks):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import struct
 import subprocess
@@ -280,6 +281,8 @@ def test_emulate_cmd_runs_and_reports(tmp_path: Any) -> None:
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout[res.stdout.index("{") :])
     assert stats["forward"]["received"] == 0 and "reverse" in stats
+    # Its SIGTERM handler went with its loop: one left behind made later forked workers immortal.
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     res = runner.invoke(app, [*args, "--loss", "bernoulli:2"])
     assert res.exit_code == 2 and "bad loss spec 'bernoulli:2'" in res.output
     res = runner.invoke(app, ["emulate", "--mode", "tunnel"])
