@@ -447,7 +447,8 @@ class ReceiverEndpoint:
             self._remember_closed(sid)
             reason = f"sender closed ({message.code.name}) {message.text}".strip()
             self._events.append(SessionClosed(sid, reason))
-        elif len(pending.held) >= self.config.pending_datagrams + self.config.max_offer_parts:
+        elif (len(pending.held) >= self.config.early_datagrams + self.config.max_offer_parts
+              or self.early_held >= self.config.early_total):  # fmt: skip
             self._drop("early_overflow")
         else:
             pending.held.append((pn, message))
@@ -486,7 +487,7 @@ class ReceiverEndpoint:
                 _old, dropped = self._early.popitem(last=False)
                 self._drop("early_evicted", len(dropped))
             queue = self._early[sid] = []
-        if len(queue) >= cfg.pending_datagrams:
+        if len(queue) >= cfg.pending_datagrams or self.early_held >= cfg.early_total:
             self._drop("early_overflow")
             return
         queue.append((header, bytes(data)))

@@ -73,7 +73,13 @@ class ReceiverConfig:
     max_sessions: int = 64
     max_session_bytes: int = 1 << 30  # N x symbol size one session may allocate
     pending_sessions: int = 8  # unknown session ids whose early data is buffered
-    pending_datagrams: int = 256  # per unknown session id
+    pending_datagrams: int = 256  # per unknown session id (raw, unauthenticated: before any OFFER)
+    # Early data opened under a verified OFFER's early key, held until the handshake completes: the
+    # sender's first flight covers the handshake's round trip (about one bandwidth-delay product, 2,000
+    # datagrams at 100 Mbit/s and 200 ms), so a per-handshake bound of 256 left a long link idle. The
+    # total across pending handshakes bounds the memory (8192 x ~1.3 KB, about 11 MB).
+    early_datagrams: int = 2048  # per pending handshake (= the sender's MAX_FIRST_FLIGHT)
+    early_total: int = 8192  # across all pending handshakes and unknown session ids
     closed_memory: int = 1024  # recently closed session ids remembered (late data is counted, not buffered)
     # Bounds on what an OFFER may ask for (checked before anything is allocated; REFUSE otherwise).
     max_budget_s: float = 60.0  # the OFFER's time budget
@@ -90,7 +96,8 @@ class ReceiverConfig:
         if not 1 <= self.decoder_span <= MAX_HOLE_BITS:
             raise ValueError(f"decoder_span must be in 1..{MAX_HOLE_BITS}, got {self.decoder_span!r}")
         for name in ("max_sessions", "max_session_bytes", "pending_sessions", "pending_datagrams",
-                     "closed_memory", "max_offer_parts", "max_handshakes", "result_retries"):
+                     "early_datagrams", "early_total", "closed_memory", "max_offer_parts", "max_handshakes",
+                     "result_retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.max_budget_s <= 0xFFFF_FFFF * 1e-6:

@@ -95,7 +95,7 @@ class SenderSetup:
 
 
 MIN_FIRST_FLIGHT = 64
-MAX_FIRST_FLIGHT = 256  # = ReceiverConfig.pending_datagrams: what a receiver holds before the handshake
+MAX_FIRST_FLIGHT = 2048  # = ReceiverConfig.early_datagrams: what a receiver holds before the handshake
 
 
 def first_flight(budget: LinkBudget) -> int:

@@ -546,3 +546,23 @@ def test_split_receiver_waits_for_its_front_even_when_every_symbol_arrived() -> 
     h.run()
     ev = h.deadline_event()
     assert ev.ready and ev.at == at < ev.stats.deadline_at
+
+
+@pytest.mark.parametrize(("early_datagrams", "early_total", "overflow"),
+                         [(2048, 8192, False), (256, 8192, True), (2048, 300, True)])  # fmt: skip
+def test_a_first_flight_longer_than_256_is_held_whole_until_the_handshake_completes(
+    early_datagrams: int, early_total: int, overflow: bool
+) -> None:
+    """A long round trip: the ACCEPT comes late, the sender's first flight (one bandwidth-delay product,
+    here 600 datagrams) waits in the receiver's early buffer. The default bounds hold it all; a smaller
+    per-handshake or total bound drops the excess as ``early_overflow`` (repaired later, never a crash)."""
+    config = ReceiverConfig(ack_every=2, early_datagrams=early_datagrams, early_total=early_total)
+    h, symbols = make_pair(n=800, budget_s=0.3, policy=SourceOnly(), config=config, first_flight=600)
+    h.drop_reverse = lambda i, d: i < 2  # the first ACCEPTs are lost: the handshake takes longer
+    h.run()
+    ev = h.deadline_event()
+    dropped = h.endpoint.drops.get("early_overflow", 0)
+    assert (dropped > 0) is overflow, h.endpoint.drops
+    if not overflow:
+        assert h.sender.datagrams_sent["source"] >= 600
+        assert len(ev.decoded_esis) == len(symbols)
