@@ -69,7 +69,7 @@ def task_scores(
         cache, _ = llm.prefill(runtime, context_ids)
         plan = runtime.plan(len(context_ids))
         whole = llm.partial_from_cache(cache, None, "mask")
-        full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens)
+        full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens, first_line_only=True)
         full_rows.append({"prompt": i, **example.meta, **_score_answer(full.text, example.answers, None)})
         reference = str(full_rows[-1]["answer"])
         prompt_run = _PromptRun(cfg, runtime, cache, plan, question_ids, i, example, reference)
@@ -186,7 +186,7 @@ class _PromptRun:
     def _answer_from_blocks(self, kept: npt.NDArray[np.int64], mode: str) -> dict[str, Any]:
         available = torch.from_numpy(blocks_available(self.plan, kept)).to(self.runtime.device)
         kv = llm.partial_from_cache(self.cache, available, mode, self.plan.n_tokens)  # type: ignore[arg-type]
-        out = llm.generate(self.runtime, kv, self.question_ids, self.cfg.max_new_tokens)
+        out = llm.generate(self.runtime, kv, self.question_ids, self.cfg.max_new_tokens, first_line_only=True)
         return _score_answer(out.text, self.example.answers, self.reference)
 
 

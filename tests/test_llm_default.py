@@ -91,3 +91,17 @@ def test_bad_input_names_the_value(runtime: llm.ModelRuntime) -> None:
                                  np.ones(5, dtype=bool))
     profile = UtilityProfile.load(SHIPPED_PROFILE)
     assert utility_order(profile.block_utilities(plan)).shape == (plan.n_blocks,)
+
+
+def test_first_line_only_stops_at_the_first_line_and_keeps_it(runtime: llm.ModelRuntime) -> None:
+    """The short-answer score reads the first non-empty line: generation may stop there, same line."""
+    ex = needle_examples(runtime, 1, 400, seed=2)[0]
+    prompt = llm.chat_prompt(runtime, ex.context, "List three words from the text, one per line.")
+    cache, _ = llm.prefill(runtime, prompt.context_ids)
+    whole = llm.partial_from_cache(cache, None, "mask")
+    full = llm.generate(runtime, whole, prompt.question_ids, 32)
+    short = llm.generate(runtime, whole, prompt.question_ids, 32, first_line_only=True)
+    assert first_line(short.text) == first_line(full.text)
+    assert "\n" in full.text.strip(), full.text  # this prompt's answer runs past one line ...
+    assert len(short.token_ids) < len(full.token_ids)  # ... and the short generation stopped there
+    assert full.token_ids[: len(short.token_ids)] == short.token_ids

@@ -51,9 +51,20 @@ def stop_token_ids(runtime: ModelRuntime) -> set[int]:
     return stops
 
 
+def _ends_first_line(runtime: ModelRuntime, out: list[int]) -> bool:
+    """Whether the text so far holds a complete non-empty first line (a newline after some text)."""
+    if runtime.tokenizer is None:
+        return False
+    text = runtime.tokenizer.decode(out, skip_special_tokens=True).lstrip()
+    return "\n" in text
+
+
 def generate(runtime: ModelRuntime, kv: PartialKV, question_ids: Sequence[int],
-             max_new_tokens: int = 24) -> Generation:
-    """Greedy decode from a handed-off cache: feed the question at its original positions, no re-prefill."""
+             max_new_tokens: int = 24, first_line_only: bool = False) -> Generation:
+    """Greedy decode from a handed-off cache: feed the question at its original positions, no re-prefill.
+
+    ``first_line_only``: stop once the first non-empty line is complete (what a short-answer score reads;
+    a damaged cache's rambling otherwise costs up to ``max_new_tokens`` forward passes per answer)."""
     check_length(runtime, kv.n_context, len(question_ids) + max_new_tokens)
     stops = stop_token_ids(runtime)
     started = time.perf_counter()
@@ -66,7 +77,7 @@ def generate(runtime: ModelRuntime, kv: PartialKV, question_ids: Sequence[int],
         position = kv.n_context + len(question_ids)
         while next_id not in stops and len(out) < max_new_tokens:
             out.append(next_id)
-            if len(out) == max_new_tokens:
+            if len(out) == max_new_tokens or (first_line_only and _ends_first_line(runtime, out)):
                 break
             next_id = int(_forward(runtime, kv, cache, [next_id], position)[-1].argmax())
             position += 1
