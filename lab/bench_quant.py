@@ -9,10 +9,13 @@ one torch thread, whole cache at a time, median of several runs after one untime
   ``quant.dequantise`` -> tensors in the receiver's compute dtype.
 
 MB are of the cache in the model's native dtype (bf16 here: 23,040 B per token on the default model).
+The synthetic cache is measured as each cache dtype a node meets: bf16 and fp16 (a GPU model's native
+dtype, in and out) and fp32 (a CPU node computing a bf16 model in float32: fp32 in and out, bf16 native).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -48,6 +51,12 @@ CASES: dict[str, tuple[PieceKind, ...]] = {
     "int2": ladder(Level.INT2, Level.INT2),
     "int2+r4+r8": ladder(Level.INT2, Level.INT8),
     "native": ladder(Level.NATIVE, Level.NATIVE),
+}
+# Cache dtype -> (native dtype of the geometry, dtype of the tensors in and out).
+CACHE_DTYPES: dict[str, tuple[str, torch.dtype]] = {
+    "bf16": ("bf16", torch.bfloat16),
+    "fp16": ("fp16", torch.float16),
+    "fp32": ("bf16", torch.float32),
 }
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -152,10 +161,14 @@ def run_quant_bench(repeats: int = 7, tokens: int = 1792, model: bool = True,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        layout = PieceLayout(DEFAULT_GEOMETRY, tokens)
-        progress(f"synthetic cache, {tokens} tokens, {layout.native_bytes() / 1e6:.1f} MB native")
-        synthetic = bench_cache(synthetic_cache(DEFAULT_GEOMETRY, tokens), layout,
-                                quant.NATIVE_DTYPES[DEFAULT_GEOMETRY.dtype], repeats, progress)
+        synthetic = {}
+        for name, (native, dtype) in CACHE_DTYPES.items():
+            geometry = dataclasses.replace(DEFAULT_GEOMETRY, dtype=native)
+            layout = PieceLayout(geometry, tokens)
+            progress(f"synthetic {name} cache ({native} native), {tokens} tokens, "
+                     f"{layout.native_bytes() / 1e6:.1f} MB native")
+            cache = [(k.to(dtype), v.to(dtype)) for k, v in synthetic_cache(geometry, tokens)]
+            synthetic[name] = bench_cache(cache, layout, dtype, repeats, progress)
         result: dict[str, Any] = {"synthetic": synthetic}
         if model:
             info, layers, model_layout, compute = _model_cache(tokens)
@@ -171,7 +184,10 @@ def run_quant_bench(repeats: int = 7, tokens: int = 1792, model: bool = True,
     result["setup"] = {
         "torch_threads": 1, "repeats": repeats, "statistic": "median after one untimed warm-up",
         "tokens": tokens, "geometry": "30 layers x 3 KV heads x head dim 64, bf16 (SmolLM2-135M)",
-        "synthetic": "random keys (per-channel offsets N(0,5) + N(0,1.5)) and values N(0,0.3), bf16 in/out",
+        "synthetic": "random keys (per-channel offsets N(0,5) + N(0,1.5)) and values N(0,0.3), rounded to "
+                     "the native dtype; per cache dtype: " + ", ".join(
+                         f"{k}: {v[0]} native, {str(v[1]).removeprefix('torch.')} in/out"
+                         for k, v in CACHE_DTYPES.items()),
         "symbol_size": SYMBOL_SIZE, "mb": "MB (1e6 B) of the cache in its native dtype",
         "send": "quant.quantise + precision.pack_stream (tensors -> symbols)",
         "receive": "precision.unpack_stream + PiecePlan.usable + quant.dequantise (symbols -> tensors)",
@@ -183,7 +199,8 @@ def run_quant_bench(repeats: int = 7, tokens: int = 1792, model: bool = True,
 def _target(result: dict[str, Any]) -> dict[str, Any]:
     """Whether both directions reach TARGET_MB_S for the planner's levels, on each cache measured."""
     checks = {}
-    sources = {"synthetic": result["synthetic"], "model": result["model"].get("cases")}
+    sources = {f"synthetic {k}": v for k, v in result["synthetic"].items()}
+    sources["model"] = result["model"].get("cases")
     for source, cases in sources.items():
         if not cases:
             continue
@@ -204,10 +221,11 @@ def write_quant_bench(result: dict[str, Any], out_dir: Path) -> None:
         "",
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, Python {m.get('python', '?')}; "
         f"one torch thread; median of {result['setup']['repeats']} runs after a warm-up. "
-        "MB are of native (bf16) KV.",
+        "MB are of native KV (2 bytes a value).",
         "",
     ]
-    tables = [("Synthetic cache", result["synthetic"], result["setup"]["tokens"])]
+    tables = [(f"Synthetic {name} cache ({CACHE_DTYPES[name][0]} native)", cases, result["setup"]["tokens"])
+              for name, cases in result["synthetic"].items()]
     model = result["model"]
     if model.get("cases"):
         tables.append((f"Default model, needle prompt ({model['compute_dtype']} cache in and out)",

@@ -92,6 +92,9 @@ class SenderMetrics(NodeMetrics):
         self._planner = self.counter(
             "planner_choices", "The break-even planner's choice per handoff (local, handoff:P or split:P).",
             ["choice"])
+        # At zero from start-up, so a panel's rate() sees a choice's first handoff.
+        self.precreate(self._planner,
+                       ["local", *(f"{m}:{p}" for m in ("handoff", "split") for p in PLANNER_LEVELS)])
         self._modes = self.counter(
             "handoff_modes", "Handoffs by the mode they ran in (handoff: the whole cache streams; split: the "
             "receiver prefills the front while the back streams; local: the receiver prefills everything).",

@@ -278,3 +278,13 @@ def test_keygen_cmd(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "already exists" in res.output
     res = runner.invoke(app, [str(p), "--force"])
     assert res.exit_code == 0
+
+
+def test_model_torch_threads_is_bounded_and_defaults_to_usable_cpus() -> None:
+    """Issue 13: the torch thread count is a bounded field; unset means the node's usable CPUs."""
+    assert load_config("sender", None, {}).model.torch_threads is None
+    one = load_config("receiver", None, {"PFEC_RECEIVER__MODEL__TORCH_THREADS": "1"})
+    assert one.model.torch_threads == 1
+    for bad in ("0", "1000", "-2", "two"):
+        with pytest.raises(ConfigError, match="torch_threads"):
+            load_config("receiver", None, {"PFEC_RECEIVER__MODEL__TORCH_THREADS": bad})

@@ -250,6 +250,12 @@ def test_dashboard_is_valid_and_complete() -> None:
         "pfec_sender_datagrams_dropped_total",
         "pfec_receiver_sessions_active",
         "pfec_receiver_sessions_pending",
+        # issue 13: precision, planner and this node's prefill speed
+        "pfec_sender_precision_bytes_sent_total",
+        "pfec_sender_planner_choices_total",
+        "pfec_sender_handoff_modes_total",
+        "pfec_prefill_tokens_per_second",
+        "pfec_torch_threads",
     ):
         assert required in used, f"dashboard has no panel for {required}"
 

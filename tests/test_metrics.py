@@ -229,3 +229,60 @@ def test_prefill_speed_and_handoff_modes() -> None:
     assert s.registry.get_sample_value("pfec_sender_handoff_modes_total", {"mode": "split"}) == 1
     with pytest.raises(ValueError):
         s.handoff_mode("both")
+
+
+def test_torch_threads_are_set_once_and_exported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: start-up sets torch's thread counts (default: the usable CPUs) and exports the count; a
+    second inter-op setting (torch allows one per process) is tolerated, an out-of-range count refused."""
+    import torch
+
+    from pfec.common.model import runtime
+    from pfec.common.node.lifecycle import measure_node_speed
+
+    calls: dict[str, list[int]] = {"intra": [], "inter": []}
+
+    def interop(n: int) -> None:
+        calls["inter"].append(n)
+        if len(calls["inter"]) > 1:
+            raise RuntimeError("Error: cannot set number of interop threads after parallel work has started")
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls["intra"].append(n))
+    monkeypatch.setattr(torch, "set_num_interop_threads", interop)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: calls["intra"][-1])
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda _pid: {0, 2, 5})
+    assert runtime.usable_cpus() == 3
+    assert runtime.set_torch_threads(None) == 3
+    assert runtime.set_torch_threads(1) == 1  # the second inter-op call raises inside: kept, not fatal
+    assert calls == {"intra": [3, 1], "inter": [3, 1]}
+    for bad in (0, runtime.MAX_TORCH_THREADS + 1):
+        with pytest.raises(ValueError, match="torch threads"):
+            runtime.set_torch_threads(bad)
+    m = ReceiverMetrics(process_metrics=False)
+    assert m.registry.get_sample_value("pfec_torch_threads") == 0
+    m.torch_threads(4)
+    assert m.registry.get_sample_value("pfec_torch_threads") == 4
+    assert asyncio.run(measure_node_speed(None, m)) is None  # no model: 0
+    assert m.registry.get_sample_value("pfec_torch_threads") == 0
+
+
+def test_load_runtime_sets_threads_before_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real model's start-up applies model.torch_threads first; a synthetic node never imports torch."""
+    from pfec.common.model import runtime
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(runtime, "set_torch_threads", lambda n: seen.append(n) or 1)
+    runtime.load_runtime(runtime.SYNTHETIC_MODEL, torch_threads=2)
+    assert seen == []
+
+    class Stop(Exception):
+        pass
+
+    def no_model(*_a: object, **_k: object) -> None:
+        raise Stop
+
+    from pfec.common.model import llm
+
+    monkeypatch.setattr(llm, "load_model", no_model)
+    with pytest.raises(Stop):
+        runtime.load_runtime("default", torch_threads=2)
+    assert seen == [2]

@@ -211,6 +211,14 @@ class ModelConfig(_Section):
         description="Where the converted safetensors model cache lives (default $CACHE_DIRECTORY under "
         "systemd, else the user cache).",
     )
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Torch threads for prefill and (de)quantisation, set once at start-up (default: the CPUs "
+        "the node may use, from its affinity mask). Set explicitly: under load 2 threads ran far slower "
+        "than 1.",
+    )
 
     @field_validator("device")
     @classmethod

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from aiohttp import web
 
 from pfec.common.codec import fec
-from pfec.common.model.runtime import load_runtime
+from pfec.common.model.runtime import load_runtime, torch_threads
 from pfec.common.node.config import DaemonConfig, ModelConfig, SenderDaemonConfig
 from pfec.common.node.control import MAX_BODY_BYTES, ControlServer
 from pfec.common.node.metrics import NodeMetrics
@@ -39,7 +40,8 @@ async def load_node_model(model: ModelConfig) -> tuple[ModelRuntime | None, Mode
     """Compile the codec kernels, then load and warm the configured model in a thread (seconds)."""
     fec.warm_up()
     return await asyncio.get_running_loop().run_in_executor(
-        None, load_runtime, model.path, model.device, model.cache_dir
+        None, partial(load_runtime, model.path, model.device, model.cache_dir,
+                      torch_threads=model.torch_threads)
     )
 
 
@@ -53,8 +55,11 @@ async def measure_node_speed(runtime: ModelRuntime | None, metrics: NodeMetrics)
     ``pfec_prefill_tokens_per_second``; None (and 0 exported) without a model or a model too short."""
     if runtime is None:
         metrics.prefill_speed(0.0)
+        metrics.torch_threads(0)
         return None
     from pfec.common.model.speed import measure_prefill_speed  # deferred: torch
+
+    metrics.torch_threads(torch_threads())  # as load_runtime set it
 
     try:
         speed = await asyncio.get_running_loop().run_in_executor(

@@ -63,7 +63,7 @@ class NodeMetrics:
     """The series every node has, in a registry of its own (``self.registry``)."""
 
     #: Series named alike on both nodes (no role in the name): the same fact about any node.
-    SHARED: ClassVar[tuple[str, ...]] = ("pfec_prefill_tokens_per_second",)
+    SHARED: ClassVar[tuple[str, ...]] = ("pfec_prefill_tokens_per_second", "pfec_torch_threads")
 
     ROLE: ClassVar[str]  # "sender" or "receiver": names are pfec_<ROLE>_*
     PEERS: ClassVar[str]  # who the datagrams go to and come from, for the help texts
@@ -93,6 +93,9 @@ class NodeMetrics:
             "pfec_prefill_tokens_per_second", "This node's prefill speed for its model (tokens/s at the "
             "longest length measured at start-up with common/model/speed.py; 0: not measured, no model).",
             registry=self.registry)
+        self._torch_threads = Gauge(
+            "pfec_torch_threads", "Torch intra-op threads set at start-up (model.torch_threads, default the "
+            "usable CPUs; 0: no model).", registry=self.registry)
         # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
         self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
         self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
@@ -151,6 +154,10 @@ class NodeMetrics:
     def prefill_speed(self, tokens_per_second: float) -> None:
         """This node's measured prefill speed (tokens/s)."""
         self._prefill_speed.set(max(0.0, float(tokens_per_second)))
+
+    def torch_threads(self, threads: int) -> None:
+        """Torch's intra-op thread count as set at start-up (0 without a model)."""
+        self._torch_threads.set(max(0, int(threads)))
 
     def recovered_utility(self, utility: float) -> None:
         self._utility.observe(min(1.0, max(0.0, utility)))
