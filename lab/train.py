@@ -1,15 +1,15 @@
-"""Offline Double-DQN training of the repair scheduler (paper IV-C, IV-D and V-B).
+"""Double-DQN training of the repair scheduler by reinforcement learning (paper IV-C, IV-D and V-B).
 
 Reproduce the committed weights (``common/sched/ddqn_weights.npz``) and log
 (``docs/training/ddqn_train_log.jsonl``) with::
 
-    .venv/bin/pfec train --seed 0    # the defaults below: about 10 minutes on 2 cores
+    nice -n 5 timeout 1500 .venv/bin/pfec train --seed 0    # the defaults below; wall time in the log
 
 Each episode is one simulated handoff through ``pfec.lab.sim.run_once``: the real ``SenderSession`` asks
 the learning policy for every decision, the real receiver and GF(2^8) codec decode, and the link is paced
-and lossy in simulated time. Episodes draw a random Gilbert-Elliott channel, a link rate of 50/100/200
-Mbit/s, an RTT in [14, 26] ms, a deadline rho, a synthetic utility profile (utility-ranked blocks) and a
-short context (a few hundred tokens, so an episode takes a fraction of a second).
+and lossy in simulated time. Episodes come from the training distribution of ``lab/train_episodes.py``
+(RTT log-uniform 5-200 ms, rho 0.3-1.3, bursty Gilbert-Elliott channels, four link rates, contexts of a few
+hundred tokens); the held-out conditions of ``lab/sched_eval.py`` lie outside it.
 
 Reward (gamma = 1): the change of recovered utility J plus potential shaping F (paper IV-C3),
 
@@ -22,14 +22,19 @@ sender can know); the last transition of an episode is terminal (F = 0) and pays
 recovered utility at the deadline, so an episode's return is the recovered utility itself (the shaping
 telescopes away and cannot change the optimal policy).
 
-Learning from demonstrations (DQfD style, the paper's "pretraining stage"): the replay memory is seeded
-with trajectories of the deficit heuristic, the network is first trained on them alone (``pretrain_updates``
-updates of TD loss plus a large-margin loss that ranks the heuristic's action above every other allowed
-action by ``margin``), then learns from its own episodes with the margin loss still applied to the
-demonstration transitions (weight ``demo_weight``), so the TD signal has to earn every departure from the
-heuristic. Every ``validate_every`` episodes the greedy policy plays a fixed set of validation episodes
-(drawn apart from the training ones) and the best checkpoint by mean recovered utility is the one written;
-the log records the heuristic's utility on the same episodes.
+Stages. (1) Imitation warm start (DQfD style, the paper's "pretraining stage"): the replay memory is
+seeded with ``heuristic_episodes`` trajectories of the deficit heuristic and the network is trained on them
+alone for ``pretrain_updates`` updates of TD loss plus a large-margin loss that ranks the heuristic's action
+above every other allowed action by ``margin`` (weight ``demo_weight``). ``pretrain_updates=0`` and
+``heuristic_episodes=0`` start RL from a random network instead; the weights' meta records which
+(``warm_start``). (2) RL: Double DQN on the agent's own epsilon-greedy episodes (the demonstrations stay in
+the replay as off-policy data; their margin loss keeps weight ``rl_demo_weight``, small, so the TD signal
+decides where to depart from the heuristic). Every ``validate_every`` episodes the greedy policy plays
+``validation_episodes`` fixed episodes drawn from the training distribution (apart from the training
+draws, never from held-out conditions) and the best RL checkpoint by mean recovered utility is the one
+written (the imitation checkpoint is validated and logged too, but is eligible only with
+``keep_imitation_checkpoint``, so the shipped weights are the RL stage's). The log records the heuristic's
+utility on the same validation episodes.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -47,8 +52,6 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from pfec.common.plan.kvlayout import BlockPlan
-from pfec.common.plan.utility import UtilityProfile, synthetic_profile
 from pfec.common.sched.actions import N_ACTIONS, Action, SchedulerView
 from pfec.common.sched.ddqn import (
     HIDDEN,
@@ -61,17 +64,25 @@ from pfec.common.sched.ddqn import (
 )
 from pfec.common.sched.features import N_FEATURES, FeatureSink, write_features
 from pfec.common.sched.policies import DeficitHeuristic, Scheme
-from pfec.lab.channel import GilbertElliott
+from pfec.lab.sched_eval import HELDOUT_SEED
 from pfec.lab.sim import Handoff, SimConfig, prepare, run_once
+from pfec.lab.train_episodes import (
+    Episode,
+    EpisodeRanges,
+    Range,
+    prefix_utility,
+)
+from pfec.lab.train_episodes import draw_episode as _draw
 
 LOG_PATH = Path(__file__).resolve().parent.parent / "docs" / "training" / "ddqn_train_log.jsonl"
 _ACTIONS = tuple(Action)
+_R = EpisodeRanges()
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    episodes: int = 600  # learning episodes after the heuristic seeding
-    heuristic_episodes: int = 40  # trajectories of the deficit heuristic that seed the replay memory
+    episodes: int = 2500  # RL episodes after the imitation warm start
+    heuristic_episodes: int = 60  # trajectories of the deficit heuristic that seed the replay memory
     seed: int = 0
     lr: float = 1e-4
     gamma: float = 1.0
@@ -83,42 +94,74 @@ class TrainConfig:
     target_sync: int = 500  # gradient updates between target-network copies
     batch_size: int = 64
     replay_size: int = 200_000
-    tokens: tuple[int, ...] = (192, 256, 384)
-    rates_mbps: tuple[float, ...] = (50.0, 100.0, 200.0)
-    rtt_ms: tuple[float, float] = (14.0, 26.0)
-    rho: tuple[float, float] = (0.5, 1.3)
-    fifo_share: float = 0.2  # episodes in plan order (rl-fec) rather than utility order (priorityfec)
+    # The training distribution (lab/train_episodes.EpisodeRanges).
+    tokens: tuple[int, ...] = _R.tokens
+    rates_mbps: tuple[float, ...] = _R.rates_mbps
+    rtt_ms: Range = _R.rtt_ms
+    rho: Range = _R.rho
+    eps_g: Range = _R.eps_g
+    eps_b: Range = _R.eps_b
+    p_gb: Range = _R.p_gb
+    p_bg: Range = _R.p_bg
+    fifo_share: float = _R.fifo_share
     lambda_progress: float = 0.1
     lambda_deficit: float = 0.1
     lambda_window: float = 0.05
     init: str | None = None  # start from these weights (npz) instead of a random network
-    pretrain_updates: int = 5000  # updates on the heuristic's transitions alone, before any own episode
+    pretrain_updates: int = 5000  # imitation updates on the heuristic's transitions (none without them)
     margin: float = 0.05  # large-margin loss: the demonstrated action's value above the others' by this
-    demo_weight: float = 1.0  # weight of the margin loss (on demonstration transitions only)
-    validate_every: int = 50  # episodes between validations of the greedy policy (0: keep the last)
-    validation_episodes: int = 12
+    demo_weight: float = 1.0  # weight of the margin loss during the imitation warm start
+    rl_demo_weight: float = 0.1  # its weight during RL (on the demonstration transitions still replayed)
+    validate_every: int = 100  # RL episodes between validations of the greedy policy (0: keep the last)
+    validation_episodes: int = 64
+    keep_imitation_checkpoint: bool = False  # may the imitation checkpoint be the one written?
+
+    @property
+    def ranges(self) -> EpisodeRanges:
+        return EpisodeRanges(self.tokens, self.rates_mbps, self.rtt_ms, self.rho, self.eps_g, self.eps_b,
+                             self.p_gb, self.p_bg, self.fifo_share)
+
+    @property
+    def warm_start(self) -> str:
+        if self.init is not None:
+            return f"weights {self.init}"
+        if self.pretrain_updates > 0 and self.heuristic_episodes > 0:
+            return (f"imitation of the deficit heuristic ({self.heuristic_episodes} episodes, "
+                    f"{self.pretrain_updates} margin-loss updates), then RL")
+        if self.heuristic_episodes > 0:
+            return f"random network, RL with {self.heuristic_episodes} heuristic episodes in the replay"
+        return "random network, RL only"
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("episodes", self.episodes >= 1, "give at least 1"),
             ("heuristic_episodes", self.heuristic_episodes >= 0, "give 0 or more"),
             ("seed", self.seed >= 0, "give a non-negative integer"),
-            ("lr", self.lr > 0, "give a positive learning rate"),
+            ("seed", self.seed != HELDOUT_SEED, f"{HELDOUT_SEED} is the held-out evaluation's seed"),
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "give a positive learning rate"),
+            ("gamma", 0.0 < self.gamma <= 1.0, "give a discount in (0, 1]"),
+            ("eps_start", 0.0 <= self.eps_start <= 1.0, "give an exploration rate in [0, 1]"),
+            ("eps_end", 0.0 <= self.eps_end <= 1.0, "give an exploration rate in [0, 1]"),
             ("learn_every", self.learn_every >= 1, "give at least 1"),
+            ("target_sync", self.target_sync >= 1, "give at least 1"),
             ("batch_size", self.batch_size >= 1, "give at least 1"),
             ("replay_size", self.replay_size >= self.batch_size, "give at least batch_size"),
-            ("tokens", all(t >= 16 for t in self.tokens) and bool(self.tokens), "give sizes >= 16 tokens"),
-            ("rho", 0 < self.rho[0] <= self.rho[1], "give 0 < low <= high"),
-            ("fifo_share", 0.0 <= self.fifo_share <= 1.0, "give a share in [0, 1]"),
             ("pretrain_updates", self.pretrain_updates >= 0, "give 0 or more"),
             ("margin", self.margin >= 0, "give a non-negative margin"),
             ("demo_weight", self.demo_weight >= 0, "give a non-negative weight"),
+            ("rl_demo_weight", self.rl_demo_weight >= 0, "give a non-negative weight"),
             ("validate_every", self.validate_every >= 0, "give 0 (off) or more"),
             ("validation_episodes", self.validation_episodes >= 1, "give at least 1"),
         ]
+        checks += [(name, False, fix) for name, fix in self.ranges.problems()]
         for name, ok, fix in checks:
             if not ok:
                 raise ValueError(f"training {name}={getattr(self, name)!r} is invalid: {fix}")
+
+
+def draw_episode(cfg: TrainConfig, rng: np.random.Generator) -> Episode:
+    """One episode of the training distribution of ``cfg``."""
+    return _draw(cfg.ranges, rng)
 
 
 # ----------------------------------------------------------------------------- the network (torch)
@@ -212,6 +255,7 @@ class Learner:
         self.target.load_state_dict(self.online.state_dict())
         self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr)
         self.updates = 0
+        self.demo_weight = cfg.demo_weight  # the margin loss's weight in the current stage
 
     def params(self) -> npt.NDArray[np.float32]:
         return flatten_weights(self.online.layers())
@@ -238,14 +282,14 @@ class Learner:
         q = q_all.gather(1, a.unsqueeze(1)).squeeze(1)
         loss = nn.functional.smooth_l1_loss(q, y)
         demo = torch.from_numpy(rp.demo[idx])
-        if cfg.demo_weight > 0 and bool(demo.any()):
+        if self.demo_weight > 0 and bool(demo.any()):
             # max over allowed actions of Q(x, b) + margin * [b != a], minus Q(x, a): zero once the
             # demonstrated action leads every other allowed one by the margin.
             m = torch.from_numpy(rp.m[idx])
             bonus = torch.full_like(q_all, cfg.margin).scatter(1, a.unsqueeze(1), 0.0)
             best = (q_all + bonus).masked_fill(~m, -1e9).max(dim=1).values
             margin_loss = ((best - q) * demo.float()).sum() / demo.float().sum()
-            loss = loss + cfg.demo_weight * margin_loss
+            loss = loss + self.demo_weight * margin_loss
         self.optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(self.online.parameters(), cfg.grad_clip)
@@ -257,66 +301,6 @@ class Learner:
 
 
 # ----------------------------------------------------------------------------- episodes
-
-
-@dataclass
-class Episode:
-    """What one training episode draws."""
-
-    tokens: int
-    rate_mbps: float
-    rtt_ms: float
-    rho: float
-    loss: GilbertElliott
-    order: str
-    profile: UtilityProfile = field(repr=False)
-
-
-def random_profile(rng: np.random.Generator, n_layers: int = 30) -> UtilityProfile:
-    """A synthetic utility profile: layer decay and position U-shape of random steepness."""
-    base = synthetic_profile(n_layers)
-    g = np.arange(len(base.layer_groups))
-    layer = np.exp(-g / rng.uniform(0.3, 4.0)) + rng.uniform(0.0, 0.3) + rng.uniform(0, 0.2, len(g))
-    centres = (np.arange(len(base.position_scores)) + 0.5) / len(base.position_scores)
-    position = (0.4 + rng.uniform(0, 3) * np.exp(-centres / rng.uniform(0.05, 0.3))
-                + rng.uniform(0, 2) * np.exp(-(1 - centres) / rng.uniform(0.05, 0.3)))
-    return UtilityProfile(
-        model_id="train-synthetic",
-        n_layers=n_layers,
-        layer_groups=base.layer_groups,
-        position_bins=base.position_bins,
-        layer_scores=tuple(float(v) for v in layer / layer.sum()),
-        position_scores=tuple(float(v) for v in position / position.sum()),
-    )
-
-
-def draw_episode(cfg: TrainConfig, rng: np.random.Generator) -> Episode:
-    loss = GilbertElliott(
-        eps_g=float(rng.uniform(0.0, 0.005)),
-        eps_b=float(rng.uniform(0.25, 0.7)),
-        p_gb=float(rng.uniform(0.004, 0.04)),
-        p_bg=float(rng.uniform(0.03, 0.3)),
-    )
-    return Episode(
-        tokens=int(rng.choice(cfg.tokens)),
-        rate_mbps=float(rng.choice(cfg.rates_mbps)),
-        rtt_ms=float(rng.uniform(*cfg.rtt_ms)),
-        rho=float(rng.uniform(*cfg.rho)),
-        loss=loss,
-        order="fifo" if rng.random() < cfg.fifo_share else "utility",
-        profile=random_profile(rng) if rng.random() < 0.75 else synthetic_profile(),
-    )
-
-
-def prefix_utility(plan: BlockPlan, queue: npt.NDArray[np.int64], block_utility: npt.NDArray[np.float64]
-                   ) -> npt.NDArray[np.float64]:
-    """J[k]: utility of the blocks whose every fragment lies in the first k symbols of the send queue."""
-    blocks = plan.fragment_block[queue]
-    last = np.zeros(plan.n_blocks, dtype=np.int64)
-    np.maximum.at(last, blocks, np.arange(len(queue)))
-    gained = np.zeros(len(queue) + 1, dtype=np.float64)
-    np.add.at(gained, last + 1, block_utility)
-    return np.cumsum(gained)
 
 
 class TrainingPolicy:
@@ -444,41 +428,47 @@ def _validate(agent: Agent, policy: TrainingPolicy, episodes: list[Episode], heu
 
 
 def train(cfg: TrainConfig, weights_path: Path = WEIGHTS_PATH, log_path: Path = LOG_PATH,
-          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Seed the replay with heuristic episodes, pretrain on them, learn for ``cfg.episodes`` with periodic
-    validation, and write the best validated weights and the log."""
-    torch.set_num_threads(1)
-    run = _TrainingRun(cfg, progress)
+          progress: Callable[[int, int], None] | None = None, command: str | None = None) -> dict[str, Any]:
+    """Warm-start by imitation (unless disabled), learn by RL for ``cfg.episodes`` with periodic
+    validation, and write the best validated RL weights and the log."""
+    torch.set_num_threads(1)  # deterministic given the seed (and fast enough for a 15-64-64-4 net)
+    run = _TrainingRun(cfg, progress, command)
     with open(log_path, "w") as log:
         run.log = log
+        run._log_line({"phase": "meta", "warm_start": cfg.warm_start, "command": command,
+                       "config": asdict(cfg)})
         run.seed_with_heuristic()
         run.pretrain()
         run.learn()
-    run.save(weights_path)
+        run.save(weights_path)
+        run._log_line({"phase": "done", **run.result()})
     return run.summary(weights_path, log_path)
 
 
 class _TrainingRun:
     """One run of ``train``: the agent, the episode streams, the JSON-lines log, the best validated net."""
 
-    def __init__(self, cfg: TrainConfig, progress: Callable[[int, int], None] | None) -> None:
+    def __init__(self, cfg: TrainConfig, progress: Callable[[int, int], None] | None,
+                 command: str | None) -> None:
         self.cfg = cfg
+        self.command = command
         self.agent = Agent(cfg)
         self.policy = TrainingPolicy(self.agent)
         self.episode_rng = np.random.default_rng([cfg.seed, 0xE915])
         validation_rng = np.random.default_rng([cfg.seed, 0x5A11D])
         self.validation = [draw_episode(cfg, validation_rng) for _ in range(cfg.validation_episodes)]
-        checks = cfg.episodes // cfg.validate_every if cfg.validate_every else 0
-        self.total = cfg.heuristic_episodes + cfg.pretrain_updates // 500 + cfg.episodes + checks + 1
+        checks = -(-cfg.episodes // cfg.validate_every) if cfg.validate_every else 0
+        self.total = cfg.heuristic_episodes + cfg.pretrain_updates // 500 + cfg.episodes + checks + 2
         self.done = 0
         self.progress = progress
         self.start = time.perf_counter()
         self.returns: list[float] = []
         self.log: IO[str] | None = None
         self.heuristic_validation = math.nan
+        self.imitation_validation = math.nan
         self.best_utility = -math.inf
         self.best_layers: dict[str, npt.NDArray[np.float32]] = {}
-        self.best_at = 0
+        self.best_at = -1
 
     def _tick(self, steps: int = 1) -> None:
         self.done += steps
@@ -505,24 +495,27 @@ class _TrainingRun:
             self._tick()
 
     def pretrain(self) -> None:
-        """Updates on the heuristic's transitions only; then the first validation of the greedy policy."""
+        """Imitation updates on the heuristic's transitions only; then the first validation."""
         agent = self.agent
-        for k in range(self.cfg.pretrain_updates):
+        n_updates = self.cfg.pretrain_updates if self.cfg.heuristic_episodes > 0 else 0  # nothing to imitate
+        for k in range(n_updates):
             loss = agent.learner.update()
             if (k + 1) % 500 == 0:
                 updates = agent.learner.updates
                 self._log_line({"phase": "pretrain", "updates": updates, "loss": round(loss, 6)})
                 self._tick()
         agent.params = agent.learner.params()
-        self.best_utility = self._validate(heuristic=False)
-        self.best_layers, self.best_at = agent.learner.online.layers(), 0
-        self._log_line({"phase": "validate", "episode": 0, "utility": round(self.best_utility, 6),
-                        "heuristic": round(self.heuristic_validation, 6)})
+        self.imitation_validation = self._validate(heuristic=False)
+        self._log_line({"phase": "validate", "episode": 0, "utility": round(self.imitation_validation, 6),
+                        "heuristic": round(self.heuristic_validation, 6), "stage": "imitation"})
+        if self.cfg.keep_imitation_checkpoint:
+            self._keep(self.imitation_validation, 0)
         self._tick()
 
     def learn(self) -> None:
         """The agent's own epsilon-greedy episodes, validated every ``cfg.validate_every``; the best kept."""
         cfg, agent = self.cfg, self.agent
+        agent.learner.demo_weight = cfg.rl_demo_weight
         for j in range(cfg.episodes):
             i = cfg.heuristic_episodes + j
             agent.learning = True
@@ -535,41 +528,46 @@ class _TrainingRun:
             loss_mean = float(np.mean(agent.losses)) if agent.losses else None
             self._log_line(_episode_entry(i, "ddqn", epsilon, utility, loss_mean, agent, before, ep))
             self._tick()
-            if cfg.validate_every and (j + 1) % cfg.validate_every == 0:
+            last = j + 1 == cfg.episodes
+            if cfg.validate_every and ((j + 1) % cfg.validate_every == 0 or last):
                 self._checkpoint(j + 1)
         if not cfg.validate_every:
             self.best_layers, self.best_at = agent.learner.online.layers(), cfg.episodes
+
+    def _keep(self, utility: float, episode: int) -> None:
+        if utility > self.best_utility:
+            self.best_utility, self.best_at = utility, episode
+            self.best_layers = self.agent.learner.online.layers()
 
     def _checkpoint(self, episode: int) -> None:
         self.agent.learning = False
         utility = self._validate(heuristic=False)
         self._log_line({"phase": "validate", "episode": episode, "utility": round(utility, 6),
-                        "heuristic": round(self.heuristic_validation, 6)})
+                        "heuristic": round(self.heuristic_validation, 6), "stage": "rl"})
         self._tick()
-        if utility > self.best_utility:
-            self.best_utility, self.best_at = utility, episode
-            self.best_layers = self.agent.learner.online.layers()
+        self._keep(utility, episode)
+
+    def result(self) -> dict[str, Any]:
+        return {"warm_start": self.cfg.warm_start, "command": self.command,
+                "transitions": self.agent.transitions, "updates": self.agent.learner.updates,
+                "checkpoint_episode": self.best_at, "validation_utility": round(self.best_utility, 6),
+                "validation_imitation": round(self.imitation_validation, 6),
+                "validation_heuristic": round(self.heuristic_validation, 6),
+                "wall_s": round(time.perf_counter() - self.start, 1)}
 
     def save(self, weights_path: Path) -> None:
-        meta = {"config": asdict(self.cfg), "transitions": self.agent.transitions,
-                "updates": self.agent.learner.updates,
-                "features": "common.sched.features v2 (log deficit)", "checkpoint_episode": self.best_at,
-                "validation_utility": self.best_utility, "validation_heuristic": self.heuristic_validation}
+        meta = {"config": asdict(self.cfg), "features": "common.sched.features v2 (log deficit)",
+                **self.result()}
         net = QNet()
         net.load_layers(cast(dict[str, npt.NDArray[np.floating]], self.best_layers))
         save_weights(net, weights_path, meta)
 
     def summary(self, weights_path: Path, log_path: Path) -> dict[str, Any]:
-        cfg, agent = self.cfg, self.agent
         tail = self.returns[-max(1, len(self.returns) // 10):]
         return {
             "weights": str(weights_path), "log": str(log_path),
-            "episodes": cfg.heuristic_episodes + cfg.episodes,
-            "transitions": agent.transitions, "updates": agent.learner.updates,
-            "checkpoint_episode": self.best_at, "validation_utility": round(self.best_utility, 6),
-            "validation_heuristic": round(self.heuristic_validation, 6),
+            "episodes": self.cfg.heuristic_episodes + self.cfg.episodes, **self.result(),
             "mean_return_last_10pct": float(np.mean(tail)) if tail else None,
-            "wall_s": round(time.perf_counter() - self.start, 1),
         }
 
 

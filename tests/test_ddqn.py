@@ -35,6 +35,7 @@ from pfec.common.sched.features import (
 )
 from pfec.common.sched.policies import SCHEMES, Scheme
 from pfec.lab.channel import MAIN_GE
+from pfec.lab.sched_eval import HELDOUT_SEED
 from pfec.lab.sim import SimConfig, prepare, run_once, simulate
 from pfec.lab.train import Agent, QNet, TrainConfig, TrainingPolicy, _run_episode, draw_episode, train
 
@@ -248,18 +249,42 @@ def test_training_is_seeded_and_writes_weights_and_log(tmp_path: Path) -> None:
     outs = []
     for run in range(2):
         weights, log = tmp_path / f"w{run}.npz", tmp_path / f"l{run}.jsonl"
-        summary = train(cfg, weights, log)
+        summary = train(cfg, weights, log, command="test")
         assert summary["updates"] > 0
         outs.append((load_weights(weights), log.read_text()))
-    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])  # same seed, one thread: the same weights
     lines = [json.loads(line) for line in outs[0][1].splitlines()]
-    assert [r["phase"] for r in lines] == ["heuristic", "validate", "ddqn", "validate", "ddqn", "validate"]
-    assert {"episode", "epsilon", "return", "loss"} <= set(lines[-2])
-    assert {"utility", "heuristic"} <= set(lines[-1])
-    best = max(r["utility"] for r in lines if r["phase"] == "validate")
-    assert summary["validation_utility"] == pytest.approx(best, abs=1e-6)  # the best checkpoint is kept
-    with pytest.raises(ValueError, match="episodes=0"):
-        TrainConfig(episodes=0)
+    assert [r["phase"] for r in lines] == [
+        "meta", "heuristic", "validate", "ddqn", "validate", "ddqn", "validate", "done"]
+    assert lines[0]["warm_start"].startswith("imitation") and lines[0]["command"] == "test"
+    assert {"episode", "epsilon", "return", "loss"} <= set(lines[-3])
+    assert {"utility", "heuristic"} <= set(lines[-2])
+    # The best RL checkpoint is kept (the imitation one is validated but not eligible by default).
+    best = max(r["utility"] for r in lines if r["phase"] == "validate" and r["stage"] == "rl")
+    assert summary["validation_utility"] == pytest.approx(best, abs=1e-6)
+    assert summary["checkpoint_episode"] in (1, 2)
+    with np.load(tmp_path / "w0.npz") as data:
+        meta = json.loads(str(data["meta"]))
+    assert meta["warm_start"].startswith("imitation") and meta["checkpoint_episode"] in (1, 2)
+
+
+def test_training_from_a_random_network_says_so(tmp_path: Path) -> None:
+    cfg = TrainConfig(episodes=2, heuristic_episodes=0, tokens=(32,), seed=2,
+                      learn_every=4, batch_size=16, validate_every=2, validation_episodes=1)
+    summary = train(cfg, tmp_path / "w.npz", tmp_path / "l.jsonl")
+    assert summary["warm_start"] == "random network, RL only" and summary["updates"] > 0
+    assert load_weights(tmp_path / "w.npz").shape == (N_PARAMS,)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("episodes", 0), ("lr", 0.0), ("gamma", 1.5), ("eps_start", 2.0), ("batch_size", 0),
+    ("rtt_ms", (0.0, 10.0)), ("rtt_ms", (50.0, 10.0)), ("rho", (1.0, 0.5)), ("eps_b", (0.5, 1.2)),
+    ("p_bg", (-0.1, 0.2)), ("tokens", ()), ("rates_mbps", (0.0,)), ("fifo_share", 1.5),
+    ("rl_demo_weight", -1.0), ("seed", HELDOUT_SEED),
+])
+def test_training_config_refuses_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"training {field}=.* is invalid"):
+        TrainConfig(**{field: value})  # type: ignore[arg-type]
 
 
 def test_pretraining_on_demonstrations_imitates_the_heuristic() -> None:
