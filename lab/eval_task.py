@@ -12,7 +12,8 @@ scheme. This module loads torch and the model, so ``evaluate`` imports it only w
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import multiprocessing
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -50,35 +51,25 @@ def task_scores(
     """Answer scores of each scheme's delivered partial cache (default model, main GE config).
 
     ``task_schemes``: (label, scheme that runs); a label given twice is scored once. Prompt i uses loss
-    realization i for every scheme.
+    realization i for every scheme. Prompts are spread over ``cfg.jobs`` processes (each loads the model
+    with one torch thread: the simulator is single-threaded and one decode step barely uses a second
+    core), so the stage's cost is divided by the cores rather than by torch's intra-op speed-up.
     """
     task_schemes = list(dict(task_schemes).items())
     runtime = llm.load_model("default", device="cpu")
-    llm.warm_up(runtime)
-    profile = cfg.load_profile(runtime.geometry.n_layers)
-    if cfg.profile != "synthetic":
-        check_profile(runtime, profile)
     examples = needle_suite(cfg.task_prompts, cfg.context_tokens, cfg.seed, split="eval",
                             count_tokens=partial(llm.count_tokens, runtime))  # fmt: skip
-    loss = parse_loss_spec(cfg.main_loss_spec())
+    jobs = (cfg, tuple(task_schemes), tuple(rhos))
+    total = len(examples) * len(rhos) * len(task_schemes)
     rows: list[dict[str, Any]] = []
     full_rows: list[dict[str, Any]] = []
-    total = len(examples) * len(rhos) * len(task_schemes)
-    for i, example in enumerate(examples):
-        context_ids, question_ids = short_answer_prompt(runtime, example)
-        cache, _ = llm.prefill(runtime, context_ids)
-        plan = runtime.plan(len(context_ids))
-        whole = llm.partial_from_cache(cache, None, "mask")
-        full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens, first_line_only=True)
-        full_rows.append({"prompt": i, **example.meta, **_score_answer(full.text, example.answers, None)})
-        reference = str(full_rows[-1]["answer"])
-        prompt_run = _PromptRun(cfg, runtime, cache, plan, question_ids, i, example, reference)
-        for rho in rhos:
-            handoff = _task_handoff(cfg, loss, rho, profile, runtime, plan)
-            for label, scheme in task_schemes:
-                rows += prompt_run.rows(handoff, label, scheme, rho)
-                if progress is not None:
-                    progress("task score", len(rows) // len(MODES), total)
+    for full_row, prompt_rows in _map_prompts(cfg.jobs, jobs, list(enumerate(examples))):
+        full_rows.append(full_row)
+        rows += prompt_rows
+        if progress is not None:
+            progress("task score", len(rows) // len(MODES), total)
+    full_rows.sort(key=lambda r: int(r["prompt"]))
+    rows.sort(key=lambda r: int(r["prompt"]))  # the order of a one-process run, whatever finished first
     paired = REFERENCE_SCHEME if any(label == REFERENCE_SCHEME for label, _ in task_schemes) else None
     return {
         "rows": rows,
@@ -99,8 +90,61 @@ def task_scores(
             "modes": list(MODES),
             "max_new_tokens": cfg.max_new_tokens,
             "seed": cfg.seed,
+            "processes": max(1, min(cfg.jobs, len(examples))),
         },
     }
+
+
+_Job = tuple[EvalConfig, tuple[tuple[str, str], ...], tuple[float, ...]]
+_WORKER: dict[str, Any] = {}  # per process: the model runtime and utility profile, loaded once
+
+
+def _init_worker(cfg: EvalConfig, threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    runtime = llm.load_model("default", device="cpu")
+    llm.warm_up(runtime)
+    profile = cfg.load_profile(runtime.geometry.n_layers)
+    if cfg.profile != "synthetic":
+        check_profile(runtime, profile)
+    _WORKER.update(runtime=runtime, profile=profile)
+
+
+def _map_prompts(
+    jobs: int, job: _Job, indexed: list[tuple[int, QAExample]]
+) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """``_prompt_rows`` for each prompt, in this process (``jobs`` 1) or a spawned pool."""
+    workers = max(1, min(jobs, len(indexed)))
+    if workers == 1:
+        _init_worker(job[0], None)
+        for item in indexed:
+            yield _prompt_rows(job, item)
+        return
+    # spawn: a fresh interpreter per worker (no inherited threads or signal handlers; see eval_sweep)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(job[0], 1)) as pool:
+        yield from pool.imap_unordered(partial(_prompt_rows, job), indexed)
+
+
+def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One prompt: its full-KV answer, then every scheme's answer at every rho (mask and zero)."""
+    cfg, task_schemes, rhos = job
+    i, example = item
+    runtime: llm.ModelRuntime = _WORKER["runtime"]
+    loss = parse_loss_spec(cfg.main_loss_spec())
+    context_ids, question_ids = short_answer_prompt(runtime, example)
+    cache, _ = llm.prefill(runtime, context_ids)
+    plan = runtime.plan(len(context_ids))
+    whole = llm.partial_from_cache(cache, None, "mask")
+    full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens, first_line_only=True)
+    full_row = {"prompt": i, **example.meta, **_score_answer(full.text, example.answers, None)}
+    prompt_run = _PromptRun(cfg, runtime, cache, plan, question_ids, i, example, str(full_row["answer"]))
+    rows: list[dict[str, Any]] = []
+    for rho in rhos:
+        handoff = _task_handoff(cfg, loss, rho, _WORKER["profile"], runtime, plan)
+        for label, scheme in task_schemes:
+            rows += prompt_run.rows(handoff, label, scheme, rho)
+    return full_row, rows
 
 
 def short_answer_prompt(runtime: llm.ModelRuntime, example: QAExample) -> tuple[list[int], list[int]]:
