@@ -68,6 +68,12 @@ def format_sim_table(result: dict[str, Any]) -> str:
         lines.append(f"precision {inp['precision']}: {inp['stream_symbols']} symbols carry "
                      f"{inp['stream_bytes']:,} B of quantised pieces; utility = U x fidelity at the level "
                      "each block reached, recovered_block_utility (JSON) the plain share of usable blocks")
+    if "mode" in inp:  # split / local: the receiver computes (lab/sim_split.py)
+        ttft = ", ".join(f"{n} {s['ttft_ms_mean']:.0f} ms" for n, s in result["schemes"].items()
+                         if "ttft_ms_mean" in s)
+        lines.append(f"mode {inp['mode']}: the receiver computes tokens [0, {inp['meeting_token']}) (and on, "
+                     f"until it starts; computed blocks count as exact); TTFT {ttft}; local prefill "
+                     f"{inp['local_ttft_ms']:.0f} ms")
     lines.append("utility = share of the profile's KV utility in blocks fully decoded by the deadline")
     lines.append("effic. = utility / the clairvoyant oracle's on the same realization")
     for name, s in result["schemes"].items():

@@ -18,7 +18,9 @@ divided by sum U_b (the utilities sum to 1). With a quantised ``precision`` (``c
 handoff sends the piece plan's symbols instead, and a block counts at the level its arrived pieces reach:
 recovered utility = sum U_b x fidelity(level_b) (``recovered_block_utility`` is the plain share of blocks
 usable at any level). The deadline stays that of the native cache: precision buys time inside it.
-The event loop in simulated time is ``lab/sim_engine.py``.
+The handoff itself (``SimConfig``, ``Handoff``, ``prepare``) is ``lab/sim_handoff.py``, re-exported here;
+the event loop in simulated time is ``lab/sim_engine.py``; ``mode`` split / local (the receiver prefills the
+front, or all, of the context itself) is modelled in ``lab/sim_split.py``.
 
 Reference schemes run outside the sessions on the same forward realization (``REFERENCE_SCHEMES``): the
 ARQ models of ``lab/arq_sim.py`` (``ARQ_SCHEMES``) -- ``arq``, the paper's baseline (natural order, ACKs
@@ -41,41 +43,25 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.events import CpuMeter
-from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
-from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
-from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
-from pfec.common.plan.stream import (
-    NATIVE,
-    check_mix,
-    fidelity_name_for,
-    fidelity_named,
-    score_stream,
-    stream_plan,
-)
-from pfec.common.plan.utility import (
-    UtilityProfile,
-    fifo_order,
-    synthetic_profile,
-    utility_order,
-)
 from pfec.common.sched.policies import SCHEMES, Scheme, get_scheme
-from pfec.common.wire.messages import (
-    DEFAULT_SYMBOL_SIZE,
-    HEADER_SIZE,
-    NONCE_SIZE,
-    OFFER_FIXED_SIZE,
-    SOURCE_ID_SIZE,
-    TAG_SIZE,
-)
+from pfec.common.wire.messages import HEADER_SIZE, NONCE_SIZE, OFFER_FIXED_SIZE, SOURCE_ID_SIZE, TAG_SIZE
 from pfec.lab.arq_sim import ARQ_SCHEMES, simulate_arq_scheme
 from pfec.lab.channel import LossModel, realization_rng
 from pfec.lab.oracle import DataTiming, oracle_delivered
 from pfec.lab.sim_engine import DeadlineScore, SimLink, SimLinks, SimRun
+from pfec.lab.sim_handoff import Handoff, SimConfig, complete_blocks, prepare
+from pfec.lab.sim_split import FrontPrefill, local_start_s, split_credit, split_fields, split_inputs
 from pfec.lab.stats import mean_ci95_fields
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
 from pfec.sender.repair_plan import warm_up
-from pfec.sender.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
+from pfec.sender.transfer import SenderSetup, SendQueue, assemble_sender
+
+__all__ = [
+    "REFERENCE_SCHEMES", "Handoff", "RunResult", "SimConfig", "complete_blocks", "data_timing",
+    "forward_losses", "prepare", "report", "reverse_losses", "run_arq", "run_once", "run_oracle",
+    "run_scheme", "simulate", "simulate_runs",
+]
 
 SIM_PSK = bytes(range(32))
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
@@ -84,154 +70,6 @@ REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
     "oracle": "clairvoyant bound: knows the losses, sends sources in utility order only in arriving slots",
 }
 
-
-@dataclass(frozen=True)
-class SimConfig:
-    loss: LossModel
-    rate_mbps: float = DEFAULT_RATE_MBPS
-    rtt_ms: float = DEFAULT_RTT_MS  # forward and reverse one-way delays are rtt/2 each
-    rho: float | None = DEFAULT_RHO  # deadline as (D - T_ow) / T_ser ...
-    deadline_ms: float | None = None  # ... or directly in ms (exactly one of the two)
-    tokens: int = 1536
-    geometry: KVGeometry = DEFAULT_GEOMETRY
-    max_symbol_size: int = DEFAULT_SYMBOL_SIZE
-    fit_symbols: bool = True  # equal fragments per block (kvlayout.fitted_symbol_size)
-    repair_budget: float = DEFAULT_REPAIR_BUDGET  # B_rep as a fraction of the source symbols
-    window_cap: int = 64
-    target_nonzeros: int = 8
-    ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
-    authenticate: bool = False  # AEAD on every datagram (slower; the daemons always authenticate)
-    reverse_loss: LossModel | None = None
-    profile: UtilityProfile | None = None  # None: synthetic_profile()
-    seed: int = 1
-    precision: str = NATIVE  # a mix of stream.MIXES (auto is resolved by the caller)
-
-    def __post_init__(self) -> None:
-        if (self.rho is None) == (self.deadline_ms is None):
-            raise ValueError("give exactly one of rho and deadline_ms")
-        if self.rho is not None and self.rho <= 0:
-            raise ValueError(f"rho must be positive, got {self.rho!r}")
-        if self.deadline_ms is not None and self.deadline_ms <= self.rtt_ms / 2:
-            raise ValueError(
-                f"deadline {self.deadline_ms} ms must exceed the one-way delay {self.rtt_ms / 2} ms"
-            )
-        if self.rate_mbps <= 0:
-            raise ValueError(f"rate_mbps must be positive, got {self.rate_mbps!r}")
-        if self.rtt_ms < 0:
-            raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms!r}")
-        if not 0 <= self.repair_budget <= 10:
-            raise ValueError(f"repair_budget is a fraction of the source symbols, got {self.repair_budget!r}")
-        check_mix(self.precision)
-
-    @property
-    def owd_s(self) -> float:
-        return self.rtt_ms / 2000.0
-
-    @property
-    def rate_bps(self) -> float:
-        return self.rate_mbps * 1e6
-
-
-@dataclass
-class Handoff:
-    """Everything about one handoff that does not depend on the scheme or the realization."""
-
-    config: SimConfig
-    plan: BlockPlan
-    block_utility: npt.NDArray[np.float64]
-    payload: npt.NDArray[np.uint8]  # (n_fragments, S): fragment id + pseudo-random KV bytes
-    budget: LinkBudget  # T_ser, deadline and slot, as the sender daemon computes them
-    queues: dict[str, npt.NDArray[np.int64]] = field(default_factory=dict)
-    ordered_payload: dict[str, npt.NDArray[np.uint8]] = field(default_factory=dict)
-    fidelity: FidelityTable | None = None  # a quantised precision's table (None: native)
-    streams: dict[str, PiecePlan] = field(default_factory=dict)  # a quantised precision's plan per order
-
-    @property
-    def t_ser_s(self) -> float:
-        return self.budget.t_ser_s
-
-    @property
-    def deadline_s(self) -> float:
-        return self.budget.deadline_s
-
-    @property
-    def slot_s(self) -> float:
-        return self.budget.slot_s
-
-    @property
-    def rho(self) -> float:
-        return self.budget.rho
-
-    def stream(self, order: str) -> PiecePlan | None:
-        """The piece plan sent in ``order`` (None for native precision)."""
-        if self.fidelity is None:
-            return None
-        if order not in self.streams:
-            layout = PieceLayout(self.config.geometry, self.config.tokens, self.plan.block_tokens)
-            self.streams[order] = stream_plan(layout, self.config.precision, self.block_utility,
-                                              self.fidelity, self.plan.fragment_payload, order)
-        return self.streams[order]
-
-    def queue(self, order: str) -> npt.NDArray[np.int64]:
-        stream = self.stream(order)
-        if stream is not None and order not in self.queues:
-            self.queues[order] = np.arange(stream.n_symbols, dtype=np.int64)
-            rng = np.random.default_rng([self.config.seed, 0xC0DEC, len(order)])
-            payload = rng.integers(0, 256, size=(stream.n_symbols, self.plan.symbol_size), dtype=np.uint8)
-            payload[:, :4] = self.queues[order].astype(">u4").view(np.uint8).reshape(-1, 4)
-            self.ordered_payload[order] = payload
-        if order not in self.queues:
-            blocks = (
-                utility_order(self.block_utility) if order == "utility" else fifo_order(self.plan.n_blocks)
-            )
-            self.queues[order] = self.plan.fragment_queue(blocks)
-            self.ordered_payload[order] = np.ascontiguousarray(self.payload[self.queues[order]])
-        return self.queues[order]
-
-    def send_queue(self, order: str) -> SendQueue:
-        """The fragments in ``order`` (``utility`` or ``fifo``) with their symbols, as a sender sends them."""
-        queue = self.queue(order)
-        stream = self.stream(order)
-        blocks = None
-        if stream is not None:
-            first_piece, _ = stream.symbol_piece_spans()
-            blocks = stream.blocks[first_piece].astype(np.int64)
-        return SendQueue(self.plan, queue, self.ordered_payload[order], self.block_utility, blocks)
-
-    def credit(self, order: str, sent_positions: npt.NDArray[np.int64],
-               ) -> tuple[npt.NDArray[np.bool_], float, float]:
-        """(usable blocks, utility credited at precision, plain block utility) when the symbols at
-        ``sent_positions`` of ``order``'s queue are decoded."""
-        stream = self.stream(order)
-        if stream is None or self.fidelity is None:
-            complete = complete_blocks(self, self.queue(order)[sent_positions])
-            utility = float(self.block_utility[complete].sum())
-            return complete, utility, utility
-        have = np.zeros(stream.n_symbols, dtype=np.bool_)
-        have[self.queue(order)[sent_positions]] = True
-        score = score_stream(stream, have, self.block_utility, self.fidelity)
-        total = float(self.block_utility.sum())
-        return score.usable, score.precision_utility * total, score.block_utility * total
-
-
-def prepare(config: SimConfig) -> Handoff:
-    symbol = (
-        fitted_symbol_size(config.geometry, config.max_symbol_size)
-        if config.fit_symbols
-        else config.max_symbol_size
-    )
-    plan = BlockPlan(config.geometry, config.tokens, symbol)
-    profile = config.profile or synthetic_profile(config.geometry.n_layers)
-    utilities = profile.block_utilities(plan)
-    rng = np.random.default_rng([config.seed, 0xC0DEC])
-    payload = rng.integers(0, 256, size=(plan.n_fragments, symbol), dtype=np.uint8)
-    payload[:, :4] = np.arange(plan.n_fragments, dtype=">u4").view(np.uint8).reshape(-1, 4)
-    budget = LinkBudget.for_plan(plan, config.rate_bps, config.owd_s, config.rho, config.deadline_ms)
-    fidelity = None
-    if config.precision != NATIVE:
-        n_layers = config.geometry.n_layers
-        fidelity = fidelity_named(fidelity_name_for(n_layers, None), n_layers, None)
-    return Handoff(config, plan, utilities, payload, budget, fidelity=fidelity)
 
 
 @dataclass
@@ -258,6 +96,10 @@ class RunResult:
     # Per block id: every fragment decoded (ARQ schemes: delivered in order) by the deadline.
     recovered_blocks: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     block_utility: float | None = None  # quantised precision: plain share of blocks usable at any level
+    decoded_ids: npt.NDArray[np.int64] | None = None  # session schemes: queue entries decoded by the start
+    start_s: float | None = None  # session schemes: when the receiver started generating (ready or deadline)
+    computed_tokens: int = 0  # split / local: context tokens the receiver computed itself
+    sources_dropped: int = 0  # split: unsent sources the sender dropped (the receiver computed them)
 
 
 def _links(handoff: Handoff, realization: int) -> SimLinks:
@@ -305,6 +147,8 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         authenticate=cfg.authenticate,
         random_bytes=seeded_random_bytes(cfg.seed, realization, "sender"),
     )
+    if cfg.mode == "local":
+        return _local_result(handoff, scheme, realization)
     sender = assemble_sender(session_id, send, handoff.budget, setup, cpu)
     endpoint = ReceiverEndpoint(
         SIM_PSK,
@@ -314,8 +158,12 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         cpu=cpu,
         random_bytes=seeded_random_bytes(cfg.seed, realization, "receiver"),
     )
+    front = None
+    if cfg.mode == "split":
+        assert send.token_ends is not None
+        front = FrontPrefill(endpoint, cfg.receiver, cfg.tokens, handoff.meeting_token, send.token_ends)
     run = SimRun(sender, endpoint, _links(handoff, realization),
-                 lambda event: _score(handoff, send, scheme.order, event, verify))
+                 lambda event: _score(handoff, send, scheme.order, event, verify, endpoint), front)
     wall0 = time.perf_counter()
     run.drive()
     wall = time.perf_counter() - wall0
@@ -369,7 +217,20 @@ def _run_result(handoff: Handoff, run: SimRun, send: SendQueue, scheme: Scheme, 
         recovered_blocks=score.complete,
         block_utility=(None if handoff.fidelity is None
                        else float(handoff.block_utility[score.complete].sum())),
+        decoded_ids=score.decoded_ids,
+        start_s=None if np.isnan(score.at) else score.at,
+        computed_tokens=score.computed_tokens,
+        sources_dropped=run.sender.sources_dropped,
     )
+
+
+def _local_result(handoff: Handoff, scheme: Scheme, realization: int) -> RunResult:
+    """Local prefill: nothing streams, every block is exact once the receiver has computed the context."""
+    cfg, n = handoff.config, handoff.plan.n_blocks
+    return RunResult(scheme.name, realization, 1.0, 0.0, n, 0, 0, 1, 0, 0, 0, 0, 0.0, 0, 0, 0,
+                     {"encode": 0, "decode": 0, "feedback": 0, "policy": 0}, 0.0,
+                     recovered_blocks=np.ones(n, dtype=np.bool_), block_utility=1.0,
+                     start_s=local_start_s(cfg.receiver, cfg.tokens, cfg.owd_s), computed_tokens=cfg.tokens)
 
 
 def forward_losses(handoff: Handoff, realization: int) -> npt.NDArray[np.bool_]:
@@ -390,14 +251,6 @@ def data_timing(handoff: Handoff) -> DataTiming:
         owd_s=cfg.owd_s,
         deadline_s=handoff.deadline_s,
     )
-
-
-def complete_blocks(handoff: Handoff, fragments: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-    """Per block id: whether every one of its fragments is among ``fragments`` (fragment ids)."""
-    plan = handoff.plan
-    got = np.zeros(plan.n_fragments, dtype=np.int8)
-    got[fragments] = 1
-    return np.minimum.reduceat(got, plan.first_fragment[:-1]).astype(bool)
 
 
 def _reference_result(
@@ -477,10 +330,26 @@ def check_scheme_names(names: Sequence[str]) -> None:
 
 
 def _score(handoff: Handoff, send: SendQueue, order: str, event: DeadlineReached,
-           verify: bool) -> DeadlineScore:
+           verify: bool, endpoint: ReceiverEndpoint) -> DeadlineScore:
     decoded = event.decoded_esis
-    if verify and len(decoded) and not np.array_equal(event.store[decoded], send.symbols[decoded]):
+    at = event.at if event.ready else event.stats.deadline_at
+    split = handoff.config.mode == "split"
+    # A split sender reorders its unsent symbols as the front grows, so ESIs no longer follow the queue:
+    # each decoded symbol is filed by the stream index it carries (as the receiver daemon does).
+    rows = np.ascontiguousarray(event.store[decoded, :4]).view(">u4").reshape(-1).astype(np.int64) if split \
+        else decoded
+    if verify and len(decoded) and not np.array_equal(event.store[decoded], send.symbols[rows]):
         raise AssertionError("decoder output differs from the source symbols")
+    ids = handoff.queue(order)[rows]
+    if split:
+        computed = endpoint.sessions[event.session_id].computed_tokens
+        stream, fidelity = handoff.stream(order), handoff.fidelity
+        assert stream is not None and fidelity is not None
+        have = np.zeros(stream.n_symbols, dtype=np.bool_)
+        have[ids] = True
+        credit = split_credit(stream, have, handoff.block_utility, fidelity, computed)
+        return DeadlineScore(credit.usable, credit.utility, int(credit.usable.sum()), len(decoded),
+                             event.stats.redundant_repairs, event.stats, ids, computed, at)
     complete, utility, _plain = handoff.credit(order, decoded)
     return DeadlineScore(
         complete=complete,
@@ -489,6 +358,8 @@ def _score(handoff: Handoff, send: SendQueue, order: str, event: DeadlineReached
         decoded=len(decoded),
         redundant=event.stats.redundant_repairs,
         stats=event.stats,
+        decoded_ids=ids,
+        at=at,
     )
 
 
@@ -513,6 +384,10 @@ def simulate_runs(
 ) -> tuple[Handoff, dict[str, list[RunResult]]]:
     """Like ``simulate`` but returns every RunResult (e.g. ``recovered_blocks`` per realization)."""
     check_scheme_names(scheme_names)
+    reference = [name for name in scheme_names if name in REFERENCE_SCHEMES]
+    if config.mode != "handoff" and reference:
+        raise ValueError(f"{', '.join(reference)} model a whole-cache handoff, not mode {config.mode}: "
+                         "run session schemes only")
     if realizations < 1:
         raise ValueError(f"realizations must be >= 1, got {realizations!r}")
     warm_up()  # compile or load every kernel variant now, not inside the first timed run
@@ -571,12 +446,16 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         assert stream is not None
         out["inputs"].update(precision=cfg.precision, stream_symbols=stream.n_symbols,
                              stream_bytes=stream.total_bytes)
+    if cfg.mode != "handoff":
+        out["inputs"].update(split_inputs(cfg, handoff.meeting_token))
     for name, results in runs.items():
         packets = sum(r.source_sent + r.repair_sent for r in results)
         cpu_total = {k: sum(r.cpu_ns[k] for r in results) for k in ("encode", "decode", "feedback", "policy")}
         out["schemes"][name] = {
             **mean_ci95_fields("recovered_utility", [r.recovered_utility for r in results]),
-            **mean_ci95_fields("efficiency", efficiencies(handoff, results)),
+            # The oracle bounds a whole-cache handoff: no efficiency when the receiver computes the front.
+            **(mean_ci95_fields("efficiency", efficiencies(handoff, results))
+               if cfg.mode == "handoff" else {}),
             **mean_ci95_fields("recovered_symbol_fraction", [r.recovered_symbol_fraction for r in results]),
             "source_sent_mean": float(np.mean([r.source_sent for r in results])),
             "repair_sent_mean": float(np.mean([r.repair_sent for r in results])),
@@ -593,6 +472,8 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         if handoff.fidelity is not None:
             out["schemes"][name].update(mean_ci95_fields(
                 "recovered_block_utility", [r.block_utility or 0.0 for r in results]))
+        if cfg.mode != "handoff" and name not in REFERENCE_SCHEMES:
+            out["schemes"][name].update(split_fields(results, cfg.receiver.decode_s))
         if name in REFERENCE_SCHEMES:
             out["schemes"][name]["note"] = REFERENCE_SCHEMES[name]
     return out

@@ -15,13 +15,14 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pfec.common.wire.messages import TYPE_MASK
 from pfec.receiver.endpoint import ReceiverEndpoint
-from pfec.receiver.session import DeadlineReached, ReceiverStats
+from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverStats
 from pfec.sender.session import Failed, SenderSession
 
 _DATA_TYPES = (1, 2)  # wire type (the type byte's low six bits) of SOURCE and REPAIR
@@ -72,6 +73,20 @@ class DeadlineScore:
     decoded: int
     redundant: int
     stats: ReceiverStats
+    decoded_ids: npt.NDArray[np.int64] | None = None  # queue entries (fragment ids / stream indices) decoded
+    computed_tokens: int = 0  # a split: context tokens [0, c) the receiver computed itself
+    at: float = math.nan  # when the receiver stopped decoding (ready, or its deadline)
+
+
+class ReceiverApp(Protocol):
+    """What the receiver's application does besides decoding (a split's front prefill): its own timer, and
+    the OFFER that starts it. ``SimRun`` without one runs a plain whole-cache handoff."""
+
+    def on_offer(self, event: OfferReceived, now: float) -> None: ...
+
+    def get_timer(self) -> float | None: ...
+
+    def handle_timer(self, now: float) -> None: ...
 
 
 class SimRun:
@@ -79,11 +94,13 @@ class SimRun:
     ``on_deadline`` made of the receiver's deadline; ``failure`` the sender's last reported failure."""
 
     def __init__(self, sender: SenderSession, endpoint: ReceiverEndpoint, links: SimLinks,
-                 on_deadline: Callable[[DeadlineReached], DeadlineScore]) -> None:
+                 on_deadline: Callable[[DeadlineReached], DeadlineScore],
+                 app: ReceiverApp | None = None) -> None:
         self.sender = sender
         self.endpoint = endpoint
         self.links = links
         self.on_deadline = on_deadline
+        self.app = app
         self.heap: list[tuple[float, int, bool, bytes]] = []  # (time, seq, to_receiver, datagram)
         self.seq = 0
         self.sender_ready = True
@@ -129,7 +146,8 @@ class SimRun:
         candidates = [self.links.data.free_at if self.sender_ready else math.inf]
         if self.heap:
             candidates.append(self.heap[0][0])
-        for timer in (self.sender.get_timer(), self.endpoint.get_timer()):
+        app_timer = None if self.app is None else self.app.get_timer()
+        for timer in (self.sender.get_timer(), self.endpoint.get_timer(), app_timer):
             if timer is not None:
                 candidates.append(timer)
         return min(candidates)
@@ -152,12 +170,16 @@ class SimRun:
         timer = self.endpoint.get_timer()
         if timer is not None and timer <= now:
             self.endpoint.handle_timer(now)
+        if self.app is not None and (timer := self.app.get_timer()) is not None and timer <= now:
+            self.app.handle_timer(now)
 
     def _serve_receiver(self, now: float) -> None:
         """Score the deadline and answer it with a RESULT; feedback goes back over the reverse link."""
         endpoint = self.endpoint
         while (event := endpoint.next_event()) is not None:
-            if isinstance(event, DeadlineReached):
+            if isinstance(event, OfferReceived) and self.app is not None:
+                self.app.on_offer(event, now)
+            elif isinstance(event, DeadlineReached):
                 self.score = self.on_deadline(event)
                 session = endpoint.sessions[event.session_id]
                 session.send_result(json.dumps({"decoded": len(event.decoded_esis)}).encode(), now)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pfec.common.sched.policies import get_scheme
@@ -166,3 +168,78 @@ def test_overhead_benchmark_reports_the_median_handoff() -> None:
     assert seen == [(1, 3), (2, 3), (3, 3)]
     with pytest.raises(ValueError, match="realizations"):
         measure_overhead(0)
+
+
+# --- split and local modes (lab/sim_split.py) -----------------------------------------------------------
+
+
+def test_a_split_sender_stops_sending_blocks_the_receiver_reports_computed() -> None:
+    # A slow link (T_ser ~ 5.6 s for 512 tokens at 2 Mbit/s) against a front that computes the whole context
+    # in about 1 s: the receiver's ACKs report computed_tokens and the real sender drops computed blocks.
+    from pfec.common.plan.stream import symbol_token_ends
+
+    cfg = small(loss=Bernoulli(0.0), rho=1.0, tokens=512, rate_mbps=2.0, precision="int8", mode="split",
+                meeting_token=0)
+    handoff = prepare(cfg)
+    stream = handoff.stream("utility")
+    assert stream is not None
+    r = run_once(handoff, get_scheme("priorityfec"), 0)
+    assert r.sources_dropped > 0  # the sender acted on computed_tokens
+    assert r.source_sent + r.sources_dropped == stream.n_symbols  # a dropped symbol is never sent
+    assert r.computed_tokens == 512 and r.recovered_utility == pytest.approx(1.0)
+    # Started well before the deadline, and every decoded symbol the front had not already computed
+    # at the start carries tokens past it (nothing was needed for the computed prefix).
+    assert r.start_s is not None and r.start_s < handoff.deadline_s / 2
+    assert r.decoded_ids is not None
+    ends = symbol_token_ends(stream)
+    assert len(r.decoded_ids) == r.decoded_symbols and ends[r.decoded_ids].max() <= 512
+
+
+def test_split_credits_the_computed_front_as_exact_and_streams_only_the_back() -> None:
+    handoff = prepare(small(rho=0.5, tokens=512, rate_mbps=20.0, precision="int4", mode="split",
+                            meeting_token=256))
+    stream = handoff.stream("utility")
+    assert stream is not None and (stream.blocks % stream.layout.n_token_blocks).min() == 256 // 16
+    r = run_once(handoff, get_scheme("priorityfec"), 0)
+    assert r.computed_tokens >= 256
+    token_block = np.arange(handoff.plan.n_blocks) % stream.layout.n_token_blocks
+    front = token_block < r.computed_tokens // 16
+    assert r.recovered_blocks[front].all()  # computed blocks count as exact, nothing of them streamed
+    assert r.recovered_utility >= float(handoff.block_utility[front].sum())
+
+
+def test_local_ttft_is_the_speed_models_prefill_time() -> None:
+    from pfec.lab.sim_split import DEFAULT_RECEIVER, FRONT_CHUNK_TOKENS
+
+    cfg = small(tokens=1000, mode="local")
+    report = simulate(cfg, ["priorityfec"], 1)
+    curve = DEFAULT_RECEIVER.prefill
+    bounds = [*range(0, 1000, FRONT_CHUNK_TOKENS), 1000]
+    chunks = [curve.chunk_seconds(i, j) for i, j in itertools.pairwise(bounds)]
+    assert chunks[0] == pytest.approx(curve.seconds(FRONT_CHUNK_TOKENS))  # later chunks pay the call again
+    expected_s = cfg.owd_s + sum(chunks) + DEFAULT_RECEIVER.decode_s
+    scheme = report["schemes"]["priorityfec"]
+    assert scheme["ttft_ms_mean"] == pytest.approx(expected_s * 1000)
+    assert scheme["source_sent_mean"] == 0 and scheme["recovered_utility_mean"] == 1.0
+    assert report["inputs"]["local_ttft_ms"] == pytest.approx(expected_s * 1000, abs=1e-3)
+
+
+def test_split_mode_is_validated() -> None:
+    with pytest.raises(ValueError, match="quantised back"):
+        small(mode="split")
+    with pytest.raises(ValueError, match="mode 'fast'"):
+        small(mode="fast")
+    with pytest.raises(ValueError, match="meeting token 256"):
+        small(mode="split", precision="int8", meeting_token=256)
+
+
+def test_cli_sim_mode_split_reports_the_meeting_point_and_ttft() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pfec.cli.app", "sim", "--mode", "split", "--scheme", "priorityfec",
+         "--realizations", "1", "--tokens", "512", "--json"],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=120,
+    )
+    report = json.loads(out.stdout)
+    assert report["inputs"]["mode"] == "split" and report["inputs"]["meeting_token"] % 16 == 0
+    assert report["inputs"]["planner"]["mode"] == "split"
+    assert report["schemes"]["priorityfec"]["ttft_ms_mean"] > 0
