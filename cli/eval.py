@@ -63,7 +63,7 @@ def _progress_bar(enabled: bool) -> Iterator[StageProgress]:
 
 def eval_cmd(
     realizations: Annotated[
-        int | None, typer.Option(help="Paired loss realizations per cell [20; small 2].")
+        int | None, typer.Option(help="Paired loss realizations per cell [12; small 2].")
     ] = None,
     headline_realizations: Annotated[
         int | None, typer.Option(help="Realizations of the headline cell (main, rho 0.8) [100; small 2].")
@@ -108,14 +108,19 @@ def eval_cmd(
         ),
     ] = None,
     reliable_rhos: Annotated[
-        str | None, typer.Option(help="Deadlines rho of the real tcp/quic runs [0.6,0.8,1.0; small 0.8].")
+        str | None, typer.Option(help="Deadlines rho of the real tcp/quic runs [0.8; small 0.8].")
     ] = None,
     congestion: Annotated[
         str | None, typer.Option(help="Kernel TCP congestion controls, one tcp row each [cubic,bbr].")
     ] = None,
     grid_realizations: Annotated[
         int | None,
-        typer.Option(help="Realizations per RTT x context x rho grid cell (0 skips) [10; small 2]."),
+        typer.Option(help="Realizations per RTT x context x rho grid cell (0 skips) [6; small 2]."),
+    ] = None,
+    scheduler_realizations: Annotated[
+        int | None,
+        typer.Option(help="Paired runs per held-out condition of the DDQN-vs-heuristic stage (0 skips) "
+                     "[50; small 2]."),
     ] = None,
     grid_rtts: Annotated[
         str | None, typer.Option(help="RTTs (ms) of the grid [5,20,50,100,200; small 20,200].")
@@ -128,6 +133,20 @@ def eval_cmd(
     ] = None,
     grid_schemes: Annotated[
         str | None, typer.Option(help="Schemes of the grid [priorityfec,priority-arq,arq,oracle].")
+    ] = None,
+    precision_prompts: Annotated[
+        int | None,
+        typer.Option(help="Needle-QA prompts of the precision fidelity stage (loads the default model; "
+                     "0 skips) [32; small 0]."),
+    ] = None,
+    precision_rhos: Annotated[
+        str | None,
+        typer.Option(help="Deadlines rho (of the native cache) of the fidelity stage [0.3,0.5,0.8,1.0]."),
+    ] = None,
+    precision_variants: Annotated[
+        str | None,
+        typer.Option(help="Variants of the fidelity stage, with native (the reference) "
+                     "[native,int8,int8-int4,int4,int2,auto,split]."),
     ] = None,
     jobs: Annotated[int, typer.Option(help="Worker processes for the utility sweep.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations and the workload.")] = 1,
@@ -159,13 +178,14 @@ def eval_cmd(
 
 # EvalConfig fields that take an option's value as typed.
 _PLAIN_OPTIONS = ("realizations", "headline_realizations", "profile", "tokens", "task_prompts",
-                  "overhead_realizations", "reliable_realizations", "grid_realizations")
+                  "overhead_realizations", "reliable_realizations", "grid_realizations", "precision_prompts",
+                  "scheduler_realizations")
 
 
 def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
     """EvalConfig fields from the options given: numbers as typed, lists parsed (a bad one exits 2)."""
     fields = {key: given[key] for key in _PLAIN_OPTIONS if key in given}
-    for key in ("rhos", "task_rhos", "reliable_rhos", "grid_rhos"):
+    for key in ("rhos", "task_rhos", "reliable_rhos", "grid_rhos", "precision_rhos"):
         if key in given:
             fields[key] = tuple(parse_floats(given[key], key.replace("_", "-"), "0.6,0.8,1.0"))
     if "grid_rtts" in given:
@@ -175,7 +195,7 @@ def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
         if any(t != int(t) for t in tokens):
             raise fail(f"--grid-tokens {given['grid_tokens']!r}: whole token counts, e.g. 192,384,1536,4096")
         fields["grid_tokens"] = tuple(int(t) for t in tokens)
-    for key in ("schemes", "task_schemes", "congestion", "grid_schemes"):
+    for key in ("schemes", "task_schemes", "congestion", "grid_schemes", "precision_variants"):
         if key in given:
             fields[key] = tuple(parse_names(given[key]))
     profile = given.get("profile")

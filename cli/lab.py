@@ -18,7 +18,7 @@ from pfec.cli.shared import DOCS_BENCH, fail
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, check_mix, choose_mix
+from pfec.common.plan.stream import AUTO, PLANNER_MODES, check_mix, choose_mix, choose_mode
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
 from pfec.lab.channel import Bernoulli, parse_loss_spec
 from pfec.lab.emulator import emulate
@@ -67,19 +67,39 @@ def sim_cmd(
         ),
     ] = "shipped",
     authenticate: Annotated[bool, typer.Option(help="AEAD-protect every simulated datagram.")] = False,
-    precision: PrecisionOpt = "native",
+    precision: Annotated[str | None, typer.Option(
+        help="KV precision: auto (the break-even planner's mix) | native | int8 | int8-int4 | int4 | int2 "
+        "(default: native for a handoff, the planner's mix for a split).")] = None,
+    mode: Annotated[str, typer.Option(
+        help="handoff (the whole cache streams) | split (the receiver prefills the front while the back "
+        "streams) | local (the receiver prefills everything) | auto (the break-even planner's choice).")] = (
+        "handoff"),
+    prefill_speed: Annotated[Path | None, typer.Option(
+        help="The receiver's measured prefill speed (PrefillSpeed JSON) for split/local; default: the "
+        "default model's curve measured on this machine (breakeven.DEFAULT_MODEL_PREFILL).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
     from pfec.lab.sim import SimConfig, simulate  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.sim_split import DEFAULT_RECEIVER, load_receiver_model  # deferred: as above
 
-    planner = None
+    planner: dict[str, Any] | None = None
+    meeting: int | None = None
     try:
-        if precision == AUTO:
-            precision, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6, rtt_ms / 1000)
-        check_mix(precision)
+        receiver = DEFAULT_RECEIVER if prefill_speed is None else load_receiver_model(prefill_speed)
+        if mode == "handoff":
+            precision = precision or "native"
+            if precision == AUTO:
+                precision, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6,
+                                                rtt_ms / 1000, receiver)
+            check_mix(precision)
+        else:  # the simulator models no CPU contention: auto may pick any of the planner's modes
+            choice = choose_mode(mode, precision or AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6,
+                                 rtt_ms / 1000, receiver, auto_modes=PLANNER_MODES)
+            mode, precision, meeting = choice.mode, choice.mix or "native", choice.meeting_token
+            planner = choice.view
     except ValueError as exc:
-        raise fail(f"--precision: {exc}") from None
+        raise fail(f"--precision/--mode: {exc}") from None
 
     profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
     names = [s.strip() for s in scheme.split(",") if s.strip()]
@@ -101,6 +121,9 @@ def sim_cmd(
             profile=None if profile == "synthetic" else UtilityProfile.load(profile_path),
             seed=seed,
             precision=precision,
+            mode=mode,
+            meeting_token=meeting if mode == "split" else None,
+            receiver=receiver,
         )
         result = simulate(config, names, realizations, progress=progress_line("sim"))
     except ValueError as exc:
@@ -262,33 +285,64 @@ def reliable_cmd(
 
 
 def train_cmd(
-    episodes: Annotated[int, typer.Option(help="Learning episodes (after the heuristic seeding).")] = 600,
-    heuristic_episodes: Annotated[int, typer.Option(help="Heuristic episodes seeding the replay.")] = 40,
+    episodes: Annotated[int | None, typer.Option(help="RL episodes (default: TrainConfig's).")] = None,
+    heuristic_episodes: Annotated[
+        int | None, typer.Option(help="Heuristic episodes seeding the replay (0 with --pretrain-updates 0: "
+                                      "RL from a random network).")
+    ] = None,
     pretrain_updates: Annotated[
-        int, typer.Option(help="Updates on the heuristic's transitions before the first own episode.")
-    ] = 5000,
+        int | None, typer.Option(help="Imitation updates on the heuristic's transitions before RL.")
+    ] = None,
     validate_every: Annotated[
-        int, typer.Option(help="Episodes between validations; the best validated weights are kept (0: last).")
-    ] = 50,
+        int | None, typer.Option(help="RL episodes between validations; the best is kept (0: the last).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of episodes, exploration and network init.")] = 0,
     init: Annotated[Path | None, typer.Option(help="Start from these weights (npz).")] = None,
     out: Annotated[Path | None, typer.Option(help="Weights (default common/sched/ddqn_weights.npz).")] = None,
-    log: Annotated[Path | None, typer.Option(help="JSON-lines log (default next to the weights).")] = None,
+    log: Annotated[Path | None, typer.Option(help="JSON-lines log (default docs/training/).")] = None,
+    evaluate: Annotated[bool, typer.Option(
+        "--evaluate", help="Do not train: compare the weights (--out or the shipped ones) with the "
+                           "heuristic on the held-out conditions; write docs/training/heldout_eval.json "
+                           "and .md (with --out: next to those weights).")] = False,
+    realizations: Annotated[int, typer.Option(help="--evaluate: paired runs per held-out condition.")] = 50,
+    jobs: Annotated[int, typer.Option(help="--evaluate: worker processes.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Train the Double-DQN repair scheduler on simulated handoffs (torch; run under nice)."""
+    """Train the Double-DQN repair scheduler by RL on simulated handoffs (torch; run under nice), or
+    --evaluate it against the heuristic on the held-out conditions."""
+    import shlex  # deferred: only this command needs it
+    import sys  # deferred: only this command needs it
+
     from pfec.common.sched.ddqn import WEIGHTS_PATH  # deferred: numba (keeps `pfec --help` fast)
+
+    if evaluate:
+        from pfec.lab.sched_eval import heldout_comparison, render_markdown, write_result  # deferred: sim
+
+        if out is not None and not out.exists():
+            raise fail(f"--out {str(out)!r} does not exist; give a weights file written by `pfec train`")
+        try:
+            result = heldout_comparison(realizations, jobs, str(out) if out is not None else None,
+                                        progress=progress_line("held-out"))
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        # Other weights than the shipped ones: the report goes next to them, not over the committed one.
+        write_result(result, *(() if out is None else (out.with_suffix(".heldout.json"),)))
+        typer.echo(json.dumps(result, indent=2) if as_json else render_markdown(result))
+        return
     from pfec.lab.train import LOG_PATH, TrainConfig, train  # deferred: torch
 
     if init is not None and not init.exists():
         raise fail(f"--init {str(init)!r} does not exist; give a weights file written by `pfec train`")
+    given: dict[str, Any] = {"episodes": episodes, "heuristic_episodes": heuristic_episodes,
+                             "pretrain_updates": pretrain_updates, "validate_every": validate_every}
     try:
-        cfg = TrainConfig(episodes=episodes, heuristic_episodes=heuristic_episodes, seed=seed,
-                          pretrain_updates=pretrain_updates, validate_every=validate_every,
-                          init=str(init) if init is not None else None)
+        cfg = TrainConfig(seed=seed, init=str(init) if init is not None else None,
+                          **{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
         raise fail(str(exc)) from None
-    summary = train(cfg, out or WEIGHTS_PATH, log or LOG_PATH, progress=progress_line("train"))
+    command = "pfec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    summary = train(cfg, out or WEIGHTS_PATH, log or LOG_PATH, progress=progress_line("train"),
+                    command=command)
     typer.echo(json.dumps(summary, indent=2) if as_json else
                "\n".join(f"{k}: {v}" for k, v in summary.items()))
 

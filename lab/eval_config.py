@@ -75,6 +75,10 @@ MODES = ("mask", "zero")
 RESULTS_BEGIN = "<!-- BEGIN pfec eval (generated: rerun `pfec eval` to replace this part) -->"
 RESULTS_END = "<!-- END pfec eval -->"
 PAPER = {"utility_rho08": 0.991, "best_baseline_rho08": 0.823, "gain_points": 16.8}
+# The fidelity stage (lab/eval_precision.py): deadlines (rho of the native cache) and variants, native first.
+PRECISION_RHOS = (0.3, 0.5, 0.8, 1.0)
+PRECISION_VARIANTS = ("native", "int8", "int8-int4", "int4", "int2", "auto", "split")
+REFERENCE_VARIANT = "native"  # every variant's paired difference is taken against native-only
 HEADLINE = ("main", 0.8)  # the issue's headline cell: main GE config, rho 0.8
 
 
@@ -92,7 +96,7 @@ class ReliableRow:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    realizations: int = 20
+    realizations: int = 12  # per cell; the HEADLINE cell gets headline_realizations (the claims' cell)
     headline_realizations: int = 100  # realizations of the HEADLINE cell (the claims are made there)
     rhos: tuple[float, ...] = SWEEP_RHOS
     configs: tuple[tuple[str, str], ...] = tuple(NAMED_CONFIGS.items())  # (name, loss spec)
@@ -112,15 +116,19 @@ class EvalConfig:
     overhead_realizations: int = 3
     reliable_realizations: int = 20  # tcp/quic runs per cell, real time over an emulated link (issue: >= 20)
     reliable_configs: tuple[str, ...] = ("main",)  # loss configs whose cells also get real tcp/quic runs
-    reliable_rhos: tuple[float, ...] = (0.6, 0.8, 1.0)  # real time is the eval's slowest stage
+    reliable_rhos: tuple[float, ...] = (0.8,)  # real time: 120 runs here already take ~6 of the 45 min
     congestion: tuple[str, ...] = CONGESTION_CONTROLS  # one tcp row per kernel congestion control
     grid_rtts_ms: tuple[float, ...] = (5.0, 20.0, 50.0, 100.0, 200.0)
     grid_tokens: tuple[int, ...] = (192, 384, 1536, 4096)
     grid_rhos: tuple[float, ...] = (0.6, 0.8, 1.0)
     grid_schemes: tuple[str, ...] = GRID_SCHEMES
-    grid_realizations: int = 10  # per grid cell (0 skips the grid)
+    grid_realizations: int = 6  # per grid cell (0 skips the grid)
+    scheduler_realizations: int = 50  # DDQN vs heuristic per held-out condition (lab/sched_eval; 0 skips)
     grid_auto: bool = True  # the priorityfec --precision auto row, scored by credited utility
     overhead_rhos: tuple[float, ...] = ABLATION_RHOS
+    precision_prompts: int = 32  # fidelity stage prompts (0 skips it)
+    precision_rhos: tuple[float, ...] = PRECISION_RHOS
+    precision_variants: tuple[str, ...] = PRECISION_VARIANTS
     command: str = "pfec eval"
 
     def __post_init__(self) -> None:
@@ -136,12 +144,22 @@ class EvalConfig:
                 "--task-prompts, --overhead-realizations, --reliable-realizations and --grid-realizations "
                 "must be >= 0 (0 skips that stage)"
             )
+        if self.scheduler_realizations == 1 or self.scheduler_realizations < 0:
+            raise ValueError("--scheduler-realizations must be 0 (skip) or >= 2 (a paired CI needs two), "
+                             f"got {self.scheduler_realizations}")
         for cc in self.congestion:
             if cc not in CONGESTION_CONTROLS:
                 raise ValueError(f"--congestion {cc!r}: use {' or '.join(CONGESTION_CONTROLS)}")
         if any(rtt < 0 for rtt in self.grid_rtts_ms) or any(t < 1 for t in self.grid_tokens):
             raise ValueError("--grid-rtts must be >= 0 ms and --grid-tokens >= 1")
-        for rho in (*self.rhos, *self.task_rhos, *self.overhead_rhos, *self.reliable_rhos, *self.grid_rhos):
+        if self.precision_prompts < 0:
+            raise ValueError(f"--precision-prompts must be >= 0 (0 skips it), got {self.precision_prompts}")
+        bad = [v for v in self.precision_variants if v not in PRECISION_VARIANTS]
+        if bad or (self.precision_prompts and REFERENCE_VARIANT not in self.precision_variants):
+            raise ValueError(f"--precision-variants {','.join(self.precision_variants)}: choose from "
+                             f"{', '.join(PRECISION_VARIANTS)}, with {REFERENCE_VARIANT} (the reference)")
+        for rho in (*self.rhos, *self.task_rhos, *self.overhead_rhos, *self.reliable_rhos, *self.grid_rhos,
+                    *self.precision_rhos):
             if not rho > 0:
                 raise ValueError(f"rho {rho!r} must be positive (e.g. --rhos 0.6,0.8,1.0,1.2)")
         known = {*ALL_SCHEMES, *SCHEMES, *REFERENCE_SCHEMES}
@@ -199,6 +217,7 @@ SMALL = EvalConfig(
     profile="synthetic",
     tokens=384,
     task_prompts=0,
+    precision_prompts=0,
     overhead_realizations=1,
     overhead_rhos=(0.8,),
     reliable_realizations=2,
@@ -207,6 +226,7 @@ SMALL = EvalConfig(
     grid_tokens=(192,),
     grid_rhos=(0.8,),
     grid_realizations=2,
+    scheduler_realizations=2,
     command="pfec eval --small",
 )
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from pfec.lab.eval_config import ABLATION_RHOS, FALLBACK, GRID_AUTO, PAPER, RESULTS_BEGIN, RESULTS_END
 from pfec.lab.eval_figures import config_spec, scheme_label
+from pfec.lab.eval_precision_report import precision_section
+from pfec.lab.sched_eval import render_markdown
 from pfec.lab.stats import mean_ci95
 
 CLAIM_BASELINES = ("udp", "uniform-fec", "flec-rt", "arq")  # the issue's "main baselines" (arq: the paper's)
@@ -61,11 +63,24 @@ def render_section(result: dict[str, Any], paths: dict[str, str], md_dir: Path) 
     parts += _grid_section(result, paths, md_dir)
     parts += _paper_comparison(result)
     parts += _task_tables(result, paths, md_dir)
+    parts += precision_section(result.get("precision", {"skipped": "not in this run"}))
+    parts += _scheduler_section(result.get("scheduler", {"skipped": "not in this run"}))
     parts += _ablation_table(result)
     parts += _overhead_table(result)
     parts += _trace_howto()
     parts += [RESULTS_END]
     return "\n".join(parts) + "\n"
+
+
+def _scheduler_section(scheduler: dict[str, Any]) -> list[str]:
+    """The learned scheduler against the heuristic on the held-out conditions (lab/sched_eval)."""
+    lines = ["### Learned scheduler: DDQN vs the deficit heuristic on held-out conditions", ""]
+    if "skipped" in scheduler:
+        return [*lines, f"Not run ({scheduler['skipped']}).", ""]
+    body = render_markdown(scheduler).strip().splitlines()
+    if body and body[0].startswith("#"):  # the module's own heading: this section has one
+        body = body[1:]
+    return [*lines, *body, ""]
 
 
 def _inputs_text(result: dict[str, Any]) -> str:

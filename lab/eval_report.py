@@ -20,6 +20,7 @@ from typing import Any
 from pfec.lab.eval_config import GRID_AUTO
 from pfec.lab.eval_figures import plot_grid, plot_task, plot_utility
 from pfec.lab.eval_markdown import render_section, update_results_md
+from pfec.lab.eval_precision_report import write_precision_csv
 
 CSV_FIELDS = (
     "scheme",
@@ -56,6 +57,10 @@ def write_outputs(
             paths["grid_lead_plot"] = str(plot_grid(result, figures_dir / "eval_grid_lead.png", "lead"))
     if result["task"].get("summary"):
         paths["task_plot"] = str(plot_task(result, figures_dir / "eval_task_f1.png"))
+    if result.get("precision", {}).get("summary"):
+        precision_csv = out_dir / "precision_summary.csv"
+        paths["precision_csv"] = str(write_precision_csv(result["precision"], precision_csv))
+        paths["precision_json"] = str(write_json(result["precision"], out_dir / "precision.json"))
     if results_md is not None:
         section = render_section(result, paths, results_md.parent)
         update_results_md(results_md, section)

@@ -12,6 +12,10 @@ Stages, each a function of an ``EvalConfig`` (``eval_config``):
 3. ``ablation``: priority / rl-fec / priority-fixed / priorityfec rows picked from stages 1 and 2.
 4. ``eval_overhead.overhead``: CPU per 1000 transmitted packets by component and the scheduler's decision
    latency.
+5. ``eval_precision.precision_scores``: needle-QA answers from the cache each precision variant delivers
+   (native-only, each fixed mix, the planner's auto mix, split), paired against native-only.
+6. ``sched_eval.heldout_comparison``: the DDQN (priorityfec) against the deficit heuristic on the
+   held-out conditions declared before training, paired; which one wins decides the daemons' default.
 
 ``run_eval`` runs them in order; ``eval_report.write_outputs`` turns the result into CSV + JSON
 (docs/results/), figures (docs/figures/eval_*.png) and the generated section of docs/RESULTS.md.
@@ -44,6 +48,7 @@ from pfec.lab.eval_config import (
 from pfec.lab.eval_overhead import overhead
 from pfec.lab.eval_sweep import grid_sweep, reliable_sweep, utility_sweep
 from pfec.lab.progress import StageProgress
+from pfec.lab.sched_eval import heldout_comparison
 
 __all__ = ["ablation", "run_eval", "write_example_trace"]
 
@@ -77,6 +82,12 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
     t0 = time.perf_counter()
     overhead_rows = overhead(cfg, sim_schemes, progress)
     stages["overhead"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    precision = _precision_stage(cfg, progress)
+    stages["precision"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scheduler = _scheduler_stage(cfg, available, progress)
+    stages["scheduler"] = time.perf_counter() - t0
     result: dict[str, Any] = {
         "config": _describe(cfg),
         "schemes_available": available,
@@ -88,6 +99,8 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
         "task": task,
         "ablation": ablation(cells, task, available),
         "overhead": overhead_rows,
+        "precision": precision,
+        "scheduler": scheduler,
     }
     result["stage_seconds"] = {k: round(v, 1) for k, v in stages.items()}
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -103,6 +116,32 @@ def _task_stage(
     from pfec.lab.eval_task import task_scores  # deferred: torch (only this stage loads the model)
 
     return task_scores(cfg, task_pairs, sorted({*cfg.task_rhos, *ABLATION_RHOS}), progress)
+
+
+def _precision_stage(cfg: EvalConfig, progress: StageProgress | None) -> dict[str, Any]:
+    """The fidelity stage (answers per precision variant), which loads the model; ``--precision-prompts 0``
+    skips it."""
+    if cfg.precision_prompts == 0:
+        return {"skipped": "--precision-prompts 0"}
+    from pfec.lab.eval_precision import precision_scores  # deferred: torch (loads the model)
+
+    return precision_scores(cfg, cfg.precision_rhos, cfg.precision_variants, progress=progress)
+
+
+def _scheduler_stage(cfg: EvalConfig, available: Sequence[str], progress: StageProgress | None,
+                     ) -> dict[str, Any]:
+    """DDQN vs heuristic on the held-out conditions (``--scheduler-realizations 0`` skips)."""
+    if cfg.scheduler_realizations == 0:
+        return {"skipped": "--scheduler-realizations 0"}
+    absent = [name for name in ("priorityfec", "heuristic") if name not in available]
+    if absent:
+        return {"skipped": f"{' and '.join(absent)} not available in this run"}
+
+    def tick(done: int, total: int) -> None:
+        if progress is not None:
+            progress("held-out scheduler", done, total)
+
+    return heldout_comparison(cfg.scheduler_realizations, cfg.jobs, progress=tick)
 
 
 def _task_pairs(cfg: EvalConfig, available: Sequence[str]) -> list[tuple[str, str]]:

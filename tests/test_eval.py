@@ -48,6 +48,9 @@ def test_small_run_writes_csv_plot_and_marked_section(small_run: tuple[Path, dic
     assert "stale" not in text and KV_SECTION in text  # old transport table replaced, KV section kept
     generated = text.split(RESULTS_BEGIN)[1].split(RESULTS_END)[0]
     assert "pfec eval --small" in generated and "| heuristic |" in generated
+    # The held-out scheduler stage ran (2 paired runs per condition) and its verdict is in the section.
+    assert data["scheduler"]["realizations"] == 2 and len(data["scheduler"]["conditions"]) >= 1
+    assert "### Learned scheduler" in generated and "DDQN - heuristic" in generated
     assert data["cells"][0]["inputs"]["realizations"] == 2
 
 

@@ -100,3 +100,14 @@ def test_train_cli_refuses_bad_values_with_the_fix(tmp_path: Path) -> None:
     missing = runner.invoke(app, ["train", "--evaluate", "--out", str(tmp_path / "none.npz")])
     assert missing.exit_code != 0 and "does not exist" in missing.output
     assert not (tmp_path / "w.npz").exists()
+
+
+def test_the_daemons_default_scheme_is_the_one_the_committed_held_out_comparison_chose() -> None:
+    """The sender's default scheme follows the recorded DDQN-vs-heuristic verdict, not a guess."""
+    import json
+
+    from pfec.common.node.config_models import SenderFecConfig
+    from pfec.lab.sched_eval import EVAL_PATH
+
+    recorded = json.loads(EVAL_PATH.read_text())
+    assert SenderFecConfig().scheme == recorded["default_scheme"], recorded["pooled"]
