@@ -19,9 +19,8 @@ cache is computed once per prompt; identical deliveries share one generation. Th
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Final
@@ -45,8 +44,7 @@ from pfec.lab.eval_config import (
     REFERENCE_VARIANT,
     EvalConfig,
 )
-from pfec.lab.eval_task import _score_answer, short_answer_prompt
-from pfec.lab.profiler import check_profile
+from pfec.lab.eval_task import MODEL_WORKER, _score_answer, map_prompts, short_answer_prompt
 from pfec.lab.progress import StageProgress
 from pfec.lab.retention import blocks_available
 from pfec.lab.sim import Handoff, RunResult, prepare, run_scheme
@@ -108,7 +106,7 @@ def precision_scores(cfg: EvalConfig, rhos: Sequence[float] = PRECISION_RHOS,
     resolved: dict[str, dict[str, Any]] = {}
     meeting: dict[str, dict[int, int | None]] = {}
     total = len(examples) * len(rhos) * len(variants)
-    for done in _map_prompts(cfg.jobs, job, list(enumerate(examples))):
+    for done in map_prompts(cfg.jobs, cfg, partial(_prompt_rows, job), list(enumerate(examples))):
         full_rows.append(done.full_row)
         rows += done.rows
         for name, (mix, mode, token) in done.variants.items():
@@ -128,9 +126,6 @@ def precision_scores(cfg: EvalConfig, rhos: Sequence[float] = PRECISION_RHOS,
 
 
 _Job = tuple[EvalConfig, tuple[float, ...], tuple[str, ...]]
-_WORKER: dict[str, Any] = {}  # per process: the model runtime and utility profile, loaded once
-
-
 @dataclass
 class _PromptDone:
     full_row: dict[str, Any]
@@ -140,36 +135,12 @@ class _PromptDone:
     counts: dict[str, int]
 
 
-def _init_worker(cfg: EvalConfig, threads: int | None) -> None:
-    if threads is not None:
-        torch.set_num_threads(threads)
-    runtime = llm.load_model("default", device="cpu")
-    llm.warm_up(runtime)
-    profile = cfg.load_profile(runtime.geometry.n_layers)
-    if cfg.profile != "synthetic":
-        check_profile(runtime, profile)
-    _WORKER.update(runtime=runtime, profile=profile)
-
-
-def _map_prompts(jobs: int, job: _Job, indexed: list[tuple[int, QAExample]]) -> Iterator[_PromptDone]:
-    """``_prompt_rows`` for each prompt, in this process (``jobs`` 1) or a spawned pool."""
-    workers = max(1, min(jobs, len(indexed)))
-    if workers == 1:
-        _init_worker(job[0], None)
-        for item in indexed:
-            yield _prompt_rows(job, item)
-        return
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: see eval_sweep
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(job[0], 1)) as pool:
-        yield from pool.imap_unordered(partial(_prompt_rows, job), indexed)
-
-
 def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> _PromptDone:
     """One prompt: its full-KV answer, then every variant at every rho (identical runs shared)."""
     cfg, rhos, variants = job
     i, example = item
-    runtime: llm.ModelRuntime = _WORKER["runtime"]
-    profile: UtilityProfile = _WORKER["profile"]
+    runtime: llm.ModelRuntime = MODEL_WORKER["runtime"]
+    profile: UtilityProfile = MODEL_WORKER["profile"]
     loss = parse_loss_spec(cfg.main_loss_spec())
     timer = _Timer()
     with timer("prefill"):

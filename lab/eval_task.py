@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -63,7 +63,8 @@ def task_scores(
     total = len(examples) * len(rhos) * len(task_schemes)
     rows: list[dict[str, Any]] = []
     full_rows: list[dict[str, Any]] = []
-    for full_row, prompt_rows in _map_prompts(cfg.jobs, jobs, list(enumerate(examples))):
+    for full_row, prompt_rows in map_prompts(cfg.jobs, cfg, partial(_prompt_rows, jobs),
+                                              list(enumerate(examples))):
         full_rows.append(full_row)
         rows += prompt_rows
         if progress is not None:
@@ -96,10 +97,13 @@ def task_scores(
 
 
 _Job = tuple[EvalConfig, tuple[tuple[str, str], ...], tuple[float, ...]]
-_WORKER: dict[str, Any] = {}  # per process: the model runtime and utility profile, loaded once
+MODEL_WORKER: dict[str, Any] = {}  # per process: the model runtime and utility profile, loaded once
+_Item = TypeVar("_Item")
+_Out = TypeVar("_Out")
 
 
-def _init_worker(cfg: EvalConfig, threads: int | None) -> None:
+def init_model_worker(cfg: EvalConfig, threads: int | None) -> None:
+    """Load the default model (and the run's utility profile) into ``MODEL_WORKER`` for this process."""
     if threads is not None:
         torch.set_num_threads(threads)
     runtime = llm.load_model("default", device="cpu")
@@ -107,30 +111,31 @@ def _init_worker(cfg: EvalConfig, threads: int | None) -> None:
     profile = cfg.load_profile(runtime.geometry.n_layers)
     if cfg.profile != "synthetic":
         check_profile(runtime, profile)
-    _WORKER.update(runtime=runtime, profile=profile)
+    MODEL_WORKER.update(runtime=runtime, profile=profile)
 
 
-def _map_prompts(
-    jobs: int, job: _Job, indexed: list[tuple[int, QAExample]]
-) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """``_prompt_rows`` for each prompt, in this process (``jobs`` 1) or a spawned pool."""
-    workers = max(1, min(jobs, len(indexed)))
+def map_prompts(
+    jobs: int, cfg: EvalConfig, fn: Callable[[_Item], _Out], items: list[_Item]
+) -> Iterator[_Out]:
+    """``fn`` over ``items`` with the model loaded: in this process (``jobs`` 1) or a spawned pool, whose
+    results come as they finish. Spawn, not fork: a fresh interpreter per worker (no inherited threads or
+    signal handlers; see eval_sweep). Shared by the task and the precision stages."""
+    workers = max(1, min(jobs, len(items)))
     if workers == 1:
-        _init_worker(job[0], None)
-        for item in indexed:
-            yield _prompt_rows(job, item)
+        init_model_worker(cfg, None)
+        for item in items:
+            yield fn(item)
         return
-    # spawn: a fresh interpreter per worker (no inherited threads or signal handlers; see eval_sweep)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(job[0], 1)) as pool:
-        yield from pool.imap_unordered(partial(_prompt_rows, job), indexed)
+    with ctx.Pool(workers, initializer=init_model_worker, initargs=(cfg, 1)) as pool:
+        yield from pool.imap_unordered(fn, items)
 
 
 def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One prompt: its full-KV answer, then every scheme's answer at every rho (mask and zero)."""
     cfg, task_schemes, rhos = job
     i, example = item
-    runtime: llm.ModelRuntime = _WORKER["runtime"]
+    runtime: llm.ModelRuntime = MODEL_WORKER["runtime"]
     loss = parse_loss_spec(cfg.main_loss_spec())
     context_ids, question_ids = short_answer_prompt(runtime, example)
     cache, _ = llm.prefill(runtime, context_ids)
@@ -141,7 +146,7 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any]
     prompt_run = _PromptRun(cfg, runtime, cache, plan, question_ids, i, example, str(full_row["answer"]))
     rows: list[dict[str, Any]] = []
     for rho in rhos:
-        handoff = _task_handoff(cfg, loss, rho, _WORKER["profile"], runtime, plan)
+        handoff = _task_handoff(cfg, loss, rho, MODEL_WORKER["profile"], runtime, plan)
         for label, scheme in task_schemes:
             rows += prompt_run.rows(handoff, label, scheme, rho)
     return full_row, rows
