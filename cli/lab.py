@@ -8,6 +8,8 @@ are imported inside the commands, so `pfec --help` does not load them.
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -310,9 +312,6 @@ def train_cmd(
 ) -> None:
     """Train the Double-DQN repair scheduler by RL on simulated handoffs (torch; run under nice), or
     --evaluate it against the heuristic on the held-out conditions."""
-    import shlex  # deferred: only this command needs it
-    import sys  # deferred: only this command needs it
-
     from pfec.common.sched.ddqn import WEIGHTS_PATH  # deferred: numba (keeps `pfec --help` fast)
 
     if evaluate:
