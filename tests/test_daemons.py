@@ -277,10 +277,15 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
     async def main() -> list[dict[str, Any]]:
         rx = ReceiverDaemon(identity, PSK, session_config=ReceiverConfig(max_sessions=3))
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, result_wait_s=1)
-        spec = HandoffSpec(ContextInput(synthetic_tokens=128), rx.address, deadline_ms=400, rho=None,
+        # Each transfer lasts ~1 s (1 MiB at 8 Mbit/s) and the last two are offered only once the
+        # receiver holds the first three, so a slow machine cannot let one finish before the refusals.
+        tx = SenderDaemon(identity, PSK, rate_mbps=8, owd_ms=1, result_wait_s=1)
+        spec = HandoffSpec(ContextInput(synthetic_tokens=1024), rx.address, deadline_ms=4000, rho=None,
                            generate=False)
-        handoffs = [tx.submit(spec) for _ in range(5)]
+        handoffs = [tx.submit(spec) for _ in range(3)]
+        while len(rx.sessions) < 3:
+            await asyncio.sleep(0.002)
+        handoffs += [tx.submit(spec) for _ in range(2)]
         reports = [await _wait(h, 20) for h in handoffs]
         await tx.close()
         await rx.close()
@@ -288,7 +293,7 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
         return reports
 
     reports = run(main())
-    outcomes = sorted(r["outcome"] for r in reports)
+    outcomes = [r["outcome"] for r in reports]
     assert outcomes == ["done", "done", "done", "refused", "refused"], [r.get("failure") for r in reports]
     assert all("OVERLOADED" in r["failure"] for r in reports if r["outcome"] == "refused")
     assert all(r["recovered_utility"] == pytest.approx(1.0) for r in reports if r["outcome"] == "done")
