@@ -146,6 +146,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         target_nonzeros=cfg.target_nonzeros,
         authenticate=cfg.authenticate,
         random_bytes=seeded_random_bytes(cfg.seed, realization, "sender"),
+        loss_prior=cfg.sender_loss_prior,
     )
     if cfg.mode == "local":
         return _local_result(handoff, scheme, realization)
@@ -433,7 +434,8 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
             "t_ser_ms": round(handoff.t_ser_s * 1000, 3),
             "slots": int((handoff.deadline_s - cfg.owd_s) / handoff.slot_s),
             "repair_budget": cfg.repair_budget,
-            "window_cap": cfg.window_cap,
+            "window_cap": handoff.window_cap,  # the one used (sized from the path when configured 0)
+            "window_cap_config": cfg.window_cap,
             "authenticate": cfg.authenticate,
             "profile": (cfg.profile.model_id if cfg.profile else "synthetic"),
             "seed": cfg.seed,

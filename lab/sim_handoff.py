@@ -11,7 +11,15 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.breakeven import ReceiverModel
-from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
+from pfec.common.plan.deadline import (
+    AUTO_WINDOW,
+    DEFAULT_RATE_MBPS,
+    DEFAULT_REPAIR_BUDGET,
+    DEFAULT_RHO,
+    DEFAULT_RTT_MS,
+    MAX_WINDOW_CAP,
+    resolve_window_cap,
+)
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
@@ -25,6 +33,7 @@ from pfec.common.plan.stream import (
     symbol_token_ends,
 )
 from pfec.common.plan.utility import UtilityProfile, fifo_order, synthetic_profile, utility_order
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE
 from pfec.lab.channel import LossModel
 from pfec.lab.sim_split import DEFAULT_RECEIVER, check_mode
@@ -45,7 +54,7 @@ class SimConfig:
     max_symbol_size: int = DEFAULT_SYMBOL_SIZE
     fit_symbols: bool = True  # equal fragments per block (kvlayout.fitted_symbol_size)
     repair_budget: float = DEFAULT_REPAIR_BUDGET  # B_rep as a fraction of the source symbols
-    window_cap: int = 64
+    window_cap: int = AUTO_WINDOW  # coding window cap K, as the sender daemon's fec.window_cap (0: from the path)
     target_nonzeros: int = 8
     ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
     authenticate: bool = False  # AEAD on every datagram (slower; the daemons always authenticate)
@@ -56,6 +65,10 @@ class SimConfig:
     mode: str = "handoff"  # handoff | split | local (lab/sim_split.py; auto is resolved by the caller)
     meeting_token: int | None = None  # split: the receiver computes [0, m) (None: the planner's m)
     receiver: ReceiverModel = DEFAULT_RECEIVER  # the receiver's prefill speed (split, local, TTFT)
+    # The sender's loss prior (SenderConfig.loss_prior: what its open-loop tail plans for before the ACKs
+    # measure the loss). None: the channel's long-run loss rate, as for a sender that has handed off over
+    # this path before (the daemon keeps a per-receiver average of what past handoffs measured).
+    loss_prior: float | None = None
 
     def __post_init__(self) -> None:
         if (self.rho is None) == (self.deadline_ms is None):
@@ -76,8 +89,22 @@ class SimConfig:
         check_mode(self.mode)
         if self.mode == "split" and self.precision == NATIVE:
             raise ValueError("a split streams a quantised back: choose a precision other than native")
+        if not AUTO_WINDOW <= self.window_cap <= MAX_WINDOW_CAP:
+            raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or 1..{MAX_WINDOW_CAP}, "
+                             f"got {self.window_cap!r}")
+        if self.loss_prior is not None and not 0.0 <= self.loss_prior < 1.0:
+            raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.meeting_token is not None and not 0 <= self.meeting_token < self.tokens:
             raise ValueError(f"meeting token {self.meeting_token!r} outside the context 0..{self.tokens - 1}")
+
+    @property
+    def sender_loss_prior(self) -> float:
+        """The loss prior the simulated sender gets: ``loss_prior``, or the channel's long-run loss rate
+        (every shipped loss model has ``mean_loss``; one without it gets the daemon's default)."""
+        if self.loss_prior is not None:
+            return self.loss_prior
+        mean = getattr(self.loss, "mean_loss", None)
+        return min(float(mean), MAX_LOSS) if isinstance(mean, (int, float)) else DEFAULT_LOSS_PRIOR
 
     @property
     def owd_s(self) -> float:
@@ -106,6 +133,11 @@ class Handoff:
     @property
     def t_ser_s(self) -> float:
         return self.budget.t_ser_s
+
+    @property
+    def window_cap(self) -> int:
+        """The coding window cap the sender uses (the configured one, or the path's)."""
+        return resolve_window_cap(self.config.window_cap, self.budget.owd_s, self.budget.slot_s)
 
     @property
     def deadline_s(self) -> float:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
@@ -22,9 +23,10 @@ from pfec.common.node.config import SenderLimitsConfig
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
 from pfec.common.node.worker import ModelWorker, WorkerBusy
-from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+from pfec.common.plan.deadline import AUTO_WINDOW, DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.sched.policies import Scheme, get_scheme
 from pfec.common.wire.messages import MsgType, split_app
 from pfec.sender.handoffs import (
@@ -51,6 +53,41 @@ log = logging.getLogger("pfec.sender")
 GENERATION_WAIT_S = 30.0  # extra RESULT wait when the receiver generates an answer before replying
 
 
+class PathLossPriors:
+    """Per receiver address, the loss rate past handoffs there measured (each one's final ACK counters),
+    as an exponentially weighted average: the next handoff's loss prior to that address (its open-loop
+    tail plans for it before the ACKs say more). Least recently used addresses go past ``capacity``."""
+
+    WEIGHT = 0.3  # the newest handoff's share: a few handoffs follow a change, one bad one moves it less
+    MIN_SEEN = 64  # datagrams the final ACK must account for (a coding window) before its rate counts
+
+    def __init__(self, default: float = DEFAULT_LOSS_PRIOR, capacity: int = 256) -> None:
+        if not 0.0 <= default < 1.0:
+            raise ValueError(f"loss prior must be in [0, 1), got {default!r}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.default = default
+        self.capacity = capacity
+        self._rates: OrderedDict[str, float] = OrderedDict()
+
+    def prior(self, address: str) -> float:
+        rate = self._rates.get(address)
+        if rate is None:
+            return self.default
+        self._rates.move_to_end(address)
+        return rate
+
+    def record(self, address: str, lost: int, seen: int) -> None:
+        """A finished handoff to ``address`` whose final ACK counted ``lost`` of ``seen`` datagrams."""
+        if seen < self.MIN_SEEN or not 0 <= lost <= seen:
+            return
+        measured = min(lost / seen, MAX_LOSS)
+        old = self._rates.pop(address, None)
+        self._rates[address] = measured if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * measured
+        while len(self._rates) > self.capacity:
+            self._rates.popitem(last=False)
+
+
 class SenderDaemon:
     """Handoffs by id; the model (if any) is used from one worker thread."""
 
@@ -65,13 +102,14 @@ class SenderDaemon:
         rate_mbps: float = DEFAULT_RATE_MBPS,
         owd_ms: float = 10.0,
         scheme: str = "heuristic",
-        window_cap: int = 64,
+        window_cap: int = AUTO_WINDOW,  # 0: sized from the path per handoff (fec.window_cap)
         repair_budget: float = DEFAULT_REPAIR_BUDGET,
         sndbuf: int = 8 << 20,
         metrics: SenderMetrics | None = None,
         result_wait_s: float = 2.0,
         limits: SenderLimitsConfig | None = None,
         profiles: ProfileStore | None = None,
+        loss_prior: float = DEFAULT_LOSS_PRIOR,
     ) -> None:
         get_scheme(scheme)
         planner_warm_up()  # codec and planner kernels compiled before any datagram, not mid-handoff
@@ -86,6 +124,7 @@ class SenderDaemon:
         self.repair_budget = repair_budget
         self.sndbuf = sndbuf
         self.result_wait_s = result_wait_s
+        self.path_loss = PathLossPriors(loss_prior)  # loss priors of the receivers handed off to before
         self.metrics = metrics or SenderMetrics(process_metrics=False)
         self.handoffs: dict[str, Handoff] = {}
         self.default_profile = default_profile_name(identity)
@@ -200,6 +239,7 @@ class SenderDaemon:
         handoff.prepared = prepared
         transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
         await self._stream(handoff, transfer, destination)
+        self.path_loss.record(destination.address, *transfer.session.measured_loss)
         utility = self._report_transfer(handoff, transfer, prepared)
         if spec.full_kv_answer and self.runtime is not None and prepared.cache is not None:
             handoff.report["full_kv_answer"] = await self.worker.submit(
@@ -295,6 +335,7 @@ class SenderDaemon:
             psk=self.psk,
             result_wait_s=self.result_wait_s + (GENERATION_WAIT_S if app.generate else 0.0),
             app_blob=blob,
+            loss_prior=self.path_loss.prior(destination.address),
         )
         sid = secrets.randbits(64)
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,

@@ -144,10 +144,13 @@ def _plan(
     loss: float,
     proactive: bool,
     next_esi: int,
+    newest_span: int,
 ) -> tuple[int, int, int, int, float, float]:
     """(region, first, count, dt, reactive need, effectiveness): the region with the largest outstanding
     need (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region
-    needs as much as half a repair. ``params`` holds the planner's scalars (``_P_*``)."""
+    needs as much as half a repair. ``newest_span`` > 0: PROACTIVE over the newest symbols whatever the
+    regions, reaching at most that far past the prefix (an open-loop repair). ``params`` holds the
+    planner's scalars (``_P_*``)."""
     n = params[_P_REGIONS]
     prefix = params[_P_PREFIX]
     span = params[_P_SPAN]
@@ -166,14 +169,14 @@ def _plan(
         if rem > best_rem:
             best = r
             best_rem = rem
-    if best >= 0 and (not proactive or best_rem >= 0.5):
+    if best >= 0 and newest_span <= 0 and (not proactive or best_rem >= 0.5):
         first = reg_i[_FIRST, best]
         count = reg_i[_END, best] - first
         dt = _dt_for(count, reg_i[_HOLES, best], target, fixed_dt)
         holes = unknowns  # what the receiver reported missing overall
     else:
         best = -1
-        hi = min(next_esi, prefix + span)
+        hi = min(next_esi, prefix + (newest_span if newest_span > 0 else span))
         first = max(prefix, hi - cap)
         count = max(0, hi - first)
         holes = max(1, math.ceil(loss * count))
@@ -216,7 +219,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         _bound["group_bytes"] = entry_point(
             _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, ints, reg_i, reg_f
         )
-        _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0)
+        _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0, 0)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
     return _bound
 
@@ -340,7 +343,13 @@ class RepairPlanner:
         repair is to hit a reported hole. A region starts and ends on a hole, so with one or two holes
         the encoder is told to cover both ends (see ``covers_both_ends``) and the repair stays sparse."""
         # tuple.__new__ wraps the kernel's tuple as a Plan at half the cost of Plan._make (every decision).
-        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi)
+        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi, 0)
+        return tuple.__new__(Plan, fields)
+
+    def plan_newest(self, next_esi: int, loss: float, span: int) -> Plan:
+        """An open-loop repair: over the newest window of sources whatever the reported holes, at most
+        ``span`` past the newest ACK's prefix (the receiver refuses windows beyond its decoder span)."""
+        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, True, next_esi, max(1, span))
         return tuple.__new__(Plan, fields)
 
     def reactive_need(self, loss: float) -> float:

@@ -20,6 +20,9 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   no deficit for a repair and its repairs cover the newest window: its planner takes the ACKs' prefix but
   not their hole maps, and moves to the window at the prefix only while an ACK reports the receiver's
   decoder stalled (undecoded range past its span: a newer window would be refused).
+- A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
+  sample) cannot be repaired from feedback: the session protects them open loop at the expected-loss rate
+  (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``).
 - ACKs move the encoder's window (cumulative decoded prefix) and feed the loss, burst, RTT and deficit
   estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
   flight that the receiver had not seen when it wrote the ACK (each arrives with probability 1 - loss),
@@ -50,6 +53,7 @@ import numpy.typing as npt
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
+from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import (
     NONCE_SIZE,
@@ -143,6 +147,12 @@ class SenderSession:
         self._span = config.window_cap  # the receiver's decoder span (its ACCEPT says it)
         if self._open_loop:  # until an ACK says the receiver's decoder is stalled: the newest window
             self.planner.span = MAX_SPAN
+        self._stalled = False  # the newest ACK's undecoded range outgrew the receiver's span
+        # A closed-loop repair policy's sources that feedback cannot save are protected open loop
+        # (common/sched/open_loop_tail.py); before an RTT sample, the path's prior: twice the one-way delay.
+        self._tail = OpenLoopTail(policy.sends_repairs and not self._open_loop, config.loss_prior,
+                                  2 * config.owd_s, config.window_cap)
+        self._tail_burst = False  # the current burst is the tail's open-loop repair
         self._source_info = source_info
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
         self._utility_features: list[list[float]] | None = (
@@ -297,6 +307,11 @@ class SenderSession:
     def deadline(self) -> float:
         return self._deadline
 
+    @property
+    def measured_loss(self) -> tuple[int, int]:
+        """(lost, lost + received) datagrams by the newest ACK's counters: the path's measured loss."""
+        return self._tail.lost, self._tail.seen
+
     # ------------------------------------------------------------ decision epochs
     def _slots_left(self, now: float) -> int:
         return max(0, int((self._send_deadline - now) / self.config.slot_s))
@@ -309,6 +324,17 @@ class SenderSession:
         if view.slots_left == 0:
             self._stop_sending(now)
             return False
+        # The tail's credit goes first (one repair over the newest window), the policy decides the rest.
+        self._tail_burst = tail = (
+            self._tail.active and view.repairs_left > 0 and view.sources_sent > 0 and self._tail.take()
+        )
+        if tail:
+            self._burst_action = Action.REPAIR_1
+            self._burst_left = 1
+            if cpu is not None:
+                cpu.policy_ns += cpu.clock() - t0
+                cpu.decisions += 1
+            return True
         if not view.update_mask():
             return False  # nothing allowed until feedback changes (e.g. all sources sent, no deficit)
         action = self.policy.decide(view)
@@ -340,7 +366,9 @@ class SenderSession:
         view.sources_in_flight = next_esi - self._acked_source_end
         # Proactive repair only pays when feedback about the newest sources cannot return in time.
         rtt = view.rtt_estimate
-        proactive = rtt > 0 and slots_left * self.config.slot_s < 1.5 * rtt
+        time_left = slots_left * self.config.slot_s
+        proactive = rtt > 0 and time_left < 1.5 * rtt
+        self._tail.update(time_left, rtt)
         self._proactive = proactive
         plan = self._fresh_plan = self.planner.plan(next_esi, loss, proactive)
         view.window_size = plan.nss
@@ -372,6 +400,7 @@ class SenderSession:
         self._src_pn[esi] = self.protector.packets_sealed
         self._src_time[esi] = now
         self.datagrams_sent["source"] += 1
+        self._tail.on_source()
         return datagram
 
     def _send_repair(self, now: float) -> bytes | None:
@@ -379,7 +408,10 @@ class SenderSession:
         t0 = cpu.clock() if cpu is not None else 0
         planner = self.planner
         plan = self._fresh_plan
-        if plan is None:
+        if self._tail_burst:  # open loop: the newest window, as far as a stalled receiver's span allows
+            plan = planner.plan_newest(self.encoder.next_esi, self._tail.loss,
+                                       self._span if self._stalled else MAX_SPAN)
+        elif plan is None:
             plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
         self._fresh_plan = None  # planner.sent() below changes what the next repair serves
         first, count, region = plan.first, plan.nss, plan.region
@@ -562,6 +594,7 @@ class SenderSession:
             view.loss_estimate = ack.lost / seen
         if ack.loss_runs > 0:
             view.burst_estimate = ack.lost / ack.loss_runs
+        self._tail.on_ack(ack.lost, seen, view.burst_estimate)
         # What the receiver has accounted for; the newest datagram it saw gives an RTT sample.
         largest = ack.largest_pn
         sample_time = -1.0
@@ -588,12 +621,12 @@ class SenderSession:
 
     def _plan_from_ack(self, ack: Ack) -> None:
         open_loop = self._open_loop  # a fixed-rate code takes the prefix (the encoder's window), no holes
+        self._stalled = ack.seen_end - ack.decoded_prefix > self._span
         if open_loop:
             # Its repairs cover the newest window, unless the receiver reports its decoder stalled (a loss
             # no repair reached holds the prefix and the undecoded range outgrew the span: it refuses
             # windows past prefix + span); then the window at the prefix, the only one that can move it.
-            stalled = ack.seen_end - ack.decoded_prefix > self._span
-            self.planner.span = self.config.window_cap if stalled else MAX_SPAN
+            self.planner.span = self.config.window_cap if self._stalled else MAX_SPAN
         self.planner.on_ack(
             ack.decoded_prefix,
             b"" if open_loop else ack.holes,

@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import DEFAULT_WINDOW
 from pfec.common.events import DatagramDropped, Event
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 
@@ -39,6 +40,9 @@ class SenderConfig:
     # about two bandwidth-delay products plus the window, ``transfer.decoder_span_for``); 0: the
     # receiver's default. The receiver grants what its bounds allow and says so in the ACCEPT.
     decoder_span: int = 0
+    # Loss rate the open-loop tail plans for before the ACKs measure one (common/sched/open_loop_tail.py):
+    # the daemon's per-receiver history of past handoffs, or its configured default.
+    loss_prior: float = DEFAULT_LOSS_PRIOR
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0:
@@ -57,6 +61,8 @@ class SenderConfig:
             raise ValueError(f"handshake_timeout_s must be positive, got {self.handshake_timeout_s!r}")
         if self.max_result_parts < 1:
             raise ValueError(f"max_result_parts must be >= 1, got {self.max_result_parts!r}")
+        if not 0.0 <= self.loss_prior < 1.0:
+            raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.decoder_span != 0 and not self.window_cap <= self.decoder_span <= MAX_SPAN:
             raise ValueError(f"decoder_span must be 0 or window_cap..{MAX_SPAN}, got {self.decoder_span!r}")
 

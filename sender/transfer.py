@@ -17,8 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.events import CpuMeter
-from pfec.common.plan.deadline import budget_seconds, rho_of, serialisation_s, slot_seconds
+from pfec.common.plan.deadline import budget_seconds, resolve_window_cap, rho_of, serialisation_s, slot_seconds
 from pfec.common.plan.kvlayout import BlockPlan
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
@@ -84,7 +85,7 @@ class SenderSetup:
 
     scheme: Scheme
     repair_budget: float  # B_rep as a fraction of the source symbols
-    window_cap: int
+    window_cap: int  # the coding window cap K; deadline.AUTO_WINDOW (0): sized from the path at OFFER time
     fingerprint: bytes
     psk: bytes
     result_wait_s: float  # how long to wait for the RESULT after the deadline
@@ -92,6 +93,7 @@ class SenderSetup:
     app_blob: bytes = b""  # the OFFER's application part
     authenticate: bool = True  # AEAD on every datagram (the simulator may turn it off for speed)
     random_bytes: RandomBytes = os.urandom  # R_s and handshake nonces (the simulator passes a seeded one)
+    loss_prior: float = DEFAULT_LOSS_PRIOR  # the path's loss before ACKs measure it (SenderConfig.loss_prior)
 
 
 MIN_FIRST_FLIGHT = 64
@@ -125,19 +127,21 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
                     cpu: CpuMeter | None = None) -> SenderSession:
     """A ready-to-start ``SenderSession`` for ``send`` within ``budget``."""
     plan = send.plan
+    window_cap = resolve_window_cap(setup.window_cap, budget.owd_s, budget.slot_s)
     config = SenderConfig(
         budget_s=budget.deadline_s,
         slot_s=budget.slot_s,
         owd_s=budget.owd_s,
         repair_budget=round(setup.repair_budget * send.n_source),
         fingerprint=setup.fingerprint,
-        window_cap=setup.window_cap,
+        window_cap=window_cap,
         target_nonzeros=setup.target_nonzeros,
         app_blob=setup.app_blob,
         rate_bps=budget.rate_bps,
         result_wait_s=setup.result_wait_s,
         first_flight=first_flight(budget),
-        decoder_span=decoder_span_for(budget, setup.window_cap, send.n_source),
+        decoder_span=decoder_span_for(budget, window_cap, send.n_source),
+        loss_prior=setup.loss_prior,
     )
     protector = PacketProtector(keyring_for(bytes(setup.psk), setup.authenticate), session_id, Role.SENDER,
                                 plan.symbol_size, random_bytes=setup.random_bytes)

@@ -170,21 +170,25 @@ def test_partial_delivery_scores_like_the_blocks_received() -> None:
 
 
 def test_pacing_holds_the_link_rate() -> None:
-    """No loss, a long deadline: the stream takes its serialisation time at the configured rate."""
+    """No loss, a long deadline: the stream takes its serialisation time at the configured rate; the
+    loss the handoff measured becomes the receiver's loss prior for the next one."""
     identity = synthetic_identity(SMALL)
 
-    async def main() -> dict[str, Any]:
+    async def main() -> tuple[dict[str, Any], dict[str, float]]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority")
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", loss_prior=0.2)
         h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=512), rx.address, rho=3.0, generate=False))
         report = await _wait(h)
+        where = report["receiver_address"]
+        priors = {where: tx.path_loss.prior(where), "other:1": tx.path_loss.prior("other:1")}
         await tx.close()
         await rx.close()
-        return report
+        return report, priors
 
-    report = run(main())
+    report, priors = run(main())
     assert report["outcome"] == "done" and report["source_sent"] == report["n_source"], report
+    assert priors == {report["receiver_address"]: 0.0, "other:1": 0.2}  # loopback loses nothing
     streamed_s = (report["deadline_ms"] - 1.0 - report["deadline_slack_ms"]) / 1000
     wire_s = report["bytes_sent"] * 8 / 20e6
     assert 0.9 * wire_s <= streamed_s <= 1.3 * wire_s + 0.01, (streamed_s, wire_s)

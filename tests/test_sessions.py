@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 
-from pfec.common.sched.actions import Action, SchedulerView
+from pfec.common.sched.actions import SOURCE_BURST, Action, SchedulerView
+from pfec.common.sched.open_loop_tail import FEEDBACK_RTTS, tail_rate
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
 from pfec.common.wire.messages import Header, Message, MsgType, Offer, RefuseCode, Role, Source
 from pfec.common.wire.seal import PacketProtector
@@ -123,6 +124,7 @@ def make_pair(
     config: ReceiverConfig | None = None,
     first_flight: int = 128,
     decoder_span: int = 0,
+    loss_prior: float = 0.05,
 ) -> tuple[Harness, np.ndarray]:
     symbols = make_symbols(n)
     sender = SenderSession(
@@ -138,6 +140,7 @@ def make_pair(
             result_wait_s=0.5,
             first_flight=first_flight,  # one RTT is 100 slots: the link stays busy through the handshake
             decoder_span=decoder_span,
+            loss_prior=loss_prior,
         ),
         symbols,
         policy or DeficitHeuristic(),  # type: ignore[arg-type]
@@ -566,3 +569,58 @@ def test_a_first_flight_longer_than_256_is_held_whole_until_the_handshake_comple
     if not overflow:
         assert h.sender.datagrams_sent["source"] >= 600
         assert len(ev.decoded_esis) == len(symbols)
+
+
+# --------------------------------------------------------------------------- open-loop tail
+
+
+def test_with_no_feedback_before_the_deadline_the_heuristic_repairs_open_loop() -> None:
+    """A deadline under one RTT (send deadline 7 ms, RTT 10 ms): no ACCEPT or ACK can come back in time.
+    The closed-loop heuristic still protects its sources open loop at the prior's rate, each repair over
+    the newest window; a source-only scheme sends none."""
+    prior = 0.1
+    h, _ = make_pair(n=200, budget_s=0.012, loss_prior=prior)
+    h.run()
+    sender = h.sender
+    assert sender._send_deadline < 2 * OWD  # nothing the receiver sends arrives while the sender sends
+    sources, repairs = sender.datagrams_sent["source"], sender.view.repairs_sent
+    rate = tail_rate(prior, 1.0, 16)
+    # Credit accrues per source and is spent between source bursts: the last burst's may find no slot.
+    assert sources * rate - SOURCE_BURST * rate - 1 <= repairs <= sources * rate, (sources, repairs, rate)
+    for i in range(repairs):
+        first, end = sender._rep_window[i]
+        assert end == _sources_before(sender, i) and 0 < end - first <= 16
+    plain, _ = make_pair(n=200, budget_s=0.012, loss_prior=prior, policy=SourceOnly())
+    plain.run()
+    assert plain.sender.view.repairs_sent == 0
+    assert plain.sender.datagrams_sent["source"] == sources + repairs  # the slots the repairs took
+
+
+def _repairs(sender: SenderSession) -> list[tuple[float, int, int]]:
+    n = sender.view.repairs_sent
+    return [(float(sender._rep_time[i]), int(sender._rep_window[i, 0]), int(sender._rep_window[i, 1]))
+            for i in range(n)]
+
+
+def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -> None:
+    """A long deadline with ACKs and scripted losses: every repair before the last 1.5 RTT is the same
+    with and without the open-loop tail; only in the tail come extra repairs over the newest window."""
+    lost = {40, 41, 120, 300, 301, 302, 420}
+
+    def run(tail: bool) -> Harness:
+        h, _ = make_pair(n=600, budget_s=0.05, loss_prior=0.1)
+        h.sender._tail.enabled = tail
+        h.drop_forward = lambda i, d: i in lost
+        h.run()
+        return h
+
+    with_tail, without = run(True), run(False)
+    rtt = with_tail.sender.view.rtt_estimate
+    assert 0.01 <= rtt < 0.012
+    tail_start = with_tail.sender._send_deadline - FEEDBACK_RTTS * rtt
+    before = [r for r in _repairs(with_tail.sender) if r[0] < tail_start]
+    assert before and before == [r for r in _repairs(without.sender) if r[0] < tail_start]
+    extra = with_tail.sender.view.repairs_sent - without.sender.view.repairs_sent
+    assert extra > 0 and with_tail.sender._tail.active and not without.sender._tail.active
+    lost_count, seen = with_tail.sender.measured_loss  # the ACK counters a daemon keeps per receiver
+    assert lost_count == len(lost) and seen > 300

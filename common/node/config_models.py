@@ -13,8 +13,9 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+from pfec.common.plan.deadline import AUTO_WINDOW, DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, MAX_WINDOW_CAP
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, MAX_PROFILE_BYTES
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.sched.policies import SCHEMES
 
 __all__ = [
@@ -245,11 +246,22 @@ class LinkConfig(_Section):
 class SenderFecConfig(_Section):
     scheme: str = Field(default="heuristic", description="Default scheme (`pfec sim --help` lists them).")
     window_cap: int = Field(
-        default=64, ge=1, le=4095, description="Coding window cap K, symbols (RFC 8681 NSS)."
+        default=AUTO_WINDOW, ge=AUTO_WINDOW, le=MAX_WINDOW_CAP,
+        description="Coding window cap K, symbols (RFC 8681 NSS). 0 (default): sized per handoff from the "
+        "path at OFFER time, a quarter of the bandwidth-delay product (rate and owd_ms) rounded up to a "
+        "power of two within 64..256 (at 100 Mbit/s: 64 below about 25 ms RTT, 256 above about 50 ms). "
+        "1..4095: that cap for every handoff.",
     )
     repair_budget: float = Field(
         default=DEFAULT_REPAIR_BUDGET, ge=0, le=10,
         description="Repair budget B_rep as a fraction of the source symbols.",
+    )
+    loss_prior: float = Field(
+        default=DEFAULT_LOSS_PRIOR, ge=0, le=MAX_LOSS,
+        description="Datagram loss rate assumed for a receiver no handoff has measured yet: what the "
+        "repair of the sources no feedback can save in time plans for before the ACKs measure the loss "
+        "(default 0.05, mid-range for lossy edge links; too high costs a few of the least useful sources, "
+        "too low loses whole blocks). Past handoffs to a receiver replace it with what they measured.",
     )
 
     @field_validator("scheme")
