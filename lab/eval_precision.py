@@ -44,7 +44,7 @@ from pfec.lab.eval_config import (
     REFERENCE_VARIANT,
     EvalConfig,
 )
-from pfec.lab.eval_task import MODEL_WORKER, _score_answer, map_prompts, short_answer_prompt
+from pfec.lab.eval_task import MODEL_WORKER, AnswerBatch, _score_answer, map_prompts, short_answer_prompt
 from pfec.lab.progress import StageProgress
 from pfec.lab.retention import blocks_available
 from pfec.lab.sim import Handoff, RunResult, prepare, run_scheme
@@ -167,6 +167,8 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> _PromptDone:
             handoff, result = runs[same]
             rows.append({"prompt": i, "rho": rho, "variant": name, "mix": variant.mix,
                          "mode": variant.mode, **run.score(handoff, result)})
+    run.answers.fill(rows)
+    timer.counts["answers"] = run.answers.generated + 1  # and the full-KV answer
     return _PromptDone(full_row, rows, chosen, timer.seconds, timer.counts)
 
 
@@ -179,7 +181,7 @@ def _result(rows: list[dict[str, Any]], full_rows: list[dict[str, Any]], variant
         "summary": precision_summary(rows, variants, rhos),
         "variants": resolved,
         "timing_s": {**timer.seconds, "total": time.perf_counter() - started},
-        "generations": timer.counts.get("generate", 0),
+        "generations": timer.counts.get("answers", 0),
         "inputs": {
             "model": runtime.model_id, "prompts": n_prompts, "prompts_done": len(full_rows), "scheme": SCHEME,
             "workload": "needle_suite (kinds x depths balanced, one essay per prompt)",
@@ -243,14 +245,15 @@ class _PromptRun:
         self.cfg, self.runtime, self.cache, self.question_ids = cfg, runtime, cache, question_ids
         self.index, self.example, self.reference, self.timer = index, example, reference, timer
         self.symbols: dict[bytes, npt.NDArray[np.uint8]] = {}
-        self.answers: dict[bytes, dict[str, Any]] = {}
+        score = partial(_score_answer, golds=example.answers, reference=reference)
+        self.answers = AnswerBatch(runtime, question_ids, cfg.max_new_tokens, score, timed=timer)
 
     def score(self, handoff: Handoff, result: RunResult) -> dict[str, Any]:
         stream = handoff.stream("utility")
         if stream is None:
             kept = np.flatnonzero(result.recovered_blocks)
             key = b"native" + hashlib.sha1(kept.tobytes()).digest()
-            answer = self._answer(key, lambda: self._native_kv(handoff, kept))
+            answer = self.answers.request(key, partial(self._native_kv, handoff, kept))
             levels = {"native": len(kept), "none": int(handoff.plan.n_blocks - len(kept))}
         else:
             have = np.zeros(stream.n_symbols, dtype=np.bool_)
@@ -260,22 +263,12 @@ class _PromptRun:
             computed = result.computed_tokens if handoff.config.mode == "split" else 0
             digest = hashlib.sha1(block_levels.tobytes() + bases.tobytes() + str(computed).encode()).digest()
             key = handoff.config.precision.encode() + b"/" + str(handoff.meeting_token).encode() + digest
-            answer = self._answer(key, lambda: self._stream_kv(handoff, stream, have, block_levels, bases,
-                                                               computed))
+            answer = self.answers.request(key, partial(self._stream_kv, handoff, stream, have, block_levels,
+                                                       bases, computed))
             values, counts = np.unique(block_levels, return_counts=True)
             levels = {Level(int(v)).label: int(c) for v, c in zip(values, counts, strict=True)}
         return {"recovered_utility": result.recovered_utility, "computed_tokens": result.computed_tokens,
-                "start_s": result.start_s, "levels": levels, **answer}
-
-    def _answer(self, key: bytes, kv: Callable[[], llm.PartialKV]) -> dict[str, Any]:
-        if key not in self.answers:
-            with self.timer("rebuild"):
-                partial_kv = kv()
-            with self.timer("generate"):
-                out = llm.generate(self.runtime, partial_kv, self.question_ids, self.cfg.max_new_tokens,
-                                   first_line_only=True)  # the score reads the first line only
-            self.answers[key] = _score_answer(out.text, self.example.answers, self.reference)
-        return self.answers[key]
+                "start_s": result.start_s, "levels": levels, "answer_key": answer}
 
     def _native_kv(self, handoff: Handoff, kept: npt.NDArray[np.int64]) -> llm.PartialKV:
         plan = handoff.plan

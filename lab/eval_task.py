@@ -11,6 +11,7 @@ scheme. This module loads torch and the model, so ``evaluate`` imports it only w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
@@ -35,12 +36,9 @@ from pfec.lab.retention import blocks_available
 from pfec.lab.sim import Handoff, prepare, run_scheme
 from pfec.lab.workloads import SHORT_ANSWER_SYSTEM, QAExample, best_f1, needle_suite
 
-__all__ = ["REFERENCE_SCHEME", "task_scores"]
+__all__ = ["REFERENCE_SCHEME", "AnswerBatch", "task_scores"]
 
 REFERENCE_SCHEME = "priorityfec"  # every scheme's paired difference is taken against it, when it ran
-
-AnswerKey = tuple[str, bytes]  # (receiver mode, digest of the delivered block set)
-
 
 def task_scores(
     cfg: EvalConfig,
@@ -149,6 +147,7 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any]
         handoff = _task_handoff(cfg, loss, rho, MODEL_WORKER["profile"], runtime, plan)
         for label, scheme in task_schemes:
             rows += prompt_run.rows(handoff, label, scheme, rho)
+    prompt_run.answers.fill(rows)
     return full_row, rows
 
 
@@ -185,9 +184,53 @@ def _task_handoff(
     return handoff
 
 
+ANSWER_BATCH = 12  # partial caches decoded together: ~140 MB each for the default model at 1.5k tokens
+
+
+class AnswerBatch:
+    """One prompt's answers by delivered state, generated together.
+
+    Rows name the answer they need by a key (the same delivered state gives the same answer whatever
+    scheme or variant delivered it) with a way to build its partial cache; ``fill`` builds the caches
+    ``batch`` at a time, decodes each group in one ``generate_batch`` and writes the scores into the rows.
+    """
+
+    def __init__(self, runtime: llm.ModelRuntime, question_ids: Sequence[int], max_new_tokens: int,
+                 score: Callable[[str], dict[str, Any]], batch: int = ANSWER_BATCH,
+                 timed: Callable[[str], contextlib.AbstractContextManager[None]] | None = None) -> None:
+        self.runtime, self.question_ids, self.max_new_tokens = runtime, question_ids, max_new_tokens
+        self.score, self.batch = score, batch
+        self.timed = timed or (lambda _part: contextlib.nullcontext())
+        self.pending: dict[bytes, Callable[[], llm.PartialKV]] = {}
+        self.done: dict[bytes, dict[str, Any]] = {}
+        self.generated = 0  # answers decoded (requests of an already known state cost nothing)
+
+    def request(self, key: bytes, build: Callable[[], llm.PartialKV]) -> bytes:
+        if key not in self.done:
+            self.pending.setdefault(key, build)
+        return key
+
+    def fill(self, rows: list[dict[str, Any]]) -> None:
+        """Generate what is pending, then replace each row's ``answer_key`` by that answer's scores."""
+        keys = list(self.pending)
+        for start in range(0, len(keys), self.batch):
+            group = keys[start : start + self.batch]
+            with self.timed("rebuild"):
+                kvs = [self.pending[key]() for key in group]
+            with self.timed("generate"):
+                outs = llm.generate_batch(self.runtime, kvs, self.question_ids, self.max_new_tokens,
+                                          first_line_only=True)  # the score reads the first line only
+            for key, out in zip(group, outs, strict=True):
+                self.done[key] = self.score(out.text)
+            self.generated += len(group)
+        self.pending.clear()
+        for row in rows:
+            row.update(self.done[row.pop("answer_key")])
+
+
 class _PromptRun:
-    """One prompt's scoring: answers are cached per (mode, delivered block set), as the same blocks give
-    the same answer whatever scheme delivered them."""
+    """One prompt's scoring: answers are shared per (mode, delivered block set), as the same blocks give
+    the same answer whatever scheme delivered them, and generated in batches (``AnswerBatch``)."""
 
     def __init__(
         self,
@@ -208,7 +251,8 @@ class _PromptRun:
         self.index = index  # the prompt's number, and the loss realization it meets
         self.example = example
         self.reference = reference
-        self.answers: dict[AnswerKey, dict[str, Any]] = {}
+        self.answers = AnswerBatch(runtime, question_ids, cfg.max_new_tokens,
+                                   partial(_score_answer, golds=example.answers, reference=reference))
 
     def rows(self, handoff: Handoff, label: str, scheme: str, rho: float) -> list[dict[str, Any]]:
         """One row per receiver mode for ``scheme`` (reported as ``label``) on this prompt's realization."""
@@ -216,9 +260,8 @@ class _PromptRun:
         kept = np.flatnonzero(result.recovered_blocks)
         out = []
         for mode in MODES:
-            key = (mode, hashlib.sha1(kept.tobytes()).digest())
-            if key not in self.answers:
-                self.answers[key] = self._answer_from_blocks(kept, mode)
+            key = mode.encode() + hashlib.sha1(kept.tobytes()).digest()
+            self.answers.request(key, partial(self._kv_from_blocks, kept, mode))
             out.append(
                 {
                     "prompt": self.index,
@@ -227,16 +270,14 @@ class _PromptRun:
                     "runs": scheme,
                     "mode": mode,
                     "recovered_utility": result.recovered_utility,
-                    **self.answers[key],
+                    "answer_key": key,
                 }
             )
         return out
 
-    def _answer_from_blocks(self, kept: npt.NDArray[np.int64], mode: str) -> dict[str, Any]:
+    def _kv_from_blocks(self, kept: npt.NDArray[np.int64], mode: str) -> llm.PartialKV:
         available = torch.from_numpy(blocks_available(self.plan, kept)).to(self.runtime.device)
-        kv = llm.partial_from_cache(self.cache, available, mode, self.plan.n_tokens)  # type: ignore[arg-type]
-        out = llm.generate(self.runtime, kv, self.question_ids, self.cfg.max_new_tokens, first_line_only=True)
-        return _score_answer(out.text, self.example.answers, self.reference)
+        return llm.partial_from_cache(self.cache, available, mode, self.plan.n_tokens)  # type: ignore[arg-type]
 
 
 def _score_answer(answer: str, golds: Sequence[str], reference: str | None) -> dict[str, Any]:

@@ -304,3 +304,28 @@ def test_join_prefix_fills_the_front_exactly(arch: str) -> None:
     assert torch.allclose(llm.teacher_forced_logits(rt, joined, QUESTION), _full_logits(rt), atol=1e-4)
     with pytest.raises(ValueError, match="prefix of 30 tokens"):
         llm.join_prefix(back, front, 30)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_of_partial_caches_decodes_like_each_alone(arch: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _runtime(arch)
+    cache, _ = llm.prefill(rt, CONTEXT)
+    rng = np.random.default_rng(5)
+    kvs = [llm.partial_from_cache(cache, None, "mask")]
+    for i, mode in enumerate(("mask", "zero", "mask", "zero", "mask")):
+        available = torch.from_numpy(rng.random((rt.geometry.n_layers, rt.geometry.n_kv_heads, len(CONTEXT)))
+                                     > 0.15 * (i + 1))
+        kvs.append(llm.partial_from_cache(cache, available, mode))
+    alone = [llm.generate(rt, kv, QUESTION, max_new_tokens=8).token_ids for kv in kvs]
+    assert len(set(alone)) > 2  # the caches differ enough to answer differently
+    # A stop token met mid-answer by some rows only: they leave the batch early, the others go on.
+    stop = alone[2][3]
+    monkeypatch.setattr("pfec.common.model.decode.stop_token_ids", lambda _rt: {stop})
+    alone = [llm.generate(rt, kv, QUESTION, max_new_tokens=8).token_ids for kv in kvs]
+    together = [g.token_ids for g in llm.generate_batch(rt, kvs, QUESTION, max_new_tokens=8)]
+    assert together == alone
+    assert len({len(ids) for ids in alone}) > 1, alone
+    with pytest.raises(ValueError, match="one context length"):
+        llm.generate_batch(rt, [kvs[0], llm.partial_from_cache(cache, None, "mask", len(CONTEXT) - 1)],
+                           QUESTION)

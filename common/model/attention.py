@@ -78,7 +78,10 @@ def _allowed_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int,
 def pfec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA that also drops unavailable (KV head, token) rows of this layer; batch size 1."""
+    """SDPA that also drops unavailable (KV head, token) rows of this layer.
+
+    The layer's row mask is [KV heads, context] (one cache) or [batch, KV heads, context] (a batch of
+    caches of one context, each with its own rows: ``generate_batch``)."""
     obs = _OBSERVATION.get()
     if obs is not None:
         _observe(module, query, key, obs, scaling)
@@ -91,14 +94,17 @@ def pfec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     n_q_heads, q_len = query.shape[1], query.shape[2]
     n_kv, kv_len = key.shape[1], key.shape[2]
     groups = n_q_heads // n_kv
-    row_ok = torch.ones(n_kv, kv_len, dtype=torch.bool, device=query.device)
-    row_ok[:, : rows.shape[1]] = rows  # rows generated after the handoff are always valid
+    batched = rows if rows.dim() == 3 else rows[None]
+    row_ok = torch.ones(batched.shape[0], n_kv, kv_len, dtype=torch.bool, device=query.device)
+    row_ok[:, :, : batched.shape[2]] = batched  # rows generated after the handoff are always valid
     allowed = _allowed_mask(attention_mask, q_len, kv_len, query.device)
-    mask = allowed[None, None] & row_ok.repeat_interleave(groups, dim=0)[None, :, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling
-    )
-    return out.transpose(1, 2).contiguous(), None
+    # A KV head's query group attends as one [groups * q_len] block of queries, so K and V are never
+    # repeated per query head (that copy, not the arithmetic, dominated decoding a batch of caches).
+    batch, head_dim = query.shape[0], query.shape[3]
+    grouped = query.reshape(batch, n_kv, groups * q_len, head_dim)
+    mask = allowed.repeat(groups, 1)[None, None] & row_ok[:, :, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, n_q_heads, q_len, head_dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PFEC_ATTENTION, pfec_sdpa)
