@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -44,7 +45,14 @@ from pfec.lab.eval_config import (
     REFERENCE_VARIANT,
     EvalConfig,
 )
-from pfec.lab.eval_task import MODEL_WORKER, AnswerBatch, _score_answer, map_prompts, short_answer_prompt
+from pfec.lab.eval_task import (
+    MODEL_WORKER,
+    AnswerBatch,
+    _score_answer,
+    map_prompts,
+    prefilled,
+    short_answer_prompt,
+)
 from pfec.lab.progress import StageProgress
 from pfec.lab.retention import blocks_available
 from pfec.lab.sim import Handoff, RunResult, prepare, run_scheme
@@ -86,11 +94,13 @@ def resolve_variant(name: str, n_tokens: int, runtime: llm.ModelRuntime, cfg: Ev
 def precision_scores(cfg: EvalConfig, rhos: Sequence[float] = PRECISION_RHOS,
                      variants: Sequence[str] = PRECISION_VARIANTS, prompts: int | None = None,
                      progress: StageProgress | None = None,
-                     checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                     checkpoint: Callable[[dict[str, Any]], None] | None = None,
+                     prefill_store: Path | None = None) -> dict[str, Any]:
     """Rows per (prompt, rho, variant), their paired summaries and the stage's timings; ``checkpoint``
     gets the result so far after every prompt (a long run leaves what it has). Prompts are spread over
     ``cfg.jobs`` spawned processes with one torch thread each, as in the task stage; the timings are then
-    summed over the processes (CPU-seconds of each part, not wall time)."""
+    summed over the processes (CPU-seconds of each part, not wall time). ``prefill_store``: where the task
+    stage of the same run left the prompts' prefilled caches (``eval_task.prefilled``)."""
     started = time.perf_counter()
     for name in variants:
         if name not in PRECISION_VARIANTS:
@@ -99,7 +109,7 @@ def precision_scores(cfg: EvalConfig, rhos: Sequence[float] = PRECISION_RHOS,
     n_prompts = cfg.precision_prompts if prompts is None else prompts
     examples = needle_suite(n_prompts, cfg.context_tokens, cfg.seed, split="eval",
                             count_tokens=partial(llm.count_tokens, runtime))
-    job: _Job = (cfg, tuple(rhos), tuple(variants))
+    job: _Job = (cfg, tuple(rhos), tuple(variants), prefill_store)
     timer = _Timer()
     rows: list[dict[str, Any]] = []
     full_rows: list[dict[str, Any]] = []
@@ -125,7 +135,7 @@ def precision_scores(cfg: EvalConfig, rhos: Sequence[float] = PRECISION_RHOS,
     return _result(rows, full_rows, variants, rhos, resolved, timer, started, runtime, cfg, len(examples))
 
 
-_Job = tuple[EvalConfig, tuple[float, ...], tuple[str, ...]]
+_Job = tuple[EvalConfig, tuple[float, ...], tuple[str, ...], Path | None]
 @dataclass
 class _PromptDone:
     full_row: dict[str, Any]
@@ -137,7 +147,7 @@ class _PromptDone:
 
 def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> _PromptDone:
     """One prompt: its full-KV answer, then every variant at every rho (identical runs shared)."""
-    cfg, rhos, variants = job
+    cfg, rhos, variants, store = job
     i, example = item
     runtime: llm.ModelRuntime = MODEL_WORKER["runtime"]
     profile: UtilityProfile = MODEL_WORKER["profile"]
@@ -145,7 +155,7 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> _PromptDone:
     timer = _Timer()
     with timer("prefill"):
         context_ids, question_ids = short_answer_prompt(runtime, example)
-        cache, _ = llm.prefill(runtime, context_ids)
+        cache = prefilled(runtime, context_ids, store)
     with timer("generate"):
         full = llm.generate(runtime, llm.partial_from_cache(cache, None, MODE), question_ids,
                             cfg.max_new_tokens, first_line_only=True)

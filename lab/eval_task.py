@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -45,6 +47,7 @@ def task_scores(
     task_schemes: Sequence[tuple[str, str]],
     rhos: Sequence[float],
     progress: StageProgress | None = None,
+    prefill_store: Path | None = None,
 ) -> dict[str, Any]:
     """Answer scores of each scheme's delivered partial cache (default model, main GE config).
 
@@ -52,12 +55,14 @@ def task_scores(
     realization i for every scheme. Prompts are spread over ``cfg.jobs`` processes (each loads the model
     with one torch thread: the simulator is single-threaded and one decode step barely uses a second
     core), so the stage's cost is divided by the cores rather than by torch's intra-op speed-up.
+    ``prefill_store``: a folder of this run where prompts' prefilled caches are kept for a later stage
+    (``prefilled``).
     """
     task_schemes = list(dict(task_schemes).items())
     runtime = llm.load_model("default", device="cpu")
     examples = needle_suite(cfg.task_prompts, cfg.context_tokens, cfg.seed, split="eval",
                             count_tokens=partial(llm.count_tokens, runtime))  # fmt: skip
-    jobs = (cfg, tuple(task_schemes), tuple(rhos))
+    jobs = (cfg, tuple(task_schemes), tuple(rhos), prefill_store)
     total = len(examples) * len(rhos) * len(task_schemes)
     rows: list[dict[str, Any]] = []
     full_rows: list[dict[str, Any]] = []
@@ -94,7 +99,7 @@ def task_scores(
     }
 
 
-_Job = tuple[EvalConfig, tuple[tuple[str, str], ...], tuple[float, ...]]
+_Job = tuple[EvalConfig, tuple[tuple[str, str], ...], tuple[float, ...], Path | None]
 MODEL_WORKER: dict[str, Any] = {}  # per process: the model runtime and utility profile, loaded once
 _Item = TypeVar("_Item")
 _Out = TypeVar("_Out")
@@ -131,12 +136,12 @@ def map_prompts(
 
 def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One prompt: its full-KV answer, then every scheme's answer at every rho (mask and zero)."""
-    cfg, task_schemes, rhos = job
+    cfg, task_schemes, rhos, store = job
     i, example = item
     runtime: llm.ModelRuntime = MODEL_WORKER["runtime"]
     loss = parse_loss_spec(cfg.main_loss_spec())
     context_ids, question_ids = short_answer_prompt(runtime, example)
-    cache, _ = llm.prefill(runtime, context_ids)
+    cache = prefilled(runtime, context_ids, store)
     plan = runtime.plan(len(context_ids))
     whole = llm.partial_from_cache(cache, None, "mask")
     full = llm.generate(runtime, whole, question_ids, cfg.max_new_tokens, first_line_only=True)
@@ -149,6 +154,26 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> tuple[dict[str, Any]
             rows += prompt_run.rows(handoff, label, scheme, rho)
     prompt_run.answers.fill(rows)
     return full_row, rows
+
+
+def prefilled(runtime: llm.ModelRuntime, context_ids: Sequence[int], store: Path | None) -> DynamicCache:
+    """The context's full cache: loaded from ``store`` where an earlier stage of the run left it (the task
+    and precision stages answer the same prompts), else prefilled here and left there. The file's name is
+    a digest of the model and the context ids, so a stage can only find the cache of its own context."""
+    if store is None:
+        return llm.prefill(runtime, context_ids)[0]
+    ids = np.asarray(context_ids, dtype=np.int64).tobytes()
+    path = store / f"{hashlib.sha1(runtime.model_id.encode() + b'/' + ids).hexdigest()}.pt"
+    if path.exists():
+        cache = DynamicCache()
+        for layer, (keys, values) in enumerate(torch.load(path, map_location=runtime.device)):
+            cache.update(keys, values, layer)
+        return cache
+    cache = llm.prefill(runtime, context_ids)[0]
+    partial_path = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save([(k.contiguous(), v.contiguous()) for k, v in llm.cache_layers(cache)], partial_path)
+    partial_path.replace(path)  # whole or absent, should another process look at the same time
+    return cache
 
 
 def short_answer_prompt(runtime: llm.ModelRuntime, example: QAExample) -> tuple[list[int], list[int]]:

@@ -25,6 +25,7 @@ Stages, each a function of an ``EvalConfig`` (``eval_config``):
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,15 +77,17 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
         for name in (*cfg.task_schemes, *ABLATION_SCHEMES)
         if name not in available and stand_in(name, available) not in (None, name)
     }
-    t0 = time.perf_counter()
-    task = _task_stage(cfg, _task_pairs(cfg, available) + [(s, s) for s in sim_schemes], progress)
-    stages["task"] = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="pfec-eval-prefill-") as folder:  # the prompts' caches
+        store = Path(folder)
+        t0 = time.perf_counter()
+        task = _task_stage(cfg, _task_pairs(cfg, available) + [(s, s) for s in sim_schemes], progress, store)
+        stages["task"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        precision = _precision_stage(cfg, progress, store)
+        stages["precision"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     overhead_rows = overhead(cfg, sim_schemes, progress)
     stages["overhead"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    precision = _precision_stage(cfg, progress)
-    stages["precision"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     scheduler = _scheduler_stage(cfg, available, progress)
     stages["scheduler"] = time.perf_counter() - t0
@@ -108,24 +111,25 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
 
 
 def _task_stage(
-    cfg: EvalConfig, task_pairs: list[tuple[str, str]], progress: StageProgress | None
+    cfg: EvalConfig, task_pairs: list[tuple[str, str]], progress: StageProgress | None, store: Path
 ) -> dict[str, Any]:
     """Stage 2, which loads the default model; skipped with ``--task-prompts 0``."""
     if cfg.task_prompts == 0 or not task_pairs:
         return {"skipped": "--task-prompts 0"}
     from pfec.lab.eval_task import task_scores  # deferred: torch (only this stage loads the model)
 
-    return task_scores(cfg, task_pairs, sorted({*cfg.task_rhos, *ABLATION_RHOS}), progress)
+    return task_scores(cfg, task_pairs, sorted({*cfg.task_rhos, *ABLATION_RHOS}), progress, store)
 
 
-def _precision_stage(cfg: EvalConfig, progress: StageProgress | None) -> dict[str, Any]:
+def _precision_stage(cfg: EvalConfig, progress: StageProgress | None, store: Path) -> dict[str, Any]:
     """The fidelity stage (answers per precision variant), which loads the model; ``--precision-prompts 0``
     skips it."""
     if cfg.precision_prompts == 0:
         return {"skipped": "--precision-prompts 0"}
     from pfec.lab.eval_precision import precision_scores  # deferred: torch (loads the model)
 
-    return precision_scores(cfg, cfg.precision_rhos, cfg.precision_variants, progress=progress)
+    return precision_scores(cfg, cfg.precision_rhos, cfg.precision_variants, progress=progress,
+                            prefill_store=store)
 
 
 def _scheduler_stage(cfg: EvalConfig, available: Sequence[str], progress: StageProgress | None,

@@ -137,7 +137,7 @@ def test_render_rewrites_the_docs_from_a_saved_result(
 def test_every_simulated_scheme_reaches_the_task_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[tuple[str, str]]] = []
 
-    def record(cfg: Any, pairs: list[tuple[str, str]], progress: Any) -> dict[str, Any]:
+    def record(cfg: Any, pairs: list[tuple[str, str]], progress: Any, store: Any) -> dict[str, Any]:
         seen.append(pairs)
         return {"skipped": "recorded"}
 

@@ -4,9 +4,12 @@ same rows whether the prompts run in one process or are spread over a spawned po
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pfec.common.model import llm
 from pfec.lab.eval_config import EvalConfig
 from pfec.lab.eval_task import task_scores
 
@@ -29,3 +32,20 @@ def test_task_scores_are_the_same_in_one_process_and_in_a_pool() -> None:
     assert all(0.0 <= r["recovered_utility"] <= 1.0 for r in one["rows"])
     summary = {(e["scheme"], e["mode"]) for e in one["summary"]}
     assert ("heuristic", "mask") in summary and ("priority", "zero") in summary
+
+
+def test_a_later_stage_loads_the_prompts_prefilled_caches(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = replace(EvalConfig(), task_prompts=1, context_tokens=300, max_new_tokens=8, jobs=1)
+    schemes = [("priority", "priority")]
+    first = task_scores(cfg, schemes, (0.6,), prefill_store=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 1 and not list(tmp_path.glob("*.tmp"))
+    real = llm.prefill
+
+    def no_context_prefill(runtime: llm.ModelRuntime, ids: Any, *args: Any) -> Any:
+        assert len(ids) < 100, "the prompt's context was prefilled again"  # warm-up prompts are short
+        return real(runtime, ids, *args)
+
+    monkeypatch.setattr(llm, "prefill", no_context_prefill)
+    again = task_scores(cfg, schemes, (0.6,), prefill_store=tmp_path)
+    assert again["rows"] == first["rows"] and again["full_kv"] == first["full_kv"]
