@@ -25,8 +25,10 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``).
 - ACKs move the encoder's window (cumulative decoded prefix) and feed the loss, burst, RTT and deficit
   estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
-  flight that the receiver had not seen when it wrote the ACK (each arrives with probability 1 - loss),
-  plus the expected losses among in-flight sources that fall inside the window.
+  flight that the receiver had not seen when it wrote the ACK (each counts as arriving while a lost one
+  could still be replaced, with probability 1 - loss within ``RESEND_RTTS`` of the deadline), plus the
+  expected losses among in-flight sources that fall inside the window. A repair burst whose rest would
+  find no region still lacking ends early (the policy decides again).
 - ACK fields are checked against what was sent (decoded prefix, seen end and decoded count within the
   sources sent, largest packet number within those sealed, counters within the datagrams sealed); an
   implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
@@ -73,7 +75,15 @@ from pfec.common.wire.messages import (
     split_app,
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
-from pfec.sender.repair_plan import Plan, RepairPlanner, count_upto_kernel
+from pfec.sender.repair_plan import (
+    PROACTIVE,
+    RESEND_RTTS,
+    SEEN_MIN_S,
+    SEEN_RTTS,
+    Plan,
+    RepairPlanner,
+    count_upto_kernel,
+)
 from pfec.sender.session_types import (
     MAX_SPAN,
     Accepted,
@@ -153,6 +163,7 @@ class SenderSession:
         self._tail = OpenLoopTail(policy.sends_repairs and not self._open_loop, config.loss_prior,
                                   2 * config.owd_s, config.window_cap)
         self._tail_burst = False  # the current burst is the tail's open-loop repair
+        self._planner_loss = 0.0  # the loss the repair planner discounts repairs in flight by (see below)
         self._source_info = source_info
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
         self._utility_features: list[list[float]] | None = (
@@ -370,7 +381,9 @@ class SenderSession:
         proactive = rtt > 0 and time_left < 1.5 * rtt
         self._tail.update(time_left, rtt)
         self._proactive = proactive
-        plan = self._fresh_plan = self.planner.plan(next_esi, loss, proactive)
+        # Repairs in flight count as arriving until a lost one could no longer be replaced (RESEND_RTTS).
+        self._planner_loss = loss if proactive or time_left < RESEND_RTTS * rtt else 0.0
+        plan = self._fresh_plan = self.planner.plan(next_esi, self._planner_loss, proactive)
         view.window_size = plan.nss
         view.repair_effectiveness = plan.effectiveness
         view.deficit_estimate = plan.reactive_need
@@ -412,7 +425,9 @@ class SenderSession:
             plan = planner.plan_newest(self.encoder.next_esi, self._tail.loss,
                                        self._span if self._stalled else MAX_SPAN)
         elif plan is None:
-            plan = planner.plan(self.encoder.next_esi, self.view.loss_estimate, self._proactive)
+            plan = planner.plan(self.encoder.next_esi, self._planner_loss, self._proactive)
+            if plan.region == PROACTIVE and not (self._proactive or self._open_loop):
+                return None  # the burst outran the reported need: its rest would hit no hole; decide again
         self._fresh_plan = None  # planner.sent() below changes what the next repair serves
         first, count, region = plan.first, plan.nss, plan.region
         if count <= 0 or first < 0 or first + count > self.encoder.next_esi:
@@ -610,7 +625,7 @@ class SenderSession:
             if self._rep_pn[acked - 1] == largest:
                 sample_time = float(self._rep_time[acked - 1])
         if ack.decoded_prefix == enc.ack_prefix:  # the newest ACK: its hole map is current
-            self._plan_from_ack(ack)
+            self._plan_from_ack(ack, now)
         if sample_time >= 0:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:
@@ -619,7 +634,7 @@ class SenderSession:
             cpu.feedback_ns += cpu.clock() - t0
             cpu.acks += 1
 
-    def _plan_from_ack(self, ack: Ack) -> None:
+    def _plan_from_ack(self, ack: Ack, now: float) -> None:
         open_loop = self._open_loop  # a fixed-rate code takes the prefix (the encoder's window), no holes
         self._stalled = ack.seen_end - ack.decoded_prefix > self._span
         if open_loop:
@@ -636,6 +651,8 @@ class SenderSession:
             self._rep_window,
             self._repairs_acked,
             self.view.repairs_sent,
+            self._rep_time,
+            now - max(SEEN_RTTS * self.view.rtt_estimate, SEEN_MIN_S),
         )
 
     def _on_result(self, result: Result, now: float) -> None:

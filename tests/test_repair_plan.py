@@ -26,7 +26,8 @@ class ReferencePlanner:
         self.proactive_sent = 0
 
     def on_ack(
-        self, prefix: int, holes: list[int], deficit: int, next_esi: int, in_flight: list[tuple[int, int]]
+        self, prefix: int, holes: list[int], deficit: int, next_esi: int, in_flight: list[tuple[int, int]],
+        seen: list[tuple[int, int]] = (),  # type: ignore[assignment]
     ) -> None:
         self.prefix = prefix
         holes = [h for h in holes if h < next_esi]
@@ -40,12 +41,24 @@ class ReferencePlanner:
                 j += 1
             self.regions.append([holes[i], holes[j - 1] + 1, j - i, (j - i) * share, 0.0])
             i = j
+        if self.regions and deficit > 0:  # what each region lacks: holes minus the seen repairs reaching it
+            for r in self.regions:
+                r[3] = r[2]
+            for first, end in seen:
+                reached = [r for r in self.regions if end > prefix and first < r[1] and r[0] < end]
+                if reached:
+                    max(reached, key=lambda r: r[3])[3] -= 1  # max() keeps the first of equals
+            lacking = sum(max(0.0, r[3]) for r in self.regions)
+            for r in self.regions:
+                if lacking > 0:
+                    r[3] = min(r[2], max(0.0, r[3]) * deficit / lacking)
+                else:
+                    r[3] = r[2] * deficit / sum(q[2] for q in self.regions)
         self.proactive_sent = 0
         for first, end in in_flight:
-            for r in self.regions:
-                if first < r[1] and r[0] < end:
-                    r[4] += 1
-                    break
+            reached = [r for r in self.regions if first < r[1] and r[0] < end]
+            if reached:
+                max(reached, key=lambda r: r[3] - r[4])[4] += 1
             else:
                 self.proactive_sent += 1
 
@@ -100,6 +113,8 @@ def _pack(holes: list[int], prefix: int) -> tuple[bytes, int]:
     deficit=st.integers(0, 140),
     beyond=st.integers(-50, 600),
     windows=st.lists(st.tuples(st.integers(-40, 560), st.integers(1, 64)), max_size=20),
+    seen=st.lists(st.tuples(st.integers(-80, 560), st.integers(1, 64)), max_size=20),
+    old=st.integers(0, 5),
     sends=st.lists(st.integers(-1, 30), max_size=30),
     loss=st.floats(0.0, 0.6),
     proactive=st.booleans(),
@@ -112,6 +127,8 @@ def test_compiled_planner_matches_reference(
     deficit: int,
     beyond: int,
     windows: list[tuple[int, int]],
+    seen: list[tuple[int, int]],
+    old: int,
     sends: list[int],
     loss: float,
     proactive: bool,
@@ -122,16 +139,19 @@ def test_compiled_planner_matches_reference(
     holes = sorted(prefix + o for o in offsets)
     next_esi = prefix + max(0, beyond)
     in_flight = [(prefix + a, prefix + a + n) for a, n in windows]
+    seen_windows = [(max(0, prefix + a), max(0, prefix + a) + n) for a, n in seen]
     packed, bits = _pack(holes, prefix)
     ref = ReferencePlanner(cap, span, target, fixed_dt)
-    ref.on_ack(prefix, holes, deficit, next_esi, in_flight)
+    ref.on_ack(prefix, holes, deficit, next_esi, in_flight, seen_windows[old:])
     planner = RepairPlanner(cap, span, target, fixed_dt)
-    rows = np.array(in_flight, dtype=np.int64).reshape(-1, 2)
-    planner.on_ack(prefix, packed, bits, deficit, next_esi, np.vstack([np.zeros((3, 2), np.int64), rows]), 3)
+    # Rows: the repairs the ACK has seen (the first ``old`` sent before the horizon), then those in flight.
+    rows = np.array(seen_windows + in_flight, dtype=np.int64).reshape(-1, 2)
+    times = np.arange(len(rows), dtype=np.float64)
+    planner.on_ack(prefix, packed, bits, deficit, next_esi, rows, len(seen), None, times, float(old))
     assert planner.unknowns == ref.unknowns
     twin = RepairPlanner(cap, span, target, fixed_dt)  # hole map as another buffer than bytes
     twin.on_ack(
-        prefix, bytearray(packed), bits, deficit, next_esi, np.vstack([np.zeros((3, 2), np.int64), rows]), 3
+        prefix, bytearray(packed), bits, deficit, next_esi, rows, len(seen), None, times, float(old)
     )  # type: ignore[arg-type]
     assert (twin.unknowns, twin.regions) == (planner.unknowns, planner.regions)
     assert twin.plan(next_esi, loss, proactive) == planner.plan(next_esi, loss, proactive)
