@@ -18,7 +18,13 @@ import typer
 
 from pfec.cli.shared import DOCS_BENCH, fail
 from pfec.common.node.config import parse_host_port
-from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, DEFAULT_RHO, DEFAULT_RTT_MS
+from pfec.common.plan.deadline import (
+    AUTO_WINDOW,
+    DEFAULT_RATE_MBPS,
+    DEFAULT_REPAIR_BUDGET,
+    DEFAULT_RHO,
+    DEFAULT_RTT_MS,
+)
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, PLANNER_MODES, check_mix, choose_mix, choose_mode
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
@@ -60,7 +66,9 @@ def sim_cmd(
     repair_budget: Annotated[
         float, typer.Option(help="Repair budget, fraction of source symbols.")
     ] = DEFAULT_REPAIR_BUDGET,
-    window: Annotated[int, typer.Option(help="Coding window cap K (symbols).")] = 64,
+    window: Annotated[int, typer.Option(
+        help="Coding window cap K (symbols), as the sender's fec.window_cap: 0 sizes it from the path "
+        "(a quarter of the bandwidth-delay product, 64..512).")] = AUTO_WINDOW,
     profile: Annotated[
         str,
         typer.Option(

@@ -54,7 +54,7 @@ class SimConfig:
     max_symbol_size: int = DEFAULT_SYMBOL_SIZE
     fit_symbols: bool = True  # equal fragments per block (kvlayout.fitted_symbol_size)
     repair_budget: float = DEFAULT_REPAIR_BUDGET  # B_rep as a fraction of the source symbols
-    window_cap: int = AUTO_WINDOW  # coding window cap K, as the sender daemon's fec.window_cap (0: from the path)
+    window_cap: int = AUTO_WINDOW  # coding window cap K, as the daemon's fec.window_cap (0: from the path)
     target_nonzeros: int = 8
     ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
     authenticate: bool = False  # AEAD on every datagram (slower; the daemons always authenticate)
@@ -90,8 +90,8 @@ class SimConfig:
         if self.mode == "split" and self.precision == NATIVE:
             raise ValueError("a split streams a quantised back: choose a precision other than native")
         if not AUTO_WINDOW <= self.window_cap <= MAX_WINDOW_CAP:
-            raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or 1..{MAX_WINDOW_CAP}, "
-                             f"got {self.window_cap!r}")
+            raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or "
+                             f"1..{MAX_WINDOW_CAP}, got {self.window_cap!r}")
         if self.loss_prior is not None and not 0.0 <= self.loss_prior < 1.0:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.meeting_token is not None and not 0 <= self.meeting_token < self.tokens:

@@ -41,7 +41,7 @@ def test_defaults_per_kind() -> None:
     assert s.udp.rcvbuf_bytes == s.udp.sndbuf_bytes == 8 * 1024 * 1024
     assert s.security.psk_file == Path("/etc/pfec/psk")
     assert r.reconstruction == "mask" and r.limits.max_sessions == 64
-    assert s.fec.scheme == "heuristic" and s.fec.window_cap == 64
+    assert s.fec.scheme == "heuristic" and s.fec.window_cap == 0  # sized from the path
     assert s.model.path == "default" and s.model.device == "auto"
     # Direct construction agrees with the loader's per-kind defaults.
     assert SenderDaemonConfig() == s and ReceiverDaemonConfig() == r

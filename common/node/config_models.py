@@ -249,7 +249,8 @@ class SenderFecConfig(_Section):
         default=AUTO_WINDOW, ge=AUTO_WINDOW, le=MAX_WINDOW_CAP,
         description="Coding window cap K, symbols (RFC 8681 NSS). 0 (default): sized per handoff from the "
         "path at OFFER time, a quarter of the bandwidth-delay product (rate and owd_ms) rounded up to a "
-        "power of two within 64..256 (at 100 Mbit/s: 64 below about 25 ms RTT, 256 above about 50 ms). "
+        "power of two within 64..512 (at 100 Mbit/s: 64 below about 25 ms RTT, 128 to 50 ms, 256 to "
+        "100 ms, 512 beyond). "
         "1..4095: that cap for every handoff.",
     )
     repair_budget: float = Field(

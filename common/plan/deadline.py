@@ -11,12 +11,22 @@ budgets from here, so the simulator and the daemons cannot disagree about what "
 
 from __future__ import annotations
 
+import math
+
 from pfec.common.wire.messages import HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE
 
 DEFAULT_RHO = 0.8
 DEFAULT_RATE_MBPS = 100.0
 DEFAULT_RTT_MS = 20.0
 DEFAULT_REPAIR_BUDGET = 0.15  # B_rep as a fraction of the source symbols (paper III-C)
+
+# The coding window cap K. A configured cap of AUTO_WINDOW sizes it from the path (auto_window_cap); any
+# other value, 1..MAX_WINDOW_CAP, is used as given.
+AUTO_WINDOW = 0
+MAX_WINDOW_CAP = 4095  # an RFC 8681 window's 12-bit NSS
+MIN_AUTO_WINDOW = 64  # the codec's default window: what short paths keep
+MAX_AUTO_WINDOW = 512  # what 200 ms RTT at 100 Mbit/s measured best with; a dense repair costs O(K)
+WINDOW_BDP_DIVISOR = 4  # K ~ a quarter of the bandwidth-delay product (see auto_window_cap)
 
 
 def serialisation_s(n_bytes: int, rate_bps: float) -> float:
@@ -54,3 +64,30 @@ def budget_seconds(t_ser_s: float, owd_s: float, rho: float | None = None,
 def rho_of(budget_s: float, owd_s: float, t_ser_s: float) -> float:
     """The rho a budget of ``budget_s`` stands for."""
     return (budget_s - owd_s) / t_ser_s
+
+
+def auto_window_cap(owd_s: float, slot_s: float) -> int:
+    """The coding window cap K for a path of one-way delay ``owd_s`` and data slot ``slot_s``: a quarter of
+    the bandwidth-delay product in datagrams, rounded up to a power of two, within
+    [MIN_AUTO_WINDOW, MAX_AUTO_WINDOW]. A loss is reported about a round trip after it was sent, when the
+    sender is a bandwidth-delay product further on; a repair whose window spans only the newest 64 sources
+    then reaches few of the reported holes, so at long RTT (a few hundred datagrams in flight and more)
+    the window grows with the path. Monotone: non-decreasing in the delay and in the rate (shorter slot)."""
+    if not (math.isfinite(owd_s) and owd_s >= 0):
+        raise ValueError(f"one-way delay must be finite and >= 0, got {owd_s!r} s")
+    if not (math.isfinite(slot_s) and slot_s > 0):
+        raise ValueError(f"slot must be finite and positive, got {slot_s!r} s")
+    want = 2 * owd_s / slot_s / WINDOW_BDP_DIVISOR
+    k = MIN_AUTO_WINDOW
+    while k < want and k < MAX_AUTO_WINDOW:
+        k *= 2
+    return k
+
+
+def resolve_window_cap(window_cap: int, owd_s: float, slot_s: float) -> int:
+    """The window cap a session uses: ``window_cap`` as configured, or the path's (``auto_window_cap``)
+    when it is AUTO_WINDOW."""
+    if not AUTO_WINDOW <= window_cap <= MAX_WINDOW_CAP:
+        raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or 1..{MAX_WINDOW_CAP}, "
+                         f"got {window_cap!r}")
+    return auto_window_cap(owd_s, slot_s) if window_cap == AUTO_WINDOW else window_cap
