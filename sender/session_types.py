@@ -19,6 +19,10 @@ from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
 
 
+
+OFFER_RETRY_S = 0.05  # the OFFER is repeated this often until the ACCEPT arrives, or more often:
+EARLY_OFFER_EVERY = 128  # data datagrams between OFFERs before the ACCEPT (a receiver holds 256 without one)
+
 @dataclass(frozen=True, slots=True)
 class SenderConfig:
     budget_s: float  # D: from start() until the receiver must start decoding
@@ -30,7 +34,7 @@ class SenderConfig:
     target_nonzeros: int | None = 8
     fixed_dt: int | None = None
     app_blob: bytes = b""  # application part of the OFFER (split over parts)
-    offer_retry_s: float = 0.05
+    offer_retry_s: float = OFFER_RETRY_S
     result_wait_s: float = 2.0
     rate_bps: float = 0.0  # link rate for the OFFER's own serialisation time (0: ignore)
     first_flight: int = 64  # data datagrams sent before the receiver's ACCEPT (about one BDP)

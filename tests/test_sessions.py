@@ -5,6 +5,7 @@ Loss means not delivering a datagram; time only moves when the harness says so.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,16 @@ from pfec.sender.session import (
     SourceInfo,
     SplitInfo,
 )
-from pfec.sender.transfer import SPAN_SLACK, LinkBudget, decoder_span_for
+from pfec.sender.session_types import OFFER_RETRY_S
+from pfec.sender.transfer import (
+    HANDSHAKE_RETRIES_COVERED,
+    MAX_FIRST_FLIGHT,
+    MIN_FIRST_FLIGHT,
+    SPAN_SLACK,
+    LinkBudget,
+    decoder_span_for,
+    first_flight,
+)
 
 PSK = b"k" * 32
 FP = b"f" * 32
@@ -569,6 +579,24 @@ def test_a_first_flight_longer_than_256_is_held_whole_until_the_handshake_comple
     if not overflow:
         assert h.sender.datagrams_sent["source"] >= 600
         assert len(ev.decoded_esis) == len(symbols)
+
+
+def test_a_lost_offer_is_repeated_before_the_receiver_must_drop_early_data() -> None:
+    """The OFFER is lost and the ACCEPT takes a round trip: a receiver without an OFFER holds only 256
+    datagrams of the session. The OFFER repeats every EARLY_OFFER_EVERY data datagrams until the ACCEPT
+    (not only every offer_retry_s, 500 slots here), so nothing of the first flight is dropped."""
+    h, symbols = make_pair(n=800, budget_s=0.3, policy=SourceOnly(), first_flight=600)
+    h.drop_forward = lambda i, d: i == 0  # the first datagram on the wire is the OFFER
+    h.run()
+    assert h.endpoint.drops.get("early_overflow", 0) == 0, h.endpoint.drops
+    assert len(h.deadline_event().decoded_esis) == len(symbols)
+
+
+def test_the_first_flight_covers_the_handshake_and_its_retries() -> None:
+    budget = LinkBudget(rate_bps=100e6, owd_s=0.01, t_ser_s=1.0, deadline_s=1.0, slot_s=0.0001)
+    assert first_flight(budget) == math.ceil((0.02 + HANDSHAKE_RETRIES_COVERED * OFFER_RETRY_S) / 0.0001) + 16
+    assert first_flight(replace(budget, owd_s=0.1)) == MAX_FIRST_FLIGHT  # bounded by what a receiver holds
+    assert first_flight(replace(budget, slot_s=0.01)) == MIN_FIRST_FLIGHT
 
 
 # --------------------------------------------------------------------------- open-loop tail
