@@ -292,8 +292,11 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
         handoffs += [tx.submit(spec) for _ in range(2)]
         reports = [await _wait(h, 20) for h in handoffs]
         await tx.close()
+        started = time.monotonic()  # each sender's last CLOSE may still be on its way or in the queue
+        while (rx.endpoint.sessions or rx.sessions) and time.monotonic() - started < 5.0:
+            await asyncio.sleep(0.01)
         await rx.close()
-        assert not rx.endpoint.sessions and not rx.sessions
+        assert not rx.endpoint.sessions and not rx.sessions, rx.session_views()
         return reports
 
     reports = run(main())
