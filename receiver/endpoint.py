@@ -134,6 +134,9 @@ class HandshakeInfo:
     span: int = 0  # the decoder span granted (the ACCEPT's)
 
 
+MAX_HELD_REPEATS = 64  # repeated OFFER packet numbers a pending handshake remembers (bounded)
+
+
 @dataclass(slots=True)
 class _Pending:
     """One pending handshake (small: a few hundred bytes plus the held OFFER parts and early data)."""
@@ -146,6 +149,7 @@ class _Pending:
     receiver_random: bytes
     reply: bytes  # the sealed ACCEPT, sent again as is for a repeated OFFER
     parts: dict[int, int] = field(default_factory=dict)  # part index -> packet number
+    repeats: set[int] = field(default_factory=set)  # packet numbers of repeated OFFER parts
     held: list[tuple[int, Message]] = field(default_factory=list)  # (pn, message): later parts, early data
     protector: PacketProtector | None = None  # the session's, built (keys derived) on first need
     bytes_received: int = 0
@@ -322,8 +326,10 @@ class ReceiverEndpoint:
             self._drop("offer_mismatch")
             return None
         pending.bytes_received += len(data)
-        if offer.part_index in pending.parts:  # the sender repeats its OFFER: our ACCEPT was lost
+        if offer.part_index in pending.parts:  # the sender repeats its OFFER: our ACCEPT was lost or is late
             self._reply(pending, sid)
+            if pn not in pending.repeats and len(pending.repeats) < MAX_HELD_REPEATS:
+                pending.repeats.add(pn)  # counted as received once the session starts (not as a loss)
             return header
         pending.parts[offer.part_index] = pn
         pending.held.append((pn, offer))
@@ -471,6 +477,10 @@ class ReceiverEndpoint:
         session = ReceiverSession(sid, protector, pending.offer, pending.offer_pn, now, pending.config,
                                   self.cpu, offer_at=pending.created_at)
         self.sessions[sid] = session
+        for repeat_pn in pending.repeats:  # repeated OFFERs arrived: counted in order, not as losses
+            with contextlib.suppress(ReplayError):
+                protector.mark_received(repeat_pn)
+                pending.held.append((repeat_pn, pending.offer))
         pending.held.sort(key=lambda held: held[0])
         for held_pn, held in pending.held:
             session.handle_message(held_pn, held, now)

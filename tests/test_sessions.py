@@ -592,6 +592,16 @@ def test_a_lost_offer_is_repeated_before_the_receiver_must_drop_early_data() -> 
     assert len(h.deadline_event().decoded_esis) == len(symbols)
 
 
+def test_offers_repeated_before_the_accept_do_not_count_as_losses() -> None:
+    """A long first flight repeats the OFFER every EARLY_OFFER_EVERY datagrams while the ACCEPT is on its
+    way; the receiver counts those copies as received, so a lossless link reports no loss."""
+    h, _ = make_pair(n=800, budget_s=0.3, policy=SourceOnly(), first_flight=600)
+    h.drop_reverse = lambda i, d: i < 2  # the first ACCEPTs are lost: repeats reach a pending handshake
+    h.run()
+    lost, seen = h.sender.measured_loss
+    assert seen > 600 and lost == 0, (lost, seen)
+
+
 def test_the_first_flight_covers_the_handshake_and_its_retries() -> None:
     budget = LinkBudget(rate_bps=100e6, owd_s=0.01, t_ser_s=1.0, deadline_s=1.0, slot_s=0.0001)
     assert first_flight(budget) == math.ceil((0.02 + HANDSHAKE_RETRIES_COVERED * OFFER_RETRY_S) / 0.0001) + 16
