@@ -63,10 +63,10 @@ def _progress_bar(enabled: bool) -> Iterator[StageProgress]:
 
 def eval_cmd(
     realizations: Annotated[
-        int | None, typer.Option(help="Paired loss realizations per cell [12; small 2].")
+        int | None, typer.Option(help="Paired loss realizations per cell [10; small 2].")
     ] = None,
     headline_realizations: Annotated[
-        int | None, typer.Option(help="Realizations of the headline cell (main, rho 0.8) [100; small 2].")
+        int | None, typer.Option(help="Realizations of the headline cell (main, rho 0.8) [64; small 2].")
     ] = None,
     rhos: Annotated[
         str | None, typer.Option(help="Deadlines rho of the utility sweep [0.6,0.8,1.0,1.2; small 0.8].")

@@ -96,8 +96,8 @@ class ReliableRow:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    realizations: int = 12  # per cell; the HEADLINE cell gets headline_realizations (the claims' cell)
-    headline_realizations: int = 100  # realizations of the HEADLINE cell (the claims are made there)
+    realizations: int = 10  # per cell; the HEADLINE cell gets headline_realizations (the claims' cell)
+    headline_realizations: int = 64  # realizations of the HEADLINE cell (the claims are made there)
     rhos: tuple[float, ...] = SWEEP_RHOS
     configs: tuple[tuple[str, str], ...] = tuple(NAMED_CONFIGS.items())  # (name, loss spec)
     schemes: tuple[str, ...] = ALL_SCHEMES
