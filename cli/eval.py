@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from pfec.cli.shared import fail, parse_floats, parse_names
-from pfec.lab.progress import StageProgress
+from pfec.lab.progress import StageProgress, progress_lines
 
 OutDirOpt = Annotated[Path, typer.Option(help="CSV + JSON go here.")]
 FiguresDirOpt = Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")]
@@ -169,8 +169,11 @@ def eval_cmd(
         if configs is not None:
             overrides["configs"] = parse_configs(configs)
         cfg = replace(SMALL if small else EvalConfig(), **overrides)
-        with _progress_bar(enabled=sys.stderr.isatty()) as progress:
-            result = run_eval(cfg, progress)
+        if sys.stderr.isatty():
+            with _progress_bar(enabled=True) as progress:
+                result = run_eval(cfg, progress)
+        else:  # a log (nohup, CI, systemd): plain lines a reader can follow
+            result = run_eval(cfg, progress_lines(sys.stderr))
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_and_print(result, out_dir, figures_dir, results_md, as_json)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from pfec.lab.eval_config import GRID_AUTO, NAMED_CONFIGS, RESULTS_BEGIN, RESULT
 from pfec.lab.eval_report import update_results_md
 from pfec.lab.eval_sweep import check_pairing
 from pfec.lab.evaluate import run_eval, write_example_trace
+from pfec.lab.progress import progress_lines
 from pfec.lab.sim import prepare, run_scheme
 
 KV_SECTION = "## KV side: real model\n\nhand-written numbers that must survive\n"
@@ -262,3 +264,14 @@ def test_never_worse_needs_the_ci_low_end_above_minus_half_a_point() -> None:
     assert claim([0.0, 0.0, 0.0]).endswith("| yes |")
     # A mean of 0 with a wide interval (its upper end >= 0) is not "never worse".
     assert claim([0.02, -0.02, 0.02, -0.02]).endswith("| **no** |")
+
+
+def test_progress_for_a_log_is_a_line_per_stage_and_tenth() -> None:
+    out = io.StringIO()
+    update = progress_lines(out)
+    for done in range(0, 101):
+        update("utility sweep", done, 100)
+    update("grid", 0, 7)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 12 and lines[0].endswith("utility sweep: 0/100 (0%)"), lines
+    assert lines[-2].endswith("utility sweep: 100/100 (100%)") and lines[-1].endswith("grid: 0/7 (0%)")
