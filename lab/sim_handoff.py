@@ -17,7 +17,7 @@ from pfec.common.plan.deadline import (
     DEFAULT_REPAIR_BUDGET,
     DEFAULT_RHO,
     DEFAULT_RTT_MS,
-    MAX_WINDOW_CAP,
+    check_window_cap,
     resolve_window_cap,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
@@ -89,9 +89,7 @@ class SimConfig:
         check_mode(self.mode)
         if self.mode == "split" and self.precision == NATIVE:
             raise ValueError("a split streams a quantised back: choose a precision other than native")
-        if not AUTO_WINDOW <= self.window_cap <= MAX_WINDOW_CAP:
-            raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or "
-                             f"1..{MAX_WINDOW_CAP}, got {self.window_cap!r}")
+        check_window_cap(self.window_cap)
         if self.loss_prior is not None and not 0.0 <= self.loss_prior < 1.0:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.meeting_token is not None and not 0 <= self.meeting_token < self.tokens:

@@ -17,11 +17,9 @@ from pfec.common.events import DatagramDropped, Event
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
-
-
-
-OFFER_RETRY_S = 0.05  # the OFFER is repeated this often until the ACCEPT arrives, or more often:
+OFFER_RETRY_S = 0.05  # the OFFER repeats this often until the ACCEPT arrives (sooner: EARLY_OFFER_EVERY)
 EARLY_OFFER_EVERY = 128  # data datagrams between OFFERs before the ACCEPT (a receiver holds 256 without one)
+
 
 @dataclass(frozen=True, slots=True)
 class SenderConfig:

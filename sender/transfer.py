@@ -110,13 +110,13 @@ MAX_FIRST_FLIGHT = 2048  # = ReceiverConfig.early_datagrams: what a receiver hol
 HANDSHAKE_RETRIES_COVERED = 3  # lost OFFER or ACCEPT rounds the first flight keeps the link busy through
 
 
-def first_flight(budget: LinkBudget, offer_retry_s: float = OFFER_RETRY_S) -> int:
+def first_flight(budget: LinkBudget) -> int:
     """Data datagrams sent before the ACCEPT: the handshake's round trip and HANDSHAKE_RETRIES_COVERED
     OFFER repeats, so a lost OFFER or ACCEPT does not leave the link idle (one round trip alone idled
     it 0.05-0.15 s whenever a loss burst met the handshake: 3 of 8 realizations of the main cell, up to
     2 points of utility each), at least MIN_FIRST_FLIGHT, at most what a receiver holds early
     (MAX_FIRST_FLIGHT). A receiver that never answers costs the link this first flight and no more."""
-    handshake_s = 2 * budget.owd_s + HANDSHAKE_RETRIES_COVERED * offer_retry_s
+    handshake_s = 2 * budget.owd_s + HANDSHAKE_RETRIES_COVERED * OFFER_RETRY_S
     packets = math.ceil(handshake_s / budget.slot_s) + 16  # + the OFFER's own time and the receiver's
     return min(MAX_FIRST_FLIGHT, max(MIN_FIRST_FLIGHT, packets))
 

@@ -72,25 +72,9 @@ def generate(runtime: ModelRuntime, kv: PartialKV, question_ids: Sequence[int],
     """Greedy decode from a handed-off cache: feed the question at its original positions, no re-prefill.
 
     ``first_line_only``: stop once the first non-empty line is complete (what a short-answer score reads;
-    a damaged cache's rambling otherwise costs up to ``max_new_tokens`` forward passes per answer)."""
-    check_length(runtime, kv.n_context, len(question_ids) + max_new_tokens)
-    stops = stop_token_ids(runtime)
-    started = time.perf_counter()
-    cache = kv.fresh_cache()
-    out: list[int] = []
-    with torch.inference_mode():
-        logits = _forward(runtime, kv, cache, question_ids, kv.n_context)
-        next_id = int(logits[-1].argmax())
-        ttft = time.perf_counter() - started + kv.rebuild_s
-        position = kv.n_context + len(question_ids)
-        while next_id not in stops and len(out) < max_new_tokens:
-            out.append(next_id)
-            if len(out) == max_new_tokens or (first_line_only and _ends_first_line(runtime, out)):
-                break
-            next_id = int(_forward(runtime, kv, cache, [next_id], position)[-1].argmax())
-            position += 1
-    text = runtime.tokenizer.decode(out, skip_special_tokens=True) if runtime.tokenizer is not None else ""
-    return Generation(tuple(out), text.strip(), ttft, time.perf_counter() - started)
+    a damaged cache's rambling otherwise costs up to ``max_new_tokens`` forward passes per answer). A batch
+    of one: each step writes its row into room reserved after the context, never copying the cache."""
+    return generate_batch(runtime, [kv], question_ids, max_new_tokens, first_line_only)[0]
 
 
 def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids: Sequence[int],

@@ -84,10 +84,15 @@ def auto_window_cap(owd_s: float, slot_s: float) -> int:
     return k
 
 
-def resolve_window_cap(window_cap: int, owd_s: float, slot_s: float) -> int:
-    """The window cap a session uses: ``window_cap`` as configured, or the path's (``auto_window_cap``)
-    when it is AUTO_WINDOW."""
+def check_window_cap(window_cap: int) -> None:
+    """A configured window cap: AUTO_WINDOW or 1..MAX_WINDOW_CAP, else a ValueError naming both."""
     if not AUTO_WINDOW <= window_cap <= MAX_WINDOW_CAP:
         raise ValueError(f"window_cap must be {AUTO_WINDOW} (sized from the path) or 1..{MAX_WINDOW_CAP}, "
                          f"got {window_cap!r}")
+
+
+def resolve_window_cap(window_cap: int, owd_s: float, slot_s: float) -> int:
+    """The window cap a session uses: ``window_cap`` as configured, or the path's (``auto_window_cap``)
+    when it is AUTO_WINDOW."""
+    check_window_cap(window_cap)
     return auto_window_cap(owd_s, slot_s) if window_cap == AUTO_WINDOW else window_cap
