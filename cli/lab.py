@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pfec.cli.shared import DOCS_BENCH, fail
+from pfec.cli.shared import DOCS_BENCH, fail, parse_floats
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.deadline import (
     AUTO_WINDOW,
@@ -493,6 +493,36 @@ def bench_flood_cmd(
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_flood_bench, out_dir, "flood.md", as_json)
+
+
+def bench_breakeven_cmd(
+    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated (100..8000).")] =
+        "512,1024,2048,4096,8000",
+    rates: Annotated[str, typer.Option(help="Link rates in Mbit/s, comma-separated.")] = "20,100,1000",
+    rtt_ms: RttOpt = DEFAULT_RTT_MS,
+    local_runs: Annotated[int, typer.Option(help="Local prefill timings per length (fastest counts).")] = 2,
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where breakeven.json, .md and .png go.")] = DOCS_BENCH,
+) -> None:
+    """Measured TTFT of local prefill, native handoff, auto-precision handoff and split (real daemons over
+    the loopback emulator, default model) by context length and link rate; ~20 min at the defaults."""
+    from pfec.lab.bench_breakeven import (  # deferred: torch and the daemons
+        BreakevenConfig,
+        run_breakeven_bench,
+        write_breakeven_bench,
+    )
+
+    tokens = parse_floats(lengths, "lengths", "512,1024,2048,4096,8000")
+    if any(t != int(t) for t in tokens):
+        raise fail(f"--lengths {lengths!r}: whole token counts, e.g. 512,1024,2048,4096,8000")
+    try:
+        cfg = BreakevenConfig(lengths=tuple(int(t) for t in tokens),
+                              rates_mbps=tuple(parse_floats(rates, "rates", "20,100,1000")),
+                              rtt_ms=rtt_ms, local_runs=local_runs)
+        result = run_breakeven_bench(cfg)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_breakeven_bench, out_dir, "breakeven.md", as_json)
 
 
 def _write_bench(

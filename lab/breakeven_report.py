@@ -5,7 +5,8 @@ with a stated, assumed GPU speed) and link rates of 20, 100 and 1000 Mbit/s, it 
 points (the context length from which each handoff mode beats local prefill, and every switch of the
 planner's choice) to docs/results/breakeven.json, and draws predicted TTFT against context length
 (0.5k-8k tokens) for local prefill, native handoff, int8/int4 handoff and split, with the choice marked.
-Everything here is predicted by common/plan/breakeven.py, not measured end to end.
+Everything here is predicted by common/plan/breakeven.py, not measured end to end; `pfec bench breakeven`
+measures the default model's curves and draws them with ``plot_measured``.
 
     python -m pfec.lab.breakeven_report [--rtt-ms 20] [--loss 0]
 """
@@ -131,6 +132,79 @@ def plot(rtt_ms: float, loss: float, path: Path) -> Path:
                  "assumed RTX 4090-class speed)", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=130)
+
+
+_MEASURED_STYLES: Final = {"local": ("k", "o"), "handoff:native": ("C3", "s"), "handoff:auto": ("C0", "^"),
+                            "split:auto": ("C2", "D")}
+
+
+def _measured_label(choice: str) -> str:
+    """The measured curve a planner choice ("split:int8-int4", "handoff:native", "local") falls on."""
+    mode, _, precision = choice.partition(":")
+    if mode == "local":
+        return "local"
+    return "handoff:native" if mode == "handoff" and precision == "native" else f"{mode}:auto"
+
+
+def plot_measured(result: dict[str, Any], path: Path) -> Path:
+    """`pfec bench breakeven`'s chart: top row, the default model measured here (markers) with the sender's
+    predictions for the same handoffs (dotted) and its choice ringed; bottom row, the 7B GQA geometry
+    computed by the planner at its stated speed (lines), its choice shaded, at the same rates."""
+    plt = pyplot()
+    rates = sorted({row["rate_mbps"] for row in result["runs"]})
+    rtt_ms = float(result["config"]["rtt_ms"])
+    fig, axes = plt.subplots(2, len(rates), figsize=(4.4 * len(rates), 7.5), squeeze=False)
+    lengths = sorted(int(n) for n in result["local"])
+    xs = [n / 1000 for n in lengths]
+    local = [result["local"][str(n)]["ttft_s"] for n in lengths]
+    for col, rate in enumerate(rates):
+        ax = axes[0][col]
+        rows = [r for r in result["runs"] if r["rate_mbps"] == rate]
+        ax.plot(xs, local, "k-o", lw=1.3, ms=4, label="local (measured)")
+        for label, (color, marker) in _MEASURED_STYLES.items():
+            if label == "local":
+                continue
+            mine = sorted((r for r in rows if r["mode"] == label), key=lambda r: r["n_tokens"])
+            ax.plot([r["n_tokens"] / 1000 for r in mine], [r["ttft_s"] for r in mine], color=color,
+                    marker=marker, lw=1.3, ms=4, label=f"{label} (measured)")
+            ax.plot([r["n_tokens"] / 1000 for r in mine], [r["predicted_ttft_s"] for r in mine], color=color,
+                    ls=":", lw=1.0)
+        for n in lengths:
+            choice = next((r["planner_choice"] for r in rows
+                           if r["n_tokens"] == n and r["planner_choice"]), None)
+            if choice is None:
+                continue
+            chosen = _measured_label(choice)
+            y = (result["local"][str(n)]["ttft_s"] if chosen == "local" else
+                 next((r["ttft_s"] for r in rows if r["n_tokens"] == n and r["mode"] == chosen), None))
+            if isinstance(y, int | float):
+                ax.plot([n / 1000], [y], "o", ms=13, mfc="none", mec="gold", mew=2.5, zorder=0)
+        ax.set_title(f"default model, measured: {rate:g} Mbit/s", fontsize=9)
+        preset = PRESETS["qwen2.5-7b-geometry"]
+        computed = ttft_rows(preset, _link(rate, rtt_ms, 0.0), CHART_LENGTHS)
+        ax7 = axes[1][col]
+        cx = [r["n_tokens"] / 1000 for r in computed]
+        for key, style in (("local", "k-"), ("handoff:native", "C3--"), (f"handoff:{DEFAULT_FLOOR}", "C0-."),
+                           (f"split:{DEFAULT_FLOOR}", "C2-")):
+            ax7.plot(cx, [r[key] for r in computed], style, lw=1.3, label=key)
+        ax7.plot(cx, [r["choice_ttft_s"] for r in computed], color="gold", lw=6, alpha=0.45, zorder=0,
+                 label="planner's choice")
+        ax7.set_title(f"7B GQA geometry, computed: {rate:g} Mbit/s", fontsize=9)
+        for a in (ax, ax7):
+            a.set_xlabel("context (k tokens)", fontsize=8)
+            a.set_ylabel("TTFT (s, log)", fontsize=8)
+            a.set_yscale("log")
+            a.tick_params(labelsize=7)
+    axes[0][0].plot([], [], "o", ms=10, mfc="none", mec="gold", mew=2.5, label="planner's choice")
+    axes[0][0].plot([], [], "k:", lw=1.0, label="sender's prediction")
+    axes[0][0].legend(fontsize=6)
+    axes[1][0].legend(fontsize=6)
+    fig.suptitle(f"TTFT by context length: default model measured end to end here (loss-free link, RTT "
+                 f"{rtt_ms:g} ms); 7B GQA geometry computed by the planner "
+                 f"({PRESETS['qwen2.5-7b-geometry'].source})",
+                 fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
