@@ -33,8 +33,10 @@ import numpy.typing as npt
 from pfec.common.plan.breakeven import (
     DEFAULT_MODEL_DECODE_S,
     DEFAULT_MODEL_PREFILL,
+    FRONT_CHUNK_TOKENS,
     PrefillCurve,
     ReceiverModel,
+    front_chunk_end,
 )
 from pfec.common.plan.precision import FidelityTable, PiecePlan
 from pfec.common.plan.stream import score_stream
@@ -43,7 +45,6 @@ from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import OfferReceived, ReceiverState
 
 SIM_MODES: Final = ("handoff", "split", "local")
-FRONT_CHUNK_TOKENS: Final = 256  # as the receiver daemon's front (receiver/rebuild.py, which loads torch)
 DEFAULT_RECEIVER: Final = ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
 RECEIVER_SOURCE: Final = ("breakeven.DEFAULT_MODEL_PREFILL: SmolLM2-135M-Instruct measured on this 2-core "
                           "CPU, 2 torch threads (common/model/speed.py)")
@@ -68,13 +69,15 @@ def load_receiver_model(path: Path) -> ReceiverModel:
         raise ValueError(f"prefill speed {str(path)!r} is not a PrefillSpeed record: {exc}") from None
 
 
-def front_schedule(curve: PrefillCurve, n_tokens: int, chunk_tokens: int = FRONT_CHUNK_TOKENS,
-                   ) -> list[tuple[float, int]]:
-    """(seconds after the front starts, tokens computed) at the end of each chunk, to the whole context."""
+def front_schedule(curve: PrefillCurve, n_tokens: int, meeting_token: int | None = None,
+                   chunk_tokens: int = FRONT_CHUNK_TOKENS) -> list[tuple[float, int]]:
+    """(seconds after the front starts, tokens computed) at the end of each chunk, to the whole context
+    (the daemon's chunks: ``front_chunk_end``; a local prefill's meeting token is the context's end)."""
+    meeting = n_tokens if meeting_token is None else meeting_token
     out: list[tuple[float, int]] = []
     elapsed, done = 0.0, 0
     while done < n_tokens:
-        end = min(n_tokens, done + chunk_tokens)
+        end = front_chunk_end(done, meeting, n_tokens, chunk_tokens)
         elapsed += curve.chunk_seconds(done, end)
         out.append((elapsed, end))
         done = end
@@ -93,7 +96,7 @@ class FrontPrefill:
     def __init__(self, endpoint: ReceiverEndpoint, receiver: ReceiverModel, n_tokens: int, meeting_token: int,
                  token_ends: npt.NDArray[np.int64]) -> None:
         self.endpoint = endpoint
-        self.schedule = front_schedule(receiver.prefill, n_tokens)
+        self.schedule = front_schedule(receiver.prefill, n_tokens, meeting_token)
         self.n_tokens = n_tokens
         self.meeting_token = meeting_token
         self.token_ends = token_ends  # per stream index

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from pfec.common.plan.breakeven import FRONT_CHUNK_TOKENS, front_chunk_end
 from pfec.common.plan.handoff import (
     BLOCK_TOKENS,
     ModelIdentity,
@@ -48,10 +49,6 @@ class Rebuilt:
     first_token_at: float | None = None  # the receiver's monotonic clock when the first token was out
 
 
-#: Tokens per forward call of a split's front prefill, each chunk's end reported to the sender (small:
-#: finer progress, more per-call overhead). Measured here (default model, 2 threads, 688 tokens, load 1.2):
-#: one pass 1.10 s, chunks of 128 tokens 1.55 s, of 256 tokens 1.33 s.
-FRONT_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -80,8 +77,11 @@ def compute_front(runtime: ModelRuntime, front: Front, progress: Callable[[int],
     ids: Sequence[int] = front.context_ids
     started = time.perf_counter()
     while front.tokens < len(ids) and not front.stop.is_set():
-        end = min(len(ids), front.tokens + front.chunk_tokens)
-        front.cache = llm.prefill_chunk(runtime, front.cache, ids[front.tokens : end])
+        end = front_chunk_end(front.tokens, front.meeting_token, len(ids), front.chunk_tokens)
+        try:
+            front.cache = llm.prefill_chunk(runtime, front.cache, ids[front.tokens : end], stop=front.stop)
+        except llm.ChunkStopped:  # the session started mid-chunk: the cache still holds [0, tokens)
+            break
         front.tokens = end
         progress(end)
     front.compute_s += time.perf_counter() - started

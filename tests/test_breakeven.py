@@ -313,3 +313,24 @@ def test_plan_command_refuses_bad_input_with_exit_2(args: list[str], reason: str
     result = CliRunner().invoke(app, ["plan", *args])
     assert result.exit_code == 2
     assert reason in result.output
+
+
+def test_front_chunks_end_on_the_meeting_token_and_never_past_the_context() -> None:
+    """The receiver's front: fixed chunks, but the one crossing the meeting token stops on it (the session
+    may start there), and chunks past it continue only while the stream is late."""
+    from pfec.common.plan.breakeven import front_chunk_end
+
+    def chunks(meeting: int, n: int, size: int = 256) -> list[int]:
+        ends, done = [], 0
+        while done < n:
+            done = front_chunk_end(done, meeting, n, size)
+            ends.append(done)
+        return ends
+
+    assert chunks(224, 656) == [224, 480, 656]
+    assert chunks(512, 656) == [256, 512, 656]  # a meeting token on a chunk boundary changes nothing
+    assert chunks(656, 656) == [256, 512, 656]  # local prefill: the meeting token is the context's end
+    assert chunks(0, 300) == [256, 300]  # all streamed: the front only bridges a late stream
+    for bad in ((656, 224, 656), (-1, 224, 656), (0, 10, 20, 0)):
+        with pytest.raises(ValueError, match="front chunk"):
+            front_chunk_end(*bad)

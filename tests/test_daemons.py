@@ -535,7 +535,11 @@ def test_split_and_local_handoffs_compute_the_front_and_match_full_kv(tiny: llm.
     n_tokens = report["n_tokens"]
     assert report["answer"] == report["full_kv_answer"] and report["answer"], report
     assert report["recovered_utility"] == pytest.approx(1.0), report
-    assert report["computed_tokens"] is not None and report["computed_tokens"] > 0, report
+    # The front reaches the meeting token (the session cannot start before); past it, it computes only
+    # while the stream is late, and stops mid-chunk when the session starts (the tiny model's planned
+    # meeting token is often 0: all streamed).
+    assert report["computed_tokens"] is not None, report
+    assert report["computed_tokens"] >= (report["meeting_token_planned"] or 0), report
     assert report["start"] == "ready", report
     if mode == "split":
         m = report["meeting_token_planned"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,40 @@ def test_chunked_prefill_equals_one_pass(arch: str) -> None:
         assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
     kv = llm.partial_from_cache(cache, None, "mask")
     assert torch.allclose(llm.teacher_forced_logits(rt, kv, QUESTION), _full_logits(rt), atol=1e-4)
+
+
+class _SetAfter(threading.Event):
+    """A stop flag that reads as set from its ``n``-th check on (a session starting mid-chunk)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_stopped_chunk_leaves_the_cache_as_it_was(arch: str) -> None:
+    """A split's session starts mid-chunk: the chunk stops between layers and the cache keeps exactly
+    [0, i) in every layer, so the front joins the rebuilt cache as if the chunk had never begun."""
+    rt = _runtime(arch)
+    n_layers = rt.geometry.n_layers
+    assert n_layers >= 2
+    cache = llm.prefill_chunk(rt, None, CONTEXT[:16])
+    before = [(k.clone(), v.clone()) for k, v in llm.cache_layers(cache)]
+    stop = _SetAfter(n_layers // 2 + 1)  # the first half of the layers run, then the stop is seen
+    with pytest.raises(llm.ChunkStopped):
+        llm.prefill_chunk(rt, cache, CONTEXT[16:32], stop=stop)
+    assert stop.checks == n_layers // 2 + 1
+    assert cache.get_seq_length() == 16
+    for (k0, v0), (k1, v1) in zip(before, llm.cache_layers(cache), strict=True):
+        assert k1.shape == k0.shape and torch.equal(k0, k1) and torch.equal(v0, v1)
+    cache = llm.prefill_chunk(rt, cache, CONTEXT[16:], stop=threading.Event())  # never set: runs whole
+    one, _ = llm.prefill(rt, CONTEXT)
+    for (k1, v1), (k2, v2) in zip(llm.cache_layers(one), llm.cache_layers(cache), strict=True):
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,13 +45,21 @@ def prefill(runtime: ModelRuntime, context_ids: Sequence[int],
     return cache, obs
 
 
-def prefill_chunk(runtime: ModelRuntime, cache: DynamicCache | None,
-                  chunk_ids: Sequence[int]) -> DynamicCache:
+class ChunkStopped(Exception):
+    """A chunk's prefill stopped between two layers (its ``stop`` was set); the cache is as before it."""
+
+
+def prefill_chunk(runtime: ModelRuntime, cache: DynamicCache | None, chunk_ids: Sequence[int],
+                  stop: threading.Event | None = None) -> DynamicCache:
     """Extend ``cache`` (the KV of context tokens [0, i); None: i = 0) with ``chunk_ids`` = tokens [i, j).
 
     Exact: a causal prefix's KV does not depend on what follows, so prefilling [0, N) chunk by chunk gives
     the one-pass cache (to the float rounding of a different matmul split). The receiver of a split handoff
     computes the front this way, reporting progress after every chunk. Returns the (same) cache.
+
+    With ``stop``, the chunk checks it before every decoder layer: a session that becomes ready mid-chunk
+    (its stream arrived) starts without waiting for the rest of a chunk it no longer needs. Then the layers
+    already extended are cut back to [0, i) and ``ChunkStopped`` is raised.
     """
     start = 0 if cache is None else int(cache.get_seq_length())
     if not chunk_ids:
@@ -60,11 +69,56 @@ def prefill_chunk(runtime: ModelRuntime, cache: DynamicCache | None,
     check_length(runtime, start + len(chunk_ids))
     ids = torch.tensor([list(chunk_ids)], device=runtime.device)
     positions = torch.arange(start, start + len(chunk_ids), device=runtime.device)[None]
-    with torch.inference_mode():
+    with torch.inference_mode(), _stoppable(runtime, stop):
         if cache is None:
             cache = DynamicCache(config=runtime.model.config)
-        runtime.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        try:
+            runtime.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True,
+                          logits_to_keep=1)
+        except ChunkStopped:
+            _cut_back(cache, start)
+            raise
     return cache
+
+
+@contextlib.contextmanager
+def _stoppable(runtime: ModelRuntime, stop: threading.Event | None) -> Iterator[None]:
+    """Raise ``ChunkStopped`` before any decoder layer runs once ``stop`` is set (no-op without ``stop``, or
+    for a model whose layer stack is not found: its chunks then run whole)."""
+    layers = _decoder_layers(runtime.model) if stop is not None else None
+    if stop is None or layers is None:
+        yield
+        return
+
+    def check(_module: torch.nn.Module, _args: object) -> None:
+        if stop.is_set():
+            raise ChunkStopped
+
+    handles = [layer.register_forward_pre_hook(check) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers: the ModuleList as long as ``config.num_hidden_layers``."""
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
+            return module
+    return None
+
+
+def _cut_back(cache: DynamicCache, n_tokens: int) -> None:
+    """Every layer back to its first ``n_tokens`` (a stopped chunk extended only the layers before it)."""
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and keys.shape[-2] > n_tokens:
+            layer.keys = keys[..., :n_tokens, :]
+        if isinstance(values, torch.Tensor) and values.shape[-2] > n_tokens:
+            layer.values = values[..., :n_tokens, :]
 
 
 def join_prefix(kv: PartialKV, prefix: DynamicCache, n_prefix: int) -> PartialKV:

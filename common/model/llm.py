@@ -18,6 +18,7 @@ from pfec.common.model.decode import (
     teacher_forced_logits,
 )
 from pfec.common.model.kvcache import (
+    ChunkStopped,
     PartialKV,
     ReconstructionMode,
     cache_layers,
@@ -57,6 +58,7 @@ __all__ = [
     "PFEC_ATTENTION",
     "TORCH_DTYPES",
     "TRANSFORMERS_VERSION",
+    "ChunkStopped",
     "Generation",
     "HandoffPrompt",
     "ModelFingerprint",
