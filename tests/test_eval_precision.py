@@ -86,6 +86,10 @@ def test_the_results_section_lists_the_rows_worse_than_native() -> None:
     assert "| auto | auto | 0.5 | 8 | 0.0% | -100.0 [-100.0, -100.0] |" in text
     assert "interval below 0): auto at rho 0.5 (equal to the full-KV answer); auto at rho 0.5 (gold" in text
     assert precision_section({"skipped": "--precision-prompts 0"})[-2] == "Not run: --precision-prompts 0."
+    assert "ceiling" not in text  # no full-KV rows: no ceiling sentence
+    stage["full_kv"] = [{"prompt": p, "contained": float(p < 6)} for p in range(8)]
+    assert ("contains the gold answer in 75.0% of these prompts" in "\n".join(precision_section(stage))
+            and "rho 0.5: native-only 100.0%, auto 0.0%" in "\n".join(precision_section(stage)))
 
 
 def test_precision_options_are_validated() -> None:
