@@ -133,5 +133,9 @@ def precision_section(stage: dict[str, Any]) -> list[str]:
     out += ["", *precision_claims(stage["summary"]), *gold_ceiling(stage)]
     worse = [f"{e['variant']} at rho {e['rho']:g} ({METRIC_NAMES[m]})" for e in stage["summary"]
              for m in METRIC_NAMES if verdict(e.get(f"vs_{REFERENCE}", {}).get(m)) == "worse"]
-    out += [f"- Rows worse than native-only (interval below 0): {'; '.join(worse) if worse else 'none'}.", ""]
+    out += [f"- Rows worse than native-only (interval below 0): {'; '.join(worse) if worse else 'none'}.", "",
+            "When a handoff beats recomputing (TTFT of local prefill, native and auto handoffs and split by "
+            "context length and link rate) is measured end to end by `pfec bench breakeven` "
+            "(docs/benchmarks/breakeven.md, not part of this run); the planner's own predictions, for the "
+            "default model and a 7B GQA geometry: `python -m pfec.lab.breakeven_report`.", ""]
     return out
