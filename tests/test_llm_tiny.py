@@ -318,6 +318,30 @@ def test_a_stopped_chunk_leaves_the_cache_as_it_was(arch: str) -> None:
     for (k0, v0), (k1, v1) in zip(before, llm.cache_layers(cache), strict=True):
         assert k1.shape == k0.shape and torch.equal(k0, k1) and torch.equal(v0, v1)
     cache = llm.prefill_chunk(rt, cache, CONTEXT[16:], stop=threading.Event())  # never set: runs whole
+    # Another thread's forward on the same model while a chunk's hooks are in place is not stopped.
+    stopped = threading.Event()
+    stopped.set()
+    seen: list[int] = []
+    started = threading.Event()
+
+    def other_thread_prefill(_module: torch.nn.Module, _args: object) -> None:
+        if not started.is_set():  # once, from the stopped chunk's first layer (its stop hooks in place)
+            started.set()
+            def prefill_elsewhere() -> None:
+                seen.append(llm.prefill(rt, CONTEXT[:8])[0].get_seq_length())
+
+            worker = threading.Thread(target=prefill_elsewhere)
+            worker.start()
+            worker.join()
+
+    base = llm.prefill_chunk(rt, None, CONTEXT[:8])
+    handle = rt.model.model.layers[0].register_forward_pre_hook(other_thread_prefill)
+    try:
+        with pytest.raises(llm.ChunkStopped):
+            llm.prefill_chunk(rt, base, CONTEXT[8:16], stop=stopped)
+    finally:
+        handle.remove()
+    assert seen == [8]
     one, _ = llm.prefill(rt, CONTEXT)
     for (k1, v1), (k2, v2) in zip(llm.cache_layers(one), llm.cache_layers(cache), strict=True):
         assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)

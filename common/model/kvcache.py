@@ -84,14 +84,16 @@ def prefill_chunk(runtime: ModelRuntime, cache: DynamicCache | None, chunk_ids: 
 @contextlib.contextmanager
 def _stoppable(runtime: ModelRuntime, stop: threading.Event | None) -> Iterator[None]:
     """Raise ``ChunkStopped`` before any decoder layer runs once ``stop`` is set (no-op without ``stop``, or
-    for a model whose layer stack is not found: its chunks then run whole)."""
+    for a model whose layer stack is not found: its chunks then run whole). Only in this thread: a node
+    whose sender and receiver share one model object may run another forward meanwhile."""
     layers = _decoder_layers(runtime.model) if stop is not None else None
     if stop is None or layers is None:
         yield
         return
+    owner = threading.get_ident()
 
     def check(_module: torch.nn.Module, _args: object) -> None:
-        if stop.is_set():
+        if stop.is_set() and threading.get_ident() == owner:
             raise ChunkStopped
 
     handles = [layer.register_forward_pre_hook(check) for layer in layers]
