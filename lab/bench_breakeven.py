@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +44,8 @@ from pfec.common.plan.breakeven import (
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.lab.breakeven_report import plot_measured
-from pfec.lab.demo import local_prefill_ttft
-from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
+from pfec.lab.demo import local_prefill_ttft, start_receiver
+from pfec.lab.processes import LOOPBACK_PSK, Child
 from pfec.lab.workloads import needle_qa
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
@@ -92,12 +91,7 @@ def _log(message: str) -> None:
 def run_breakeven_bench(cfg: BreakevenConfig, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Measure every (length, rate, mode) cell and local prefill per length; the JSON-ready result."""
     started = time.perf_counter()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise_priority()
-    if cfg.model == "default":  # convert the embedded model once here, not in two processes at once
-        llm.default_model_dir()
-    log("starting the receiver (loads the model) ...")
-    receiver = Child("receiver", model=cfg.model, psk=LOOPBACK_PSK)
+    receiver = start_receiver(cfg.model, log)
     relays: dict[float, Child] = {}
     try:
         result = run_event_loop(_measure(cfg, receiver, relays, log))

@@ -14,6 +14,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -36,7 +37,7 @@ from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, prompt_ids
 
-__all__ = ["DemoConfig", "format_demo", "run_demo"]
+__all__ = ["DemoConfig", "format_demo", "run_demo", "start_receiver"]
 
 
 def _log(message: str) -> None:
@@ -80,14 +81,21 @@ class DemoConfig:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(HANDOFF_MODES)}")
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    started = time.perf_counter()
+def start_receiver(model: str, log: Callable[[str], None]) -> Child:
+    """The receiver daemon's process of a real-model run on this machine (the demo, the break-even bench),
+    after this process's own set-up: tokenizers single-threaded, the packet paths ahead of other work, the
+    embedded model converted once here rather than in two processes at once."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise_priority()
-    if cfg.model == "default":  # convert the embedded model once here, not in two processes at once
+    if model == "default":
         llm.default_model_dir()
-    _log("starting the receiver (loads the model) ...")
-    receiver = Child("receiver", model=cfg.model, psk=LOOPBACK_PSK)
+    log("starting the receiver (loads the model) ...")
+    return Child("receiver", model=model, psk=LOOPBACK_PSK)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    started = time.perf_counter()
+    receiver = start_receiver(cfg.model, _log)
     relay: Child | None = None
     try:
         result = run_event_loop(_sender_side(cfg, receiver, started))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
+from pfec.lab.bench_breakeven import MODES
 
 
 def _default_model_available() -> tuple[bool, str]:
@@ -52,3 +54,25 @@ def test_demo_json_with_the_default_model() -> None:
 def test_demo_rejects_a_bad_value_with_exit_2() -> None:
     res = CliRunner().invoke(app, ["demo", "--rho", "-1"])
     assert res.exit_code == 2 and "--rho" in res.output, res.output
+
+
+@pytest.mark.skipif(not _OK, reason=f"default model unavailable: {_WHY}")
+def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Path) -> None:
+    """One short context at one rate: every mode's handoff runs through the daemons and starts when ready
+    (the loose deadline never binds), next to local prefill measured in the same run; files written."""
+    res = CliRunner().invoke(app, ["bench", "breakeven", "--lengths", "200", "--rates", "200",
+                                   "--local-runs", "1", "--out-dir", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [r["mode"] for r in out["runs"]] == [label for label, _, _ in MODES]
+    for row in out["runs"]:
+        assert row["state"] == "done" and row["start"] == "ready", row
+        assert row["ttft_s"] > 0 and row["predicted_ttft_s"] > 0 and row["answer"], row
+    native, auto, split = out["runs"]
+    assert auto["bytes_sent"] < native["bytes_sent"], (auto, native)  # int8/int4 travels fewer bytes
+    assert split["computed_tokens"] >= split["meeting_token_planned"], split
+    assert out["local"]["200"]["ttft_s"] > 0 and out["local"]["200"]["context_tokens"] >= 200
+    assert set(out["crossovers"]["200"]) == {label for label, _, _ in MODES}
+    for name in ("breakeven.json", "breakeven.md", "breakeven.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "| 200 | 200 |" in (tmp_path / "breakeven.md").read_text()
