@@ -58,7 +58,9 @@ _MAX_DT = 15
 _FIRST, _END, _HOLES = 0, 1, 2
 _NEED, _SENT = 0, 1
 # The planner's scalars, kept in one int64 array so that a plan is a six-argument call.
-_P_REGIONS, _P_PREFIX, _P_SPAN, _P_CAP, _P_TARGET, _P_FIXED_DT, _P_UNKNOWNS = range(7)
+# _P_NEWEST_FIRST / _P_NEWEST_WIDTH: where an open-loop repair may start and how wide it may be (plan_newest).
+(_P_REGIONS, _P_PREFIX, _P_SPAN, _P_CAP, _P_TARGET, _P_FIXED_DT, _P_UNKNOWNS, _P_NEWEST_FIRST,
+ _P_NEWEST_WIDTH) = range(9)
 
 
 class Plan(NamedTuple):
@@ -255,6 +257,9 @@ def _plan(
         best = -1
         hi = min(next_esi, prefix + (newest_span if newest_span > 0 else span))
         first = max(prefix, hi - cap)
+        if newest_span > 0 and params[_P_NEWEST_FIRST] < hi:  # open loop: as plan_newest asked, if it
+            # can reach its first symbol (a stalled receiver's span may end before it: the newest window)
+            first = max(prefix, params[_P_NEWEST_FIRST], hi - params[_P_NEWEST_WIDTH])
         count = max(0, hi - first)
         holes = max(1, math.ceil(loss * count))
         dt = _dt_for(count, holes, target, fixed_dt)
@@ -326,7 +331,8 @@ class RepairPlanner:
         self.fixed_dt = fixed_dt
         target = -1 if target_nonzeros is None else int(target_nonzeros)  # kernels: -1 = dense
         self._params = np.array(
-            [0, 0, span, window_cap, target, -1 if fixed_dt is None else int(fixed_dt), 0], dtype=np.int64
+            [0, 0, span, window_cap, target, -1 if fixed_dt is None else int(fixed_dt), 0, 0, window_cap],
+            dtype=np.int64
         )
         self._proactive_sent = 0
         # Region table (regions <= holes in one ACK map): first ESI, end past its last hole, holes;
@@ -432,9 +438,12 @@ class RepairPlanner:
         fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi, 0)
         return tuple.__new__(Plan, fields)
 
-    def plan_newest(self, next_esi: int, loss: float, span: int) -> Plan:
+    def plan_newest(self, next_esi: int, loss: float, span: int, first: int = 0, width: int = 0) -> Plan:
         """An open-loop repair: over the newest window of sources whatever the reported holes, at most
-        ``span`` past the newest ACK's prefix (the receiver refuses windows beyond its decoder span)."""
+        ``span`` past the newest ACK's prefix (the receiver refuses windows beyond its decoder span),
+        starting at ``first`` or later and at most ``width`` symbols wide (0: the window cap)."""
+        self._params[_P_NEWEST_FIRST] = max(0, first)
+        self._params[_P_NEWEST_WIDTH] = width if width > 0 else self.window_cap
         fields = self._plan(self._reg_i, self._reg_f, self._params, loss, True, next_esi, max(1, span))
         return tuple.__new__(Plan, fields)
 

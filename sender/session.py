@@ -22,7 +22,9 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   decoder stalled (undecoded range past its span: a newer window would be refused).
 - A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
   sample) cannot be repaired from feedback: the session protects them open loop at the expected-loss rate
-  (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``).
+  (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``),
+  each repair over all of the tail's sources the decoder span reaches. When the first ACK (two round trips
+  after the start) leaves no room for a closed-loop cycle, the whole handoff is that tail.
 - ACKs move the encoder's window (cumulative decoded prefix) and feed the loss, burst, RTT and deficit
   estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
   flight that the receiver had not seen when it wrote the ACK (each counts as arriving while a lost one
@@ -136,9 +138,12 @@ class SenderSession:
         self.policy = policy
         self.protector = protector
         self.cpu = cpu
+        # Unless the cap was configured, the encoder may build windows as wide as an RFC 8681 window: the
+        # open-loop tail's repairs reach back over the whole tail, as far as the decoder span allows
+        # (``_tail_window``); the repair planner bounds every other window by the cap.
         self.encoder = Encoder(
             symbols,
-            window_cap=config.window_cap,
+            window_cap=config.window_cap if config.window_cap_strict else MAX_SPAN,
             target_nonzeros=config.target_nonzeros,
             fixed_dt=config.fixed_dt,
         )
@@ -162,6 +167,7 @@ class SenderSession:
         self._tail = OpenLoopTail(policy.sends_repairs and not self._open_loop, config.loss_prior,
                                   2 * config.owd_s, config.window_cap)
         self._tail_burst = False  # the current burst is the tail's open-loop repair
+        self._tail_first = -1  # the first source sent in the tail (-1: none yet)
         self._planner_loss = 0.0  # the loss the repair planner discounts repairs in flight by (see below)
         self._source_info = source_info
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
@@ -378,7 +384,7 @@ class SenderSession:
         rtt = view.rtt_estimate
         time_left = slots_left * self.config.slot_s
         proactive = rtt > 0 and time_left < 1.5 * rtt
-        self._tail.update(time_left, rtt)
+        self._tail.update(time_left, rtt, None if rtt > 0 else now - self._start)  # no RTT sample: no ACK yet
         self._proactive = proactive
         # Repairs in flight count as arriving until a lost one could no longer be replaced (RESEND_RTTS).
         self._planner_loss = loss if proactive or time_left < RESEND_RTTS * rtt else 0.0
@@ -412,6 +418,8 @@ class SenderSession:
         self._src_pn[esi] = self.protector.packets_sealed
         self._src_time[esi] = now
         self.datagrams_sent["source"] += 1
+        if self._tail.active and self._tail_first < 0:
+            self._tail_first = esi
         self._tail.on_source()
         return datagram
 
@@ -422,7 +430,7 @@ class SenderSession:
         plan = self._fresh_plan
         if self._tail_burst:  # open loop: the newest window, as far as a stalled receiver's span allows
             plan = planner.plan_newest(self.encoder.next_esi, self._tail.loss,
-                                       self._span if self._stalled else MAX_SPAN)
+                                       self._span if self._stalled else MAX_SPAN, *self._tail_window())
         elif plan is None:
             plan = planner.plan(self.encoder.next_esi, self._planner_loss, self._proactive)
         self._fresh_plan = None  # planner.sent() below changes what the next repair serves
@@ -455,6 +463,18 @@ class SenderSession:
         self.view.repairs_sent = sent + 1
         self.datagrams_sent["repair"] += 1
         return datagram
+
+    def _tail_window(self) -> tuple[int, int]:
+        """(first ESI, width) of the tail's repairs: every source sent in the tail, as wide as the decoder
+        holds (its granted span once the ACCEPT says it; the window cap, the least any receiver grants,
+        before). One code over the whole tail rather than over the newest window: the decoder then
+        recovers the tail's sources in order as long as the repairs sent after any point outnumber the
+        losses after it, so a burst that outruns a window's repairs is paid for by the surplus of the
+        repairs after it, instead of leaving every overlapping window (the most useful sources first,
+        in utility order) undecodable. Its sources are known to the receiver (received or not) from the
+        start of the tail, so an undecoded hole costs no more than in a narrower window."""
+        width = self._span if self._accepted and not self.config.window_cap_strict else self.config.window_cap
+        return max(0, self._tail_first), width
 
     def _queue_offer(self, now: float) -> None:
         parts = split_app(self.config.app_blob, MsgType.OFFER)

@@ -29,6 +29,10 @@ class SenderConfig:
     repair_budget: int  # B_rep, repair datagrams at most
     fingerprint: bytes  # 32-byte compatibility hash checked by the receiver
     window_cap: int = DEFAULT_WINDOW
+    # A cap the operator configured (fec.window_cap > 0) bounds every repair window; a cap sized from the
+    # path (fec.window_cap = 0) lets the open-loop tail's repairs reach over the whole tail, as far as the
+    # decoder span granted (SenderSession._tail_window).
+    window_cap_strict: bool = False
     target_nonzeros: int | None = 8
     fixed_dt: int | None = None
     app_blob: bytes = b""  # application part of the OFFER (split over parts)

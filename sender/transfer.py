@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from pfec.common.events import CpuMeter
 from pfec.common.plan.deadline import (
+    AUTO_WINDOW,
     budget_seconds,
     resolve_window_cap,
     rho_of,
@@ -149,6 +150,7 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         repair_budget=round(setup.repair_budget * send.n_source),
         fingerprint=setup.fingerprint,
         window_cap=window_cap,
+        window_cap_strict=setup.window_cap != AUTO_WINDOW,
         target_nonzeros=setup.target_nonzeros,
         app_blob=setup.app_blob,
         rate_bps=budget.rate_bps,

@@ -9,8 +9,11 @@ import pytest
 
 from pfec.common.node.config_models import SenderFecConfig
 from pfec.common.sched.open_loop_tail import (
+    BURST_PRIOR,
+    CLOSED_LOOP_RTTS,
     DEFAULT_LOSS_PRIOR,
     FEEDBACK_RTTS,
+    HANDSHAKE_RTTS,
     MARGIN_SDS,
     PRIOR_WEIGHT,
     OpenLoopTail,
@@ -40,8 +43,9 @@ def test_tail_begins_when_feedback_cannot_return_and_uses_the_prior_until_acks_s
     assert tail.update(time_left=1.0, rtt_estimate=0.0)  # once in, it stays in
     for _ in range(10):
         tail.on_source()
-    assert tail.credit == pytest.approx(10 * tail_rate(0.1, 1.0, 64))
-    assert tail.take() and tail.credit == pytest.approx(10 * tail_rate(0.1, 1.0, 64) - 1)
+    # Before an ACK measures the loss runs, the rate assumes runs of BURST_PRIOR (a bursty link's).
+    assert tail.credit == pytest.approx(10 * tail_rate(0.1, BURST_PRIOR, 64))
+    assert tail.take() and tail.credit == pytest.approx(10 * tail_rate(0.1, BURST_PRIOR, 64) - 1)
     # ACK counters pull the loss from the prior towards what they measured.
     tail.on_ack(lost=100, seen=1000, burst=2.0)
     assert tail.loss == pytest.approx((100 + 0.1 * PRIOR_WEIGHT) / (1000 + PRIOR_WEIGHT))
@@ -54,6 +58,25 @@ def test_tail_begins_when_feedback_cannot_return_and_uses_the_prior_until_acks_s
     assert FEEDBACK_RTTS == 1.5
     off = OpenLoopTail(False, 0.1, rtt_prior=0.2, window=64)
     assert not off.update(time_left=0.0, rtt_estimate=0.0)
+
+
+def test_before_the_first_ack_the_handshake_decides_whether_any_closed_loop_fits() -> None:
+    """No ACK yet: the first can only come HANDSHAKE_RTTS after the start. A send window too short for a
+    closed-loop cycle after it and the tail's own 1.5 RTT is open loop from the first source; a longer one
+    keeps its closed loop until the usual 1.5 RTT before the send deadline."""
+    rtt = 0.2
+    whole = (HANDSHAKE_RTTS + CLOSED_LOOP_RTTS + FEEDBACK_RTTS) * rtt  # 1.2 s at 200 ms
+    short = OpenLoopTail(True, 0.1, rtt_prior=rtt, window=64)
+    assert short.update(time_left=whole - 0.01, rtt_estimate=0.0, since_start=0.0)
+    long = OpenLoopTail(True, 0.1, rtt_prior=rtt, window=64)
+    assert not long.update(time_left=whole + 0.01, rtt_estimate=0.0, since_start=0.0)
+    # Later, still without an ACK: what is left after the first ACK shrinks with the time left.
+    assert not long.update(time_left=whole - 0.1 + 0.01, rtt_estimate=0.0, since_start=0.1)
+    assert long.update(time_left=whole - 0.1 - 0.01, rtt_estimate=0.0, since_start=0.1)
+    # Once an ACK has come (since_start None), only the time left for feedback counts.
+    after = OpenLoopTail(True, 0.1, rtt_prior=rtt, window=64)
+    assert not after.update(time_left=whole - 0.01, rtt_estimate=rtt)
+    assert after.update(time_left=FEEDBACK_RTTS * rtt - 0.01, rtt_estimate=rtt)
 
 
 def test_loss_prior_is_a_checked_config_field_with_a_default() -> None:

@@ -186,3 +186,18 @@ def test_planner_rejects_bad_inputs() -> None:
         planner.on_ack(0, b"\xff", 8, 1, 16, np.zeros((2, 2), np.int64), 1, 3)
     with pytest.raises(ValueError, match="window_cap"):
         RepairPlanner(8, 4)
+
+
+def test_an_open_loop_repair_reaches_back_to_the_first_symbol_asked_for() -> None:
+    """plan_newest over [max(prefix, first, hi - width), hi), hi = min(next, prefix + span): the whole
+    open-loop tail when its first symbol is in reach; the newest window_cap symbols when a stalled
+    receiver's span ends before it (a window there would be empty), and by default."""
+    planner = RepairPlanner(8, 64)
+    assert (planner.plan_newest(100, 0.1, 4095).first, planner.plan_newest(100, 0.1, 4095).nss) == (92, 8)
+    p = planner.plan_newest(100, 0.1, 4095, first=30, width=64)
+    assert (p.first, p.nss) == (36, 64)  # as wide as asked: from 100 - 64
+    p = planner.plan_newest(100, 0.1, 4095, first=50, width=64)
+    assert (p.first, p.nss) == (50, 50)  # from the first symbol asked for
+    planner.on_ack(10, b"\x01", 1, 1, 100, np.zeros((0, 2), np.int64))  # prefix 10, hole at 10
+    p = planner.plan_newest(100, 0.1, 30, first=50, width=64)  # the span ends at 40, before 50
+    assert (p.first, p.nss) == (32, 8)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pfec.common.sched.actions import SOURCE_BURST, Action, SchedulerView
-from pfec.common.sched.open_loop_tail import FEEDBACK_RTTS, tail_rate
+from pfec.common.sched.open_loop_tail import BURST_PRIOR, FEEDBACK_RTTS, tail_rate
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
 from pfec.common.wire.messages import Header, Message, MsgType, Offer, RefuseCode, Role, Source
 from pfec.common.wire.seal import PacketProtector
@@ -397,7 +397,9 @@ def test_fixed_rate_repairs_proactively_over_the_newest_window() -> None:
     for i in range(sent):
         first, end = h.sender._rep_window[i]
         assert end == _sources_before(h.sender, i) and 0 < end - first <= 16  # window_cap 16
-    closed, _ = make_pair(policy=DeficitHeuristic())
+    # Closed loop: a handoff long enough for feedback (9.5 RTT; under 6, the first ACK two round trips in
+    # leaves no closed-loop cycle, and the heuristic's tail code covers the whole handoff).
+    closed, _ = make_pair(policy=DeficitHeuristic(), budget_s=0.1)
     closed.run()
     assert closed.sender.view.repairs_sent == 0
 
@@ -622,7 +624,7 @@ def test_with_no_feedback_before_the_deadline_the_heuristic_repairs_open_loop() 
     sender = h.sender
     assert sender._send_deadline < 2 * OWD  # nothing the receiver sends arrives while the sender sends
     sources, repairs = sender.datagrams_sent["source"], sender.view.repairs_sent
-    rate = tail_rate(prior, 1.0, 16)
+    rate = tail_rate(prior, BURST_PRIOR, 16)
     # Credit accrues per source and is spent between source bursts: the last burst's may find no slot.
     assert sources * rate - SOURCE_BURST * rate - 1 <= repairs <= sources * rate, (sources, repairs, rate)
     for i in range(repairs):
@@ -646,7 +648,7 @@ def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -
     lost = {40, 41, 120, 300, 301, 302, 420}
 
     def run(tail: bool) -> Harness:
-        h, _ = make_pair(n=600, budget_s=0.05, loss_prior=0.1)
+        h, _ = make_pair(n=900, budget_s=0.1, loss_prior=0.1)  # 9.5 RTT: closed loop until the tail
         h.sender._tail.enabled = tail
         h.drop_forward = lambda i, d: i in lost
         h.run()
@@ -662,3 +664,27 @@ def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -
     assert extra > 0 and with_tail.sender._tail.active and not without.sender._tail.active
     lost_count, seen = with_tail.sender.measured_loss  # the ACK counters a daemon keeps per receiver
     assert lost_count == len(lost) and seen > 300
+
+
+def test_when_no_ack_can_return_in_time_one_open_loop_code_covers_the_whole_handoff() -> None:
+    """Send deadline 20 ms, RTT 10 ms: the first ACK can only come back two round trips after the start
+    (ACCEPT, then the receiver establishes on the re-sent OFFER part), so no source of this handoff can be
+    repaired from feedback, and the open-loop tail starts with the first source, not 1.5 RTT before the
+    send deadline. Its repairs reach back to the tail's first source, as wide as the granted span once the
+    ACCEPT says it: an early burst of losses that no window of 16 has the repairs for is paid for by the
+    repairs after it, and everything decodes."""
+    burst = set(range(20, 40))  # forward datagrams (OFFER included): about ESIs 12..30 and their repairs
+    h, symbols = make_pair(n=400, budget_s=0.025, loss_prior=0.1, window_cap=16)
+    h.drop_forward = lambda i, d: i in burst
+    h.run()
+    sender = h.sender
+    assert sender._send_deadline <= 2 * 2 * OWD + 1e-9  # no ACK arrives while the sender sends
+    assert sender._tail_first == 0
+    ev = h.deadline_event()
+    sent = sender.encoder.next_esi
+    assert len(ev.decoded_esis) == sent and np.array_equal(ev.store[:sent], symbols[:sent])
+    windows = [(first, end) for _t, first, end in _repairs(sender)]
+    # The newest 16 (the least any receiver grants) before the ACCEPT, then back to the first source.
+    assert all(first == 0 or end - first == 16 for first, end in windows)
+    wide = [i for i, (first, end) in enumerate(windows) if end - first > 16]
+    assert wide and all(first == 0 for first, _end in windows[wide[0]:])

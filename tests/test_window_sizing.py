@@ -73,9 +73,10 @@ def test_an_explicit_window_cap_overrides_the_path_and_bad_caps_are_refused() ->
         SenderFecConfig(window_cap=4096)
 
 
-def _run(rtt_ms: float, window_cap: int) -> tuple[int, int, int, list[tuple[int, int]]]:
+def _run(rtt_ms: float, window_cap: int) -> tuple[int, int, int, list[tuple[int, int]], int]:
     """A simulated lossy handoff of the shipped sessions: (the sender's window cap, the receiver session's
-    decoder span, the span the sender asked for, the windows of the repairs sent)."""
+    decoder span, the span the sender asked for, the windows of the repairs sent, the first source of the
+    open-loop tail)."""
     handoff = prepare(SimConfig(loss=Bernoulli(0.05), rtt_ms=rtt_ms, tokens=192, rho=1.0,
                                 window_cap=window_cap))
     send = handoff.send_queue("utility")
@@ -94,16 +95,20 @@ def _run(rtt_ms: float, window_cap: int) -> tuple[int, int, int, list[tuple[int,
 
     SimRun(sender, endpoint, _links(handoff, 0), at_deadline).drive()
     windows = [(int(a), int(b)) for a, b in sender._rep_window[: sender.view.repairs_sent]]
-    return sender.encoder.window_cap, spans[0], sender.config.decoder_span, windows
+    return sender.config.window_cap, spans[0], sender.config.decoder_span, windows, sender._tail_first
 
 
 def test_a_long_rtt_handoff_codes_over_the_larger_window_on_both_ends() -> None:
-    k_long, span_long, asked_long, windows_long = _run(200.0, AUTO_WINDOW)
+    k_long, span_long, asked_long, windows_long, tail_long = _run(200.0, AUTO_WINDOW)
     assert k_long == MAX_AUTO_WINDOW
     assert asked_long >= k_long and span_long >= k_long  # the receiver's decoder holds the window
     assert windows_long and max(end - first for first, end in windows_long) > MIN_AUTO_WINDOW
-    # The same path with the cap configured: the override holds.
-    k_fixed, _, _, windows_fixed = _run(200.0, MIN_AUTO_WINDOW)
+    # The open-loop tail's code (the whole handoff here: no ACK returns before the send deadline) reaches
+    # back to its first source, beyond the window cap, as far as the decoder span granted allows.
+    assert tail_long == 0 and max(end - first for first, end in windows_long) > k_long
+    assert all(end - first <= span_long for first, end in windows_long)
+    # The same path with the cap configured: the override holds for every window, the tail's too.
+    k_fixed, _, _, windows_fixed, _ = _run(200.0, MIN_AUTO_WINDOW)
     assert k_fixed == MIN_AUTO_WINDOW
     assert windows_fixed and max(end - first for first, end in windows_fixed) <= MIN_AUTO_WINDOW
     # A short path keeps the default window.
