@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ from pfec.common.plan.utility import UtilityProfile
 from pfec.receiver.session import DeadlineReached, ReceiverStats
 
 if TYPE_CHECKING:
+    from pfec.common.model.kvcache import KVCache, PartialKV
     from pfec.common.model.llm import ModelRuntime
 
 
@@ -59,7 +60,7 @@ class Front:
     context_ids: tuple[int, ...]
     meeting_token: int
     chunk_tokens: int = FRONT_CHUNK_TOKENS
-    cache: Any = None  # DynamicCache of [0, tokens)
+    cache: KVCache | None = None  # of [0, tokens)
     tokens: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     compute_s: float = 0.0
@@ -222,7 +223,7 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     return done
 
 
-def _generate(runtime: ModelRuntime, kv: Any, app: OfferApp) -> Rebuilt:
+def _generate(runtime: ModelRuntime, kv: PartialKV, app: OfferApp) -> Rebuilt:
     from pfec.common.model import llm  # deferred: torch
 
     began = time.monotonic()

@@ -39,6 +39,7 @@ from pfec.common.plan.stream import (
 from pfec.common.plan.utility import UtilityProfile, fifo_order, utility_order
 
 if TYPE_CHECKING:
+    from pfec.common.model.kvcache import KVCache
     from pfec.common.model.llm import ModelRuntime
 
 
@@ -98,7 +99,7 @@ class Prepared:
     question_ids: tuple[int, ...]
     prefill_s: float
     profile: str
-    cache: Any = None  # the intact DynamicCache (kept only for the full-KV answer; a torch type)
+    cache: KVCache | None = None  # the intact cache (kept only for the full-KV answer)
     extra: dict[str, Any] = field(default_factory=dict)
     stream: Stream | None = None  # a quantised mix; None: the plan's native fragments
     planner: dict[str, Any] | None = None  # choose_mix's / choose_mode's view

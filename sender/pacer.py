@@ -30,7 +30,7 @@ from typing import Any
 
 from pfec.common.events import Event
 from pfec.common.node.metrics import JUNK_REASONS, TYPE_BYTE_LABELS, DropExporter
-from pfec.common.node.udp import UDP_SEGMENT, Destination, connect_udp_socket, has_gso
+from pfec.common.node.udp import UDP_SEGMENT, Destination, PeerAddress, connect_udp_socket, has_gso
 from pfec.common.plan.handoff import ResultApp
 from pfec.sender.handoffs import Handoff
 from pfec.sender.metrics import SenderMetrics
@@ -63,7 +63,7 @@ class _SocketProtocol(asyncio.DatagramProtocol):
     def __init__(self, transfer: PacedTransfer) -> None:
         self.transfer = transfer
 
-    def datagram_received(self, data: bytes, addr: Any) -> None:
+    def datagram_received(self, data: bytes, addr: PeerAddress) -> None:
         self.transfer.guarded(self.transfer.on_datagram, data)
 
     def error_received(self, exc: Exception) -> None:  # ICMP unreachable: the receiver is not there (yet)

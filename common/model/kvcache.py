@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,8 @@ from pfec.common.plan.kvlayout import BlockPlan, assemble_rows, fragment_symbols
 from pfec.common.plan.precision import PiecePlan
 
 ReconstructionMode = Literal["mask", "zero"]
+# The cache type as node code names it (under TYPE_CHECKING: only common/model imports transformers).
+KVCache: TypeAlias = DynamicCache
 
 
 # --- Prefill, serialise ----------------------------------------------------------------------------------

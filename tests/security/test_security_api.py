@@ -32,7 +32,7 @@ from pfec.common.node.udp import DestinationRefused, check_destination
 from pfec.common.plan.handoff import OfferApp, ResultApp, synthetic_identity, unpack_bits
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.plan.utility import SHIPPED_PROFILE, ProfileError, synthetic_profile
-from pfec.receiver.control import receiver_routes
+from pfec.receiver.control import receiver_routes, session_views
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
@@ -167,7 +167,7 @@ def test_receiver_refuses_an_unknown_or_unusable_profile_with_a_reason(profile_d
                 break
             await asyncio.sleep(0.02)
         results = list(rx.results)
-        assert not rx.endpoint.sessions, rx.session_views()
+        assert not rx.endpoint.sessions, session_views(rx)
         await rx.close()
         return reports, results
 
@@ -395,12 +395,13 @@ def test_a_stuck_worker_cannot_keep_a_session_open(monkeypatch: pytest.MonkeyPat
     identity = synthetic_identity(SMALL)
     release = threading.Event()
     import pfec.receiver.daemon as rxd
+    import pfec.receiver.handoffs as handoffs
 
     def stuck(*_args: Any) -> Any:
         release.wait(20)
         raise RuntimeError("released")
 
-    monkeypatch.setattr(rxd, "reconstruct", stuck)
+    monkeypatch.setattr(handoffs, "reconstruct", stuck)
     monkeypatch.setattr(rxd, "REAP_EVERY_S", 0.05)
 
     async def main() -> tuple[dict[str, Any], list[dict[str, Any]], float]:
@@ -411,11 +412,11 @@ def test_a_stuck_worker_cannot_keep_a_session_open(monkeypatch: pytest.MonkeyPat
                                   generate=False))
         while not rx.endpoint.sessions:
             await asyncio.sleep(0.005)
-        views = rx.session_views()
+        views = session_views(rx)
         report = await _wait(h, 15)
         started = time.monotonic()
         while rx.endpoint.sessions:
-            assert time.monotonic() - started < 5, rx.session_views()
+            assert time.monotonic() - started < 5, session_views(rx)
             await asyncio.sleep(0.02)
         ended = time.monotonic() - started
         await tx.close()
