@@ -138,6 +138,7 @@ class SenderDaemon:
         self._closing: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self.transfers: set[PacedTransfer] = set()
+        self.shutting_down = False  # set by close(): no transfer starts after it
         self._links: dict[float, LinkClock] = {}  # one transmit clock per pacing rate
 
     # ------------------------------------------------------------------ API
@@ -164,6 +165,7 @@ class SenderDaemon:
 
     async def close(self) -> None:
         """Cancel what is in flight: each receiver gets a CLOSE, so it frees the session at once."""
+        self.shutting_down = True
         for transfer in list(self.transfers):
             transfer.cancel("sender shutting down")
         if self.transfers:
@@ -291,7 +293,13 @@ class SenderDaemon:
         """Open the socket, stream until the transfer ends, then linger the socket out in the background."""
         self.transfers.add(transfer)
         try:
-            await transfer.open(destination, self.sndbuf)
+            if not self.shutting_down:
+                await transfer.open(destination, self.sndbuf)
+            if self.shutting_down:
+                # close() began before this stream started (it may have cancelled the transfer while the
+                # socket opened): nothing went out, so the handoff ends as cancelled, the session unstarted.
+                transfer.cancel("sender shutting down")
+                return
             handoff.state = "streaming"
             handoff.report["accepted"] = False  # until the receiver's ACCEPT
             transfer.guarded(transfer.start)

@@ -53,12 +53,14 @@ from pfec.lab.emulator_netns import (
 )
 from pfec.lab.emulator_relay import UdpRelay
 from pfec.lab.processes import Child
+from pfec.receiver.control import session_views
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.receiver.session import ReceiverConfig
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import Handoff, HandoffSpec
 from pfec.sender.kv import ContextInput, plan_stream
+from pfec.sender.pacer import PacedTransfer
 from pfec.sender.session import SenderSession
 
 T = TypeVar("T")
@@ -237,7 +239,7 @@ def test_sender_vanishing_or_shutting_down_leaves_no_state_on_the_receiver() -> 
     async def reaped(rx: ReceiverDaemon, limit_s: float) -> float:
         started = time.monotonic()
         while rx.endpoint.sessions or rx.sessions:
-            assert time.monotonic() - started < limit_s, rx.session_views()
+            assert time.monotonic() - started < limit_s, session_views(rx)
             await asyncio.sleep(0.01)
         return time.monotonic() - started
 
@@ -268,7 +270,7 @@ def test_sender_vanishing_or_shutting_down_leaves_no_state_on_the_receiver() -> 
         return rx, silent, closed, metrics, h.view()
 
     rx, silent, closed, metrics, cancelled = run(main())
-    assert not rx.endpoint.sessions and not rx.sessions and not rx._peers and not rx._jobs
+    assert not rx.endpoint.sessions and not rx.sessions and not rx._peers and not rx.handoffs.jobs
     assert silent > 0.2 and closed < 0.5, (silent, closed)
     assert b'pfec_receiver_sessions_total{outcome="timeout"} 1.0' in metrics
     assert b'pfec_receiver_sessions_total{outcome="cancelled"} 1.0' in metrics
@@ -296,7 +298,7 @@ def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded(
         while (rx.endpoint.sessions or rx.sessions) and time.monotonic() - started < 5.0:
             await asyncio.sleep(0.01)
         await rx.close()
-        assert not rx.endpoint.sessions and not rx.sessions, rx.session_views()
+        assert not rx.endpoint.sessions and not rx.sessions, session_views(rx)
         return reports
 
     reports = run(main())
@@ -893,3 +895,43 @@ def test_fast_loopback_handoffs_batch_their_datagrams() -> None:
     assert report["outcome"] == "done", report
     assert report["recovered_utility"] == pytest.approx(1.0), report
     assert report["source_sent"] == report["n_source"], report
+
+
+def test_closing_while_a_handoff_opens_its_socket_cancels_it_cleanly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon closes while a handoff awaits its socket: the handoff ends as cancelled, nothing is sent
+    and nothing is logged as an error (the cancelled session is never started)."""
+    identity = synthetic_identity(SMALL)
+    real_open = PacedTransfer.open
+    opening, release = asyncio.Event(), asyncio.Event()
+
+    async def gated_open(self: PacedTransfer, *args: Any) -> None:
+        opening.set()
+        await release.wait()
+        await real_open(self, *args)
+
+    monkeypatch.setattr(PacedTransfer, "open", gated_open)
+
+    async def main() -> tuple[dict[str, Any], int]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=128), rx.address, rho=3.0, generate=False))
+        await asyncio.wait_for(opening.wait(), 10)
+        closing = asyncio.get_running_loop().create_task(tx.close())
+        await asyncio.sleep(0)  # close() cancels the transfer and lingers; the socket opens meanwhile
+        release.set()
+        await closing
+        report = await _wait(h, 5)
+        await asyncio.sleep(0.05)
+        received = rx.stats.received
+        await rx.close()
+        return report, received
+
+    with caplog.at_level("WARNING"):
+        report, received = run(main())
+    assert report["outcome"] == "cancelled" and "shutting down" in report["failure"], report
+    assert received == 0, received
+    errors = [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, errors

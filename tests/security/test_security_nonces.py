@@ -2,9 +2,11 @@
 of captured datagrams, session-id reuse and evictions (sans-IO, real sessions and endpoint).
 
 Every AES-GCM object the seal module builds is wrapped (monkeypatched ``AESGCM``) to record its key and
-each nonce it seals with; a hypothesis-chosen story of handoffs, restarts and replays runs, and no pair may
-repeat. Randomness is seeded (reproducible) but, as with os.urandom, never repeats between two endpoints
-or senders.
+each nonce it seals with, and each derived key is labelled with its HKDF info (so its direction is known);
+a hypothesis-chosen story of handoffs, restarts and replays runs, and no pair may repeat, within the story
+or across all stories. Each story checks that it sealed under both directions' session keys itself.
+Randomness is seeded (reproducible) but, as with os.urandom, never repeats between two endpoints or
+senders.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ FP = b"n" * 32
 SYMBOL = 16
 SIDS = (0x11, 0x22, 0x33)  # few, so that stories reuse session ids
 
-SEALS: list[tuple[bytes, bytes]] = []
+SEALS: list[tuple[bytes, bytes]] = []  # every (key, nonce) sealed in this test, all examples together
+KEY_INFO: dict[bytes, bytes] = {}  # derived key -> its HKDF info (names the direction and key kind)
 
 
 class RecordingAESGCM:
@@ -50,12 +53,25 @@ class RecordingAESGCM:
         return self._inner.decrypt(nonce, data, associated_data)
 
 
+def labelling_hkdf(psk: bytes, salt: bytes, info: bytes) -> bytes:
+    key = REAL_HKDF(psk, salt, info)
+    KEY_INFO[key] = info
+    return key
+
+
+REAL_HKDF = keyring_module._hkdf
+
+
 @pytest.fixture(autouse=True)
 def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Once per test function (hypothesis runs every example inside it): SEALS spans all examples."""
     monkeypatch.setattr(keyring_module, "AESGCM", RecordingAESGCM)
+    monkeypatch.setattr(keyring_module, "_hkdf", labelling_hkdf)
     SEALS.clear()
+    KEY_INFO.clear()
     yield
     SEALS.clear()
+    KEY_INFO.clear()
 
 
 _seeds = itertools.count(1)
@@ -119,6 +135,13 @@ def replay(endpoint: ReceiverEndpoint, datagrams: list[bytes], now: float) -> fl
     return now
 
 
+def session_key_seals(seals: list[tuple[bytes, bytes]], direction: bytes) -> int:
+    """How many of ``seals`` used a session key (not a handshake or early key) of ``direction``."""
+    prefix = b"pfec/2 " + direction
+    return sum(1 for key, _ in seals
+               if KEY_INFO[key].startswith(prefix) and not KEY_INFO[key].startswith(prefix + b"-early"))
+
+
 def assert_no_repeat() -> None:
     seen: set[tuple[bytes, bytes]] = set()
     for pair in SEALS:
@@ -126,16 +149,19 @@ def assert_no_repeat() -> None:
         seen.add(pair)
 
 
-story = st.lists(
+steps = st.lists(
     st.tuples(st.sampled_from(["handoff", "restart", "replay_offers", "replay_all"]), st.sampled_from(SIDS)),
-    min_size=1,
-    max_size=10,
+    max_size=5,
 )
+# At least one handoff in every story (anywhere in it): each story has seals of its own in both directions.
+story = st.builds(lambda before, sid, after: [*before, ("handoff", sid), *after],
+                  steps, st.sampled_from(SIDS), steps)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(story)
 def test_no_key_nonce_pair_is_sealed_twice(steps: list[tuple[str, int]]) -> None:
+    first = len(SEALS)  # this example's seals are SEALS[first:]
     endpoint = new_endpoint()
     captured: list[bytes] = []
     now = 0.0
@@ -148,5 +174,9 @@ def test_no_key_nonce_pair_is_sealed_twice(steps: list[tuple[str, int]]) -> None
             now = replay(endpoint, [d for d in captured if d[1] & 0x3F == 4], now)
         else:
             now = replay(endpoint, captured, now)
-    assert_no_repeat()
-    assert SEALS  # the recorder saw the seals
+    assert_no_repeat()  # over every example so far, not only this one
+    # The story's first handoff meets an endpoint that has seen nothing (replays before it replay nothing),
+    # so it completes: both sides sealed under their session keys, and the recorder saw it.
+    own = SEALS[first:]
+    assert session_key_seals(own, b"s2r") > 0, steps
+    assert session_key_seals(own, b"r2s") > 0, steps

@@ -16,7 +16,7 @@ import timeit
 import numpy as np
 import pytest
 
-from pfec.common.sched.policies import DeficitHeuristic
+from pfec.common.sched.policies import DeficitHeuristic, SourceOnly
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import KeyPhase, MsgType, Offer, RefuseCode, Role
 from pfec.common.wire.seal import Keyring, PacketProtector
@@ -180,3 +180,94 @@ def test_forged_offers_cost_no_key_derivation_and_create_nothing() -> None:
     assert not rx.pending_handshakes() and not rx.sessions and not rx.datagrams_to_send()
     per = min(timeit.repeat(lambda: rx.receive_datagram(forged, 0.0), number=2000, repeat=3)) / 2000
     assert per < 200e-6, f"{per * 1e6:.1f} us per forged OFFER"  # a few us in practice; loose for CI
+
+
+def flipped(datagram: bytes) -> bytes:
+    """The datagram with one tag bit flipped: a forgery that names the same session id and packet number."""
+    return datagram[:-1] + bytes([datagram[-1] ^ 1])
+
+
+def test_a_forged_datagram_for_a_pending_handshake_derives_its_keys_once(captured: list[bytes]) -> None:
+    """A pending handshake needs an authentic (perhaps replayed) OFFER; then the first forged early or
+    session datagram naming its id costs the handshake's three key derivations (K0_s2r, K_s2r, K_r2s),
+    once: later forgeries cost an AES-GCM open each, and none opens anything (docs/SECURITY.md)."""
+    kr = Keyring(PSK)
+    rx = ReceiverEndpoint(kr, FP, ReceiverConfig(), random_bytes=random.Random(6).randbytes)
+    offer = next(d for d in captured if d[1] == 0x84)
+    rx.receive_datagram(offer, 0.0)
+    assert len(rx.pending_handshakes()) == 1
+    early = next(d for d in captured if peek_header(d).phase is KeyPhase.EARLY)
+    data = next(d for d in captured if peek_header(d).phase is KeyPhase.SESSION
+                and peek_header(d).type in (MsgType.SOURCE, MsgType.REPAIR))
+    before = kr.derivations
+    rx.receive_datagram(flipped(early), 0.0)
+    assert kr.derivations - before == 3
+    for d in (flipped(data), flipped(early)) * 50:
+        rx.receive_datagram(d, 0.0)
+    assert kr.derivations - before == 3  # derived once per pending handshake, not per datagram
+    assert rx.drops == {"junk_auth": 101}, rx.drops
+    assert not rx.sessions and rx.early_held == 0
+
+
+def first_flight_of(sid: int, n: int) -> tuple[SenderSession, list[bytes]]:
+    """A sender and what it sends before any ACCEPT: its OFFER and a first flight of ``n`` early datagrams."""
+    symbols = np.random.default_rng(sid).integers(0, 256, size=(40, SYMBOL), dtype=np.uint8)
+    sender = SenderSession(
+        sid,
+        SenderConfig(budget_s=0.2, slot_s=0.0001, owd_s=0.002, repair_budget=0, fingerprint=FP,
+                     first_flight=n, result_wait_s=0.5),
+        symbols, SourceOnly(),
+        PacketProtector(Keyring(PSK), sid, Role.SENDER, SYMBOL, random_bytes=random.Random(sid).randbytes),
+    )
+    sender.start(0.0)
+    flight: list[bytes] = []
+    while (d := sender.next_datagram(0.0)) is not None:
+        flight.append(d)
+    assert len(flight) == 1 + n
+    return sender, flight
+
+
+def test_replayed_first_flights_fill_the_early_total_for_one_handshake_timeout() -> None:
+    """What docs/SECURITY.md leaves unprotected, with its bounds: replayed OFFERs and first flights hold
+    early data up to ``early_total`` until their handshakes expire; a legitimate first flight arriving
+    meanwhile is dropped (``early_overflow``) and counts as lost, but its handshake still establishes and
+    the handoff completes. At expiry the replayed data is freed and the ids are remembered as ended."""
+    flight = 8
+    cfg = ReceiverConfig(ack_every=2, early_datagrams=flight, early_total=3 * flight, handshake_timeout_s=0.5)
+    rx = ReceiverEndpoint(Keyring(PSK), FP, cfg, random_bytes=random.Random(7).randbytes)
+    for sid in (1, 2, 3):  # captured handshakes the restarted receiver has never seen
+        for d in first_flight_of(sid, flight)[1]:
+            rx.receive_datagram(d, 0.0)
+    rx.datagrams_to_send()  # ACCEPTs no replayer can use
+    assert rx.early_held == cfg.early_total and not rx.drops
+
+    sender, datagrams = first_flight_of(7, flight)
+    now = 0.0
+    for d in datagrams:
+        rx.receive_datagram(d, now)
+    assert rx.drops == {"early_overflow": flight}, rx.drops
+    for _ in range(10000):
+        while (ev := rx.next_event()) is not None:
+            if isinstance(ev, DeadlineReached):
+                rx.sessions[ev.session_id].send_result(b"{}", now)
+        for _sid, reply in rx.datagrams_to_send():
+            sender.receive_datagram(reply, now)
+        while sender.next_event() is not None:
+            pass
+        if (d := sender.next_datagram(now)) is not None:
+            rx.receive_datagram(d, now)
+            continue
+        if sender.state in (SenderState.DONE, SenderState.FAILED):
+            break
+        now = min(t for t in (sender.get_timer(), rx.get_timer()) if t is not None)
+        for side in (sender, rx):
+            if (t := side.get_timer()) is not None and t <= now:
+                side.handle_timer(now)
+    assert sender.state is SenderState.DONE and sender.accepted
+    assert sender.measured_loss == (flight, 40)  # the first flight, as if lost on the path
+    rx.handle_timer(1.0)
+    assert rx.drops["handshake_expired"] == 3 and rx.early_held == 0 and not rx.pending_handshakes()
+    for sid in (1, 2, 3):  # a second replay of the same captures holds nothing
+        for d in first_flight_of(sid, flight)[1]:
+            rx.receive_datagram(d, 1.0)
+    assert rx.early_held == 0 and not rx.pending_handshakes()
