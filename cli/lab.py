@@ -44,7 +44,8 @@ RttOpt = Annotated[float, typer.Option(help="Round-trip time (one-way delay is h
 PrecisionOpt = Annotated[str, typer.Option(
     help="KV precision: auto (the break-even planner's mix) | native | int8 | int8-int4 | int4 | int2.")]
 ModeOpt = Annotated[str, typer.Option(
-    help="auto (the break-even planner's choice) | handoff (the whole cache streams) | split (the receiver "
+    help="auto (the daemons: the faster of handoff and local prefill as the break-even planner predicts; "
+    "`pfec sim`: the planner's choice) | handoff (the whole cache streams) | split (the receiver "
     "prefills the front while the back streams) | local (the receiver prefills everything).")]
 
 
@@ -497,7 +498,7 @@ def bench_flood_cmd(
 
 def bench_breakeven_cmd(
     lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated (100..8000).")] =
-        "512,1024,2048,4096,8000",
+        "512,1024,2048,4096",
     rates: Annotated[str, typer.Option(help="Link rates in Mbit/s, comma-separated.")] = "20,100,1000",
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
     local_runs: Annotated[int, typer.Option(help="Local prefill timings per length (fastest counts).")] = 2,
@@ -512,9 +513,9 @@ def bench_breakeven_cmd(
         write_breakeven_bench,
     )
 
-    tokens = parse_floats(lengths, "lengths", "512,1024,2048,4096,8000")
+    tokens = parse_floats(lengths, "lengths", "512,1024,2048,4096")
     if any(t != int(t) for t in tokens):
-        raise fail(f"--lengths {lengths!r}: whole token counts, e.g. 512,1024,2048,4096,8000")
+        raise fail(f"--lengths {lengths!r}: whole token counts, e.g. 512,1024,2048,4096")
     try:
         cfg = BreakevenConfig(lengths=tuple(int(t) for t in tokens),
                               rates_mbps=tuple(parse_floats(rates, "rates", "20,100,1000")),
