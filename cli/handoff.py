@@ -45,7 +45,8 @@ def handoff_cmd(
         help="KV precision: auto (the break-even planner's mix; native for synthetic KV) | native | int8 | "
         "int8-int4 | int4 | int2.")] = "auto",
     mode: Annotated[str, typer.Option(
-        help="auto (the break-even planner's choice; handoff for synthetic KV) | handoff (the whole cache "
+        help="auto (the faster of handoff and local prefill as the break-even planner predicts them; handoff "
+        "for synthetic KV) | handoff (the whole cache "
         "streams) | split (the receiver prefills the front while the back streams) | local (the receiver "
         "prefills everything, no KV sent).")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,

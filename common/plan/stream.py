@@ -388,14 +388,15 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
 
 HANDOFF_MODES: Final = (AUTO, "handoff", "split", "local")
 PLANNER_MODES: Final = ("handoff", "split", "local")
-#: The modes ``auto`` may pick from the planner's choice (the others fall back to a whole-cache handoff).
-#: Whole-cache handoff only, for now: split works end to end (``--mode split``: same answer as the full
-#: cache), but on this 2-core machine, with sender, link emulator and receiver sharing the cores (and the
-#: receiver's front prefill sharing its process with its event loop), the demo measured split TTFT 3.0-3.7 s
-#: against 2.4 s for the whole-cache int8-int4 handoff in the same conditions, where the planner, which
-#: models no contention, predicts 1.16 s and 1.80 s. Widen to PLANNER_MODES once the planner models the
-#: receiver's prefill while it decodes (or measured on separate machines).
-AUTO_MODES: Final = ("handoff",)
+#: The modes ``auto`` may pick (the fastest of them by the planner's prediction when its choice is another).
+#: Handoff and local: `pfec bench breakeven` (docs/benchmarks/breakeven.md) measured both where the planner
+#: predicts them (local prefill 1.5 s against 3.2 s for the int8-int4 handoff of 512 tokens at 20 Mbit/s;
+#: the handoff ahead from 100 Mbit/s on). Not split, though it works end to end (``--mode split``: same
+#: answer as the full cache): with sender, link emulator and receiver sharing two cores (the receiver's
+#: front prefill also shares its process with its event loop), the split measured slower than the
+#: whole-cache handoff at 100 Mbit/s and above and no faster than local prefill at 20 Mbit/s, where the
+#: planner, which models no CPU contention, predicts it fastest. Add it once measured on separate machines.
+AUTO_MODES: Final = ("handoff", "local")
 
 
 @dataclass(frozen=True)
@@ -431,9 +432,13 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
     link = LinkModel(rate_bps, rtt_s)
     plan = plan_handoff(n_tokens, geometry, link, recv)
     used_mode = mode
-    if mode == AUTO:
-        used_mode = plan.choice.mode if plan.choice.mode in auto_modes else "handoff"
     keeping = [o for o in plan.options if o.keeps_floor]
+    if mode == AUTO:
+        allowed = [o for o in keeping if o.mode in auto_modes]
+        if plan.choice.mode in auto_modes:
+            used_mode = plan.choice.mode
+        else:  # the planner's choice is not allowed: the fastest allowed option that keeps the floor
+            used_mode = min(allowed, key=lambda o: o.ttft_s).mode if allowed else "handoff"
     mix: str | None = None
     meeting: int | None = None
     if used_mode == "local":
