@@ -123,16 +123,14 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                  for rate, relay in relays.items()}
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
                           owd_ms=cfg.rtt_ms / 2)
-    count_tokens = partial(llm.count_tokens, runtime)
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)
     try:
         prompts = {n: _prompt(runtime, n, cfg.seed) for n in cfg.lengths}  # all checked before any run
         # One unrecorded split first: compiled kernels and first-use costs are not a handoff's TTFT.
-        warm = needle_qa(1, min(cfg.lengths), seed=cfg.seed + 1, count_tokens=count_tokens)[0]
         fastest = max(cfg.rates_mbps)
-        await _handoff(daemon, ContextInput(warm.context, warm.question), addresses[fastest], fastest,
+        await _handoff(daemon, _prompt(runtime, min(cfg.lengths), cfg.seed + 1), addresses[fastest], fastest,
                        "split", "auto")
         for n in cfg.lengths:
             inputs = prompts[n]
