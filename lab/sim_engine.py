@@ -143,14 +143,15 @@ class SimRun:
         return True
 
     def _next_event_at(self) -> float:
-        candidates = [self.links.data.free_at if self.sender_ready else math.inf]
-        if self.heap:
-            candidates.append(self.heap[0][0])
-        app_timer = None if self.app is None else self.app.get_timer()
-        for timer in (self.sender.get_timer(), self.endpoint.get_timer(), app_timer):
-            if timer is not None:
-                candidates.append(timer)
-        return min(candidates)
+        # Runs about twice per simulated datagram: plain comparisons, no list.
+        at = self.links.data.free_at if self.sender_ready else math.inf
+        if self.heap and self.heap[0][0] < at:
+            at = self.heap[0][0]
+        for timer in (self.sender.get_timer(), self.endpoint.get_timer(),
+                      None if self.app is None else self.app.get_timer()):
+            if timer is not None and timer < at:
+                at = timer
+        return at
 
     def _deliver(self, now: float) -> None:
         heap = self.heap

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pfec.common.codec.fec import MAX_NSS
-from pfec.common.events import CpuMeter, DatagramDropped, earliest
+from pfec.common.events import CpuMeter, DatagramDropped
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import (
     MAX_TEXT,
@@ -240,11 +240,16 @@ class ReceiverEndpoint:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        first = next(iter(self._handshakes.values()), None)
-        return earliest(
-            first.expires_at if first is not None else None,
-            *(session.get_timer() for session in self.sessions.values()),
-        )
+        # Called after every datagram by the daemon and twice per event by the simulator: a plain loop,
+        # no generator. Handshakes are kept by creation, so the first one expires first.
+        first: float | None = None
+        if self._handshakes:
+            first = next(iter(self._handshakes.values())).expires_at
+        for session in self.sessions.values():
+            timer = session.get_timer()
+            if timer is not None and (first is None or timer < first):
+                first = timer
+        return first
 
     def handle_timer(self, now: float) -> None:
         for session in self.sessions.values():

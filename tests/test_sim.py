@@ -243,3 +243,24 @@ def test_cli_sim_mode_split_reports_the_meeting_point_and_ttft() -> None:
     assert report["inputs"]["mode"] == "split" and report["inputs"]["meeting_token"] % 16 == 0
     assert report["inputs"]["planner"]["mode"] == "split"
     assert report["schemes"]["priorityfec"]["ttft_ms_mean"] > 0
+
+
+def test_the_decoder_check_compares_every_byte_of_the_named_rows() -> None:
+    """The simulator's per-run check (decoded symbols equal the sent ones) reads rows in place; it must
+    agree with numpy's comparison of the copied rows, byte for byte."""
+    from pfec.lab.sim import _rows_equal
+
+    rng = np.random.default_rng(3)
+    symbols = rng.integers(0, 256, (40, 96), dtype=np.uint8)
+    store = np.zeros_like(symbols)
+    rows = np.sort(rng.choice(40, 25, replace=False)).astype(np.int64)
+    store[rows] = symbols[rows]
+    assert _rows_equal(store, rows, symbols, rows)
+    assert _rows_equal(store, rows[:0], symbols, rows[:0])
+    for r, col in [(rows[0], 0), (rows[-1], 95), (rows[12], 40)]:
+        bad = store.copy()
+        bad[r, col] ^= 1
+        assert not _rows_equal(bad, rows, symbols, rows)
+    other = np.setdiff1d(np.arange(40), rows)[:25].astype(np.int64)
+    assert not _rows_equal(store, rows, symbols, other)  # the rows of other symbols
+    assert not _rows_equal(store, rows, symbols[:, :95], rows)  # another symbol size
