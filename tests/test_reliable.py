@@ -203,3 +203,57 @@ def test_bad_arguments_are_named() -> None:
     assert res.exit_code == 2 and "use cubic or bbr" in res.output
     res = CliRunner().invoke(app, ["reliable", "--proto", "quic", "--rho", "-1"])
     assert res.exit_code == 2 and "rho must be positive" in res.output
+
+
+def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tmp_path: Path) -> None:
+    """A sender whose CONNECTION_CLOSE is lost (here: one that vanishes after sending) must not hold the
+    run for the receiver's outer limit (~30 s of real time): like the TCP receiver, it reports
+    AFTER_DEADLINE_S past the deadline counted from the handshake."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from aioquic.asyncio.protocol import QuicConnectionProtocol
+    from aioquic.quic.configuration import QuicConfiguration
+    from aioquic.quic.connection import QuicConnection
+
+    from pfec.lab.reliable import _self_signed
+    from pfec.lab.reliable_endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
+
+    cert, key = _self_signed(str(tmp_path))
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(bytes(range(256)) * 64)
+    deadline_s = 0.5
+    params = {"host": "127.0.0.1", "port": 0, "payload": str(payload), "total": 1 << 20,
+              "deadline_s": deadline_s, "cert": cert, "key": key}  # fmt: skip
+    rx = subprocess.Popen([sys.executable, "-m", "pfec.lab.reliable_endpoints", "quic-receiver",
+                           json.dumps(params)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert rx.stdout is not None
+        port = int(json.loads(rx.stdout.readline())["port"])
+
+        async def send_then_vanish() -> float:
+            cfg = QuicConfiguration(is_client=True, server_name="localhost")
+            cfg.load_verify_locations(cafile=cert)
+            loop = asyncio.get_running_loop()
+            transport, protocol = await loop.create_datagram_endpoint(
+                lambda: QuicConnectionProtocol(QuicConnection(configuration=cfg)),
+                local_addr=("127.0.0.1", 0))
+            protocol.connect(("127.0.0.1", port))
+            await asyncio.wait_for(protocol.wait_connected(), 10)
+            connected = time.monotonic()
+            _reader, writer = await protocol.create_stream()
+            writer.write(payload.read_bytes())
+            await asyncio.sleep(0.2)
+            transport.abort()  # gone without a CONNECTION_CLOSE
+            return connected
+
+        connected = asyncio.run(send_then_vanish())
+        result = json.loads(rx.stdout.readline())
+        waited = time.monotonic() - connected
+    finally:
+        rx.kill()
+        rx.wait()
+    assert result["bytes"] == len(payload.read_bytes()) and result["intact"]
+    assert waited < deadline_s + AFTER_DEADLINE_S + 5.0 < READY_TIMEOUT_S, waited
