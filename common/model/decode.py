@@ -37,12 +37,15 @@ def _forward(runtime: ModelRuntime, kv: PartialKV, cache: DynamicCache, ids: Seq
 
 
 def _forward_rows(runtime: ModelRuntime, masks: Sequence[torch.Tensor | None] | None, cache: DynamicCache,
-                  ids: Sequence[Sequence[int]], start: int) -> torch.Tensor:
-    """Logits [batch, len, vocab] of feeding ``ids`` (one row per cache of the batch) at ``start``."""
+                  ids: Sequence[Sequence[int]], start: int, last_only: bool = False) -> torch.Tensor:
+    """Logits [batch, len, vocab] of feeding ``ids`` (one row per cache of the batch) at ``start``;
+    ``last_only``: [batch, 1, vocab], the last position's, which is all greedy decoding reads (the LM head
+    over every question position of a batch of 12 cost ~0.28 s of its ~8 s here)."""
     input_ids = torch.tensor([list(row) for row in ids], device=runtime.device)
     position_ids = torch.arange(start, start + input_ids.shape[1], device=runtime.device)[None]
     with row_masks(masks):
-        out = runtime.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        out = runtime.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                            logits_to_keep=1 if last_only else 0)
     return out.logits
 
 
@@ -97,7 +100,7 @@ def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids
     outs: list[list[int]] = [[] for _ in kvs]
     active = list(range(len(kvs)))  # batch row -> cache index, for the rows still decoding
     with torch.inference_mode():
-        logits = _forward_rows(runtime, masks, cache, [question_ids] * len(kvs), n_context)
+        logits = _forward_rows(runtime, masks, cache, [question_ids] * len(kvs), n_context, last_only=True)
         next_ids = [int(t) for t in logits[:, -1].argmax(dim=-1)]
         ttft = time.perf_counter() - started + max(kv.rebuild_s for kv in kvs)
         position = n_context + len(question_ids)
