@@ -42,3 +42,10 @@ class DatagramDropped(Event):
     reason: str
 
 
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the timers that are set; None when none is."""
+    first: float | None = None
+    for t in times:
+        if t is not None and (first is None or t < first):
+            first = t
+    return first

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import Decoder, FecError
-from pfec.common.events import CpuMeter, DatagramDropped, Event
+from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
 from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
     Ack,
@@ -329,15 +329,10 @@ class ReceiverSession:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        # events.earliest written out: asked after every datagram (twice per event in the simulator).
-        state = self.state
-        if state is ReceiverState.CLOSED:
+        if self.state is ReceiverState.CLOSED:
             return None
-        first = self.deadline if state is ReceiverState.RECEIVING else None
-        for timer in (self._ack_timer, self._result_timer):
-            if timer is not None and (first is None or timer < first):
-                first = timer
-        return first
+        deadline = self.deadline if self.state is ReceiverState.RECEIVING else None
+        return earliest(deadline, self._ack_timer, self._result_timer)
 
     def handle_timer(self, now: float) -> None:
         if self.state is ReceiverState.RECEIVING and now >= self.deadline:

@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import Encoder, FecError
-from pfec.common.events import CpuMeter, DatagramDropped
+from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
@@ -275,15 +275,13 @@ class SenderSession:
             self._drop("bad_feedback")
 
     def get_timer(self) -> float | None:
-        # events.earliest written out: asked after every datagram (twice per event in the simulator).
-        state = self.state
-        first = self._send_deadline if state is SenderState.STREAMING else None
-        waiting = not self._accepted and state in (SenderState.STREAMING, SenderState.DRAINING)
-        handshake = self._handshake_deadline if waiting else None
-        for timer in (self._offer_timer, self._result_timer, handshake):
-            if timer is not None and (first is None or timer < first):
-                first = timer
-        return first
+        send_deadline = self._send_deadline if self.state is SenderState.STREAMING else None
+        handshake = (
+            self._handshake_deadline
+            if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
+            else None
+        )
+        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake)
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
