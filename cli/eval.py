@@ -1,4 +1,4 @@
-"""`pfec eval`, `eval-render` and `eval-trace`: the paper's experiments on this code (lab/evaluate.py).
+"""`pfec eval`, `eval-render` and `eval-trace`: the paper's experiments on this code (lab/eval/evaluate.py).
 
 The evaluation modules pull numba, and the task stage torch: they are imported inside the commands, so
 `pfec --help` stays fast.
@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from pfec.cli.shared import fail, parse_floats, parse_names
-from pfec.lab.progress import StageProgress, progress_lines
+from pfec.lab.reporting.progress import StageProgress, progress_lines
 
 OutDirOpt = Annotated[Path, typer.Option(help="CSV + JSON go here.")]
 FiguresDirOpt = Annotated[Path, typer.Option(help="Figures go here (eval_*.png).")]
@@ -161,8 +161,8 @@ def eval_cmd(
     """The paper's experiments on this code: utility, task score, ablation, overhead -> docs/RESULTS.md."""
     # first statement, so locals() holds only the options
     given = {k: v for k, v in locals().items() if v is not None and k not in ("small", "as_json", "jobs")}
-    from pfec.lab.eval_config import SMALL, EvalConfig, parse_configs  # deferred: numba
-    from pfec.lab.evaluate import run_eval  # deferred: numba
+    from pfec.lab.eval.config import SMALL, EvalConfig, parse_configs  # deferred: numba
+    from pfec.lab.eval.evaluate import run_eval  # deferred: numba
 
     overrides = {"jobs": jobs, "seed": seed, "command": _command_line(small, given), **_config_fields(given)}
     try:
@@ -230,7 +230,7 @@ def _write_and_print(
     result: dict[str, Any], out_dir: Path, figures_dir: Path, results_md: str, as_json: bool
 ) -> None:
     """Write the CSV, JSON, figures and (unless 'none') the RESULTS section; print the JSON or a summary."""
-    from pfec.lab.eval_report import write_outputs  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.eval.report import write_outputs  # deferred: numba (keeps `pfec --help` fast)
 
     md = None if results_md.lower() == "none" else Path(results_md)
     result["outputs"] = write_outputs(result, out_dir, figures_dir, md)
@@ -275,7 +275,7 @@ def eval_trace_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Write the synthetic example loss trace (pfec-loss-trace v1) that `pfec eval`'s trace config replays."""
-    from pfec.lab.evaluate import write_example_trace  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.eval.evaluate import write_example_trace  # deferred: numba (keeps `pfec --help` fast)
 
     try:
         info = write_example_trace(out, seconds, probe_ms, seed)

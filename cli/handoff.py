@@ -12,7 +12,7 @@ import typer
 from pfec.cli.shared import fail
 from pfec.common.node.config import ConfigError
 from pfec.common.node.keys import read_token
-from pfec.lab.report import format_handoff_report
+from pfec.lab.reporting.text import format_handoff_report
 
 if TYPE_CHECKING:
     from pfec.common.node.control import ControlClient

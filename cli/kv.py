@@ -1,5 +1,5 @@
-"""KV-side commands: `pfec profile`, `profile-plot`, `retention`, `kvcheck` and `kvloss` (lab/profiler.py,
-lab/retention.py). Plain functions with typer-annotated parameters; bad input exits 2 with the message.
+"""KV-side commands: `pfec profile`, `profile-plot`, `retention`, `kvcheck` and `kvloss` (lab/kv/profiler.py,
+lab/kv/retention.py). Plain functions with typer-annotated parameters; bad input exits 2 with the message.
 
 Heavy imports (torch, transformers) happen inside the commands so ``pfec --help`` stays fast.
 """
@@ -47,7 +47,7 @@ def _load(model: str, device: str, transfer_dtype: str = "bf16") -> ModelRuntime
 
 
 def _profile_for(runtime: ModelRuntime, profile: Path | None) -> UtilityProfile:
-    from pfec.lab.profiler import check_profile  # deferred: torch
+    from pfec.lab.kv.profiler import check_profile  # deferred: torch
 
     path = profile or SHIPPED_PROFILE
     loaded = UtilityProfile.load(path)
@@ -71,7 +71,7 @@ def profile_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Measure a model's KV utility profile (paper III-A) and write it as JSON."""
-    from pfec.lab.profiler import plot_profile, profile_model  # deferred: torch
+    from pfec.lab.kv.profiler import plot_profile, profile_model  # deferred: torch
 
     if perturbation not in ("zero", "mask"):
         raise fail(f"--perturbation {perturbation!r} is not one of zero, mask")
@@ -93,7 +93,7 @@ def profile_plot_cmd(
     out: Annotated[Path, typer.Option(help="PNG to write.")] = Path("docs/figures/kv_profile.png"),
 ) -> None:
     """Draw a utility profile (layer groups, position bins, cells) without loading a model."""
-    from pfec.lab.profiler import plot_profile  # deferred: torch
+    from pfec.lab.kv.profiler import plot_profile  # deferred: torch
 
     try:
         loaded = UtilityProfile.load(profile)
@@ -117,7 +117,7 @@ def retention_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Teacher-forced top-1 agreement under partial KV retention: profile-ranked vs per-request vs random."""
-    from pfec.lab.retention import plot_retention, retention_check  # deferred: torch
+    from pfec.lab.kv.retention import plot_retention, retention_check  # deferred: torch
 
     if mode not in ("zero", "mask"):
         raise fail(f"--mode {mode!r} is not one of zero, mask")
@@ -149,7 +149,7 @@ def kvcheck_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Full-delivery round trip: serialise -> symbols -> rebuild -> answer, vs the sender's own answer."""
-    from pfec.lab.retention import needle_examples, roundtrip_check  # deferred: torch
+    from pfec.lab.kv.retention import needle_examples, roundtrip_check  # deferred: torch
 
     try:
         runtime = _load(model, device, transfer_dtype)
@@ -178,7 +178,7 @@ def kvloss_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Needle-QA F1 of mask vs zero reconstruction under random and profile-ranked block loss."""
-    from pfec.lab.retention import needle_examples, reconstruction_table  # deferred: torch
+    from pfec.lab.kv.retention import needle_examples, reconstruction_table  # deferred: torch
 
     fractions = parse_floats(losses, "losses", "0.1,0.2,0.4")
     loss_kinds = [k.strip() for k in kinds.split(",") if k.strip()]

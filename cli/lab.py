@@ -28,12 +28,12 @@ from pfec.common.plan.deadline import (
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, PLANNER_MODES, check_mix, choose_mix, choose_mode
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
-from pfec.lab.channel import Bernoulli, parse_loss_spec
-from pfec.lab.emulator import emulate
-from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig, parse_loss
-from pfec.lab.emulator_netns import NetnsSpec
-from pfec.lab.progress import progress_line
-from pfec.lab.report import format_reliable_summary, format_sim_table
+from pfec.lab.emulator.emulate import emulate
+from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss
+from pfec.lab.emulator.netns import NetnsSpec
+from pfec.lab.reporting.progress import progress_line
+from pfec.lab.reporting.text import format_reliable_summary, format_sim_table
+from pfec.lab.sim.channel import Bernoulli, parse_loss_spec
 
 MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
@@ -91,8 +91,8 @@ def sim_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
-    from pfec.lab.sim import SimConfig, simulate  # deferred: numba (keeps `pfec --help` fast)
-    from pfec.lab.sim_split import DEFAULT_RECEIVER, load_receiver_model  # deferred: as above
+    from pfec.lab.sim.simulate import SimConfig, simulate  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.sim.split import DEFAULT_RECEIVER, load_receiver_model  # deferred: as above
 
     planner: dict[str, Any] | None = None
     meeting: int | None = None
@@ -214,7 +214,7 @@ def emulate_cmd(
         bool, typer.Option("--json", help="Print the final counters as one JSON object.")
     ] = False,
 ) -> None:
-    """Emulate a rate-limited, delayed, lossy link between a sender and a receiver (lab/emulator.py)."""
+    """Emulate a rate-limited, delayed, lossy link between a sender and a receiver (lab/emulator/)."""
     if mode not in ("relay", "netns"):
         raise fail(f"--mode {mode!r}: use 'relay' or 'netns'")
     try:
@@ -266,8 +266,11 @@ def reliable_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
-    from pfec.lab.reliable import RELIABLE_SCHEMES, run_reliable  # deferred: numba (keeps `pfec --help` fast)
-    from pfec.lab.sim import SimConfig  # deferred: numba
+    from pfec.lab.baselines.reliable import (  # deferred: numba (keeps `pfec --help` fast)
+        RELIABLE_SCHEMES,
+        run_reliable,
+    )
+    from pfec.lab.sim.simulate import SimConfig  # deferred: numba
 
     if proto not in RELIABLE_SCHEMES:
         raise fail(f"--proto {proto!r}: use one of {', '.join(RELIABLE_SCHEMES)}")
@@ -324,7 +327,7 @@ def train_cmd(
     from pfec.common.sched.ddqn import WEIGHTS_PATH  # deferred: numba (keeps `pfec --help` fast)
 
     if evaluate:
-        from pfec.lab.sched_eval import heldout_comparison, render_markdown, write_result  # deferred: sim
+        from pfec.lab.train.held_out import heldout_comparison, render_markdown, write_result  # deferred: sim
 
         if out is not None and not out.exists():
             raise fail(f"--out {str(out)!r} does not exist; give a weights file written by `pfec train`")
@@ -337,7 +340,7 @@ def train_cmd(
         write_result(result, *(() if out is None else (out.with_suffix(".heldout.json"),)))
         typer.echo(json.dumps(result, indent=2) if as_json else render_markdown(result))
         return
-    from pfec.lab.train import LOG_PATH, TrainConfig, train  # deferred: torch
+    from pfec.lab.train.ddqn import LOG_PATH, TrainConfig, train  # deferred: torch
 
     if init is not None and not init.exists():
         raise fail(f"--init {str(init)!r} does not exist; give a weights file written by `pfec train`")
@@ -366,9 +369,9 @@ def tune_flec_rt_cmd(
     inflate: Annotated[str | None, typer.Option(help="Comma-separated values (default: GRID).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Grid search of FlEC-RT's parameters on paired realizations, best first (lab/flec_tune.py)."""
-    from pfec.lab.flec_tune import format_ranking, tune, tuning_grid  # deferred: numba
-    from pfec.lab.sim import SimConfig  # deferred: numba
+    """Grid search of FlEC-RT's parameters on paired realizations, best first (lab/train/flec_tune.py)."""
+    from pfec.lab.sim.simulate import SimConfig  # deferred: numba
+    from pfec.lab.train.flec_tune import format_ranking, tune, tuning_grid  # deferred: numba
 
     if realizations < 1:
         raise typer.BadParameter(f"--realizations must be >= 1, got {realizations}")
@@ -400,7 +403,7 @@ def bench_codec_cmd(
     ] = 5,
 ) -> None:
     """Codec speed: repair encode, decoder insert, and sender+receiver CPU per 1000 packets."""
-    from pfec.lab.bench import run_codec_bench, write_codec_bench  # deferred: numba
+    from pfec.lab.bench.drivers import run_codec_bench, write_codec_bench  # deferred: numba
 
     result = run_codec_bench(realizations=realizations, progress=progress_line("bench codec"))
     _write_bench(result, write_codec_bench, out_dir, "codec.md", as_json)
@@ -416,7 +419,7 @@ def bench_quant_cmd(
     ] = True,
 ) -> None:
     """Progressive precision speed on one core: quantise+pack and unpack+dequantise MB/s of native KV."""
-    from pfec.lab.bench_quant import run_quant_bench, write_quant_bench  # deferred: torch
+    from pfec.lab.bench.quant import run_quant_bench, write_quant_bench  # deferred: torch
 
     try:
         result = run_quant_bench(repeats=repeats, tokens=tokens, model=model)
@@ -432,7 +435,7 @@ def bench_scheduler_cmd(
     passes: Annotated[int, typer.Option(help="Timed passes over the recorded states.")] = 20,
 ) -> None:
     """DDQN decision latency (features + network + mask) over states recorded from simulated handoffs."""
-    from pfec.lab.sched_bench import run_scheduler_bench, write_scheduler_bench  # deferred: numba
+    from pfec.lab.bench.scheduler import run_scheduler_bench, write_scheduler_bench  # deferred: numba
 
     if realizations < 1 or passes < 1:
         raise fail(f"--realizations {realizations} and --passes {passes} must both be >= 1")
@@ -452,7 +455,7 @@ def bench_transport_cmd(
     out_dir: Annotated[Path, typer.Option(help="Where transport.json and transport.md go.")] = DOCS_BENCH,
 ) -> None:
     """Transport only (synthetic KV, FEC + AEAD on): goodput, pps, CPU per packet, deadline lateness."""
-    from pfec.lab.bench_transport import run_transport_bench, write_transport_bench  # deferred: daemons
+    from pfec.lab.bench.transport import run_transport_bench, write_transport_bench  # deferred: daemons
 
     try:
         result = run_transport_bench(handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps,
@@ -469,7 +472,7 @@ def bench_fuzz_cmd(
     out_dir: Annotated[Path, typer.Option(help="Where fuzz.json and fuzz.md are written.")] = DOCS_BENCH,
 ) -> None:
     """Receive-path robustness: mutated datagrams into a live receiver endpoint and sender session."""
-    from pfec.lab.bench_fuzz import run_fuzz_bench, write_fuzz_bench  # deferred: numba
+    from pfec.lab.bench.fuzz import run_fuzz_bench, write_fuzz_bench  # deferred: numba
 
     result = run_fuzz_bench(inputs=inputs, seed=seed, progress=progress_line("bench fuzz"))
     _write_bench(result, write_fuzz_bench, out_dir, "fuzz.md", as_json)
@@ -487,7 +490,7 @@ def bench_flood_cmd(
     out_dir: Annotated[Path, typer.Option(help="Where flood.json and flood.md are written.")] = DOCS_BENCH,
 ) -> None:
     """Cheap rejection: handoffs with and without a flood of forged OFFERs, junk and replays."""
-    from pfec.lab.bench_flood import run_flood_bench, write_flood_bench  # deferred: daemons
+    from pfec.lab.bench.flood import run_flood_bench, write_flood_bench  # deferred: daemons
 
     try:
         result = run_flood_bench(rate=rate, handoffs=handoffs, tokens=tokens, rate_mbps=rate_mbps, rho=rho)
@@ -507,7 +510,7 @@ def bench_breakeven_cmd(
 ) -> None:
     """Measured TTFT of local prefill, native handoff, auto-precision handoff and split (real daemons over
     the loopback emulator, default model) by context length and link rate; ~20 min at the defaults."""
-    from pfec.lab.bench_breakeven import (  # deferred: torch and the daemons
+    from pfec.lab.bench.breakeven import (  # deferred: torch and the daemons
         BreakevenConfig,
         run_breakeven_bench,
         write_breakeven_bench,
@@ -534,7 +537,7 @@ def _write_bench(
     as_json: bool,
 ) -> None:
     """Stamp the machine, write the benchmark's files, print the JSON or the Markdown it wrote."""
-    from pfec.lab.bench import machine_info  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.bench.drivers import machine_info  # deferred: numba (keeps `pfec --help` fast)
 
     result["machine"] = machine_info()
     write(result, out_dir)

@@ -28,11 +28,11 @@ from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, HANDOFF_MODES, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
-from pfec.lab.channel import parse_loss_spec
+from pfec.lab.kv.workloads import best_f1, contains_answer, needle_qa
 from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
-from pfec.lab.report import format_handoff_report
-from pfec.lab.sim import SimConfig, simulate
-from pfec.lab.workloads import best_f1, contains_answer, needle_qa
+from pfec.lab.reporting.text import format_handoff_report
+from pfec.lab.sim.channel import parse_loss_spec
+from pfec.lab.sim.simulate import SimConfig, simulate
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, prompt_ids

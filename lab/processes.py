@@ -23,8 +23,8 @@ from pfec.common.codec.fec import warm_up
 from pfec.common.model.runtime import load_runtime
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.kvlayout import KVGeometry
-from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig, parse_loss
-from pfec.lab.emulator_relay import UdpRelay
+from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss
+from pfec.lab.emulator.relay import UdpRelay
 from pfec.receiver.daemon import ReceiverDaemon
 
 __all__ = ["LOOPBACK_PSK", "Child", "raise_priority"]

@@ -1,7 +1,7 @@
 """The one place a sender session is assembled: plan + send order + scheme policy + codec + sealing, with
 the time budget from ``common/plan/deadline.py``.
 
-The sender daemon (``SenderDaemon``) and the simulator (``lab/sim.py``) both build their sessions here, so
+The sender daemon (``SenderDaemon``) and the simulator (``lab/sim/``) both build their sessions here, so
 what the simulator measures is what the daemon sends: same deadline and slot arithmetic, same repair
 budget rounding, same OFFER parameters. Sans-IO like the session itself: no clock is read here (the caller
 passes a ``CpuMeter`` built on its own clock, or none).

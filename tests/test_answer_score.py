@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pfec.lab.answer_score import (
+from pfec.lab.kv.answer_score import (
     bootstrap_mean_ci95,
     exact_match,
     paired_difference,

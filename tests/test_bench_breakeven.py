@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
-from pfec.lab.bench_breakeven import BreakevenConfig, measured_crossovers
+from pfec.lab.bench.breakeven import BreakevenConfig, measured_crossovers
 
 
 def _run(n: int, rate: float, mode: str, ttft: float | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Tests for lab/channel.py: loss models, traces, specs, seeded streams."""
+"""Tests for lab/sim/channel.py: loss models, traces, specs, seeded streams."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from pfec.lab import channel
-from pfec.lab.channel import (
+from pfec.lab.sim import channel
+from pfec.lab.sim.channel import (
     MAIN_GE,
     Bernoulli,
     GilbertElliott,

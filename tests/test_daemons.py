@@ -42,17 +42,17 @@ from pfec.common.plan.utility import synthetic_profile
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import Role, Source
 from pfec.common.wire.seal import PacketProtector
-from pfec.lab.channel import Bernoulli
-from pfec.lab.emulator_link import DirectionSpec, EmulatorConfig
-from pfec.lab.emulator_netns import (
+from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
+from pfec.lab.emulator.netns import (
     NetnsSpec,
     TunBridge,
     netns_available,
     setup_namespaces,
     teardown_namespaces,
 )
-from pfec.lab.emulator_relay import UdpRelay
+from pfec.lab.emulator.relay import UdpRelay
 from pfec.lab.processes import Child
+from pfec.lab.sim.channel import Bernoulli
 from pfec.receiver.control import session_views
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.receiver.session import ReceiverConfig

@@ -34,10 +34,10 @@ from pfec.common.sched.features import (
     write_features,
 )
 from pfec.common.sched.policies import SCHEMES, Scheme
-from pfec.lab.channel import MAIN_GE
-from pfec.lab.sched_eval import HELDOUT_SEED
-from pfec.lab.sim import SimConfig, prepare, run_once, simulate
-from pfec.lab.train import Agent, QNet, TrainConfig, TrainingPolicy, _run_episode, draw_episode, train
+from pfec.lab.sim.channel import MAIN_GE
+from pfec.lab.sim.simulate import SimConfig, prepare, run_once, simulate
+from pfec.lab.train.ddqn import Agent, QNet, TrainConfig, TrainingPolicy, _run_episode, draw_episode, train
+from pfec.lab.train.held_out import HELDOUT_SEED
 
 
 class Recorder:

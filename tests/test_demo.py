@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
-from pfec.lab.bench_breakeven import MODES
+from pfec.lab.bench.breakeven import MODES
 
 
 def _default_model_available() -> tuple[bool, str]:

@@ -20,16 +20,16 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
-from pfec.lab.channel import MAIN_GE, Bernoulli, LossModel, realization_rng
-from pfec.lab.emulator_link import LOSS_CHUNK, DirectionSpec, EmulatorConfig, LinkDirection, parse_loss
-from pfec.lab.emulator_netns import (
+from pfec.lab.emulator.link import LOSS_CHUNK, DirectionSpec, EmulatorConfig, LinkDirection, parse_loss
+from pfec.lab.emulator.netns import (
     NetnsSpec,
     TunBridge,
     netns_available,
     setup_namespaces,
     teardown_namespaces,
 )
-from pfec.lab.emulator_relay import UdpRelay
+from pfec.lab.emulator.relay import UdpRelay
+from pfec.lab.sim.channel import MAIN_GE, Bernoulli, LossModel, realization_rng
 
 SEQ = struct.Struct(">I")
 Tr = asyncio.DatagramTransport

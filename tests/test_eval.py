@@ -14,14 +14,14 @@ from typer.testing import CliRunner
 
 from pfec.cli.app import app
 from pfec.common.sched import policies
-from pfec.lab import eval_sweep, evaluate
-from pfec.lab.channel import parse_loss_spec
-from pfec.lab.eval_config import GRID_AUTO, NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
-from pfec.lab.eval_report import update_results_md
-from pfec.lab.eval_sweep import check_pairing
-from pfec.lab.evaluate import run_eval, write_example_trace
-from pfec.lab.progress import progress_lines
-from pfec.lab.sim import prepare, run_scheme
+from pfec.lab.eval import evaluate, sweep
+from pfec.lab.eval.config import GRID_AUTO, NAMED_CONFIGS, RESULTS_BEGIN, RESULTS_END, SMALL
+from pfec.lab.eval.evaluate import run_eval, write_example_trace
+from pfec.lab.eval.report import update_results_md
+from pfec.lab.eval.sweep import check_pairing
+from pfec.lab.reporting.progress import progress_lines
+from pfec.lab.sim.channel import parse_loss_spec
+from pfec.lab.sim.simulate import prepare, run_scheme
 
 KV_SECTION = "## KV side: real model\n\nhand-written numbers that must survive\n"
 
@@ -153,7 +153,7 @@ def test_every_simulated_scheme_reaches_the_task_stage(monkeypatch: pytest.Monke
 
 
 def test_task_rows_keep_the_reports_fields_and_pair_against_priorityfec() -> None:
-    from pfec.lab.eval_task import _score_answer, _task_summary  # deferred: torch (the task stage's module)
+    from pfec.lab.eval.task import _score_answer, _task_summary  # deferred: torch (the task stage's module)
 
     full = _score_answer("1921.", ["1921"], None)
     assert full["agreement"] == 1.0 and full["correct"] and full["f1_gold"] == 1.0 == full["f1_full"]
@@ -222,12 +222,12 @@ def test_reliable_rows_are_labelled_paired_and_failures_recorded(monkeypatch: py
         runs = [{"realization": r, "utility": 0.5} for r in range(n)]
         return {"schemes": {proto: {"recovered_utility_mean": 0.5, "runs": runs, "outliers": []}}}
 
-    monkeypatch.setattr(eval_sweep, "run_reliable", fake)
+    monkeypatch.setattr(sweep, "run_reliable", fake)
     cfg = replace(SMALL, reliable_realizations=2, congestion=("cubic", "bbr"))
     cell: dict[str, Any] = {"config": "main", "rho": 0.8, "errors": {},
                             "schemes": {"oracle": {"recovered_utility_mean": 0.8,
                                                    "recovered_utility_runs": [1.0, 0.5]}}}  # fmt: skip
-    eval_sweep.reliable_sweep(cfg, ["tcp", "quic", "priority-quic"], [cell])
+    sweep.reliable_sweep(cfg, ["tcp", "quic", "priority-quic"], [cell])
     assert calls == [("tcp", "cubic"), ("tcp", "bbr"), ("quic", None), ("priority-quic", None)]
     assert {"tcp/cubic", "tcp/bbr", "quic"} <= set(cell["schemes"]) and "priority-quic" in cell["errors"]
     tcp = cell["schemes"]["tcp/cubic"]
@@ -241,7 +241,7 @@ def _grid_cell(rho: float, rtt: float, eff: float, lead: float) -> dict[str, Any
 
 
 def test_grid_claims_name_the_cells_that_miss_and_lead() -> None:
-    from pfec.lab.eval_markdown import _grid_claims
+    from pfec.lab.eval.markdown import _grid_claims
 
     text = "\n".join(_grid_claims([_grid_cell(0.6, 20, 0.90, 0.0), _grid_cell(0.8, 20, 0.99, -0.2),
                                    _grid_cell(0.8, 200, 0.80, 12.0), _grid_cell(1.0, 100, 0.98, -0.7)]))
@@ -251,7 +251,7 @@ def test_grid_claims_name_the_cells_that_miss_and_lead() -> None:
 
 
 def test_never_worse_needs_the_ci_low_end_above_minus_half_a_point() -> None:
-    from pfec.lab.eval_markdown import _claims
+    from pfec.lab.eval.markdown import _claims
 
     def claim(diffs: list[float]) -> str:
         base = [0.9] * len(diffs)

@@ -1,4 +1,4 @@
-"""The fidelity stage (lab/eval_precision.py): paired summaries, and one small end-to-end run on the model."""
+"""The fidelity stage (lab/eval/precision.py): paired summaries, and one small end-to-end run on the model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pfec.lab.eval_config import EvalConfig
-from pfec.lab.eval_precision import precision_summary
-from pfec.lab.eval_precision_report import precision_claims, precision_section
+from pfec.lab.eval.config import EvalConfig
+from pfec.lab.eval.precision import precision_summary
+from pfec.lab.eval.precision_report import precision_claims, precision_section
 
 
 def _row(prompt: int, variant: str, rho: float, agreement: float, contained: float) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def test_summary_pairs_each_variant_with_native_on_the_same_prompts() -> None:
 
 @pytest.mark.slow
 def test_two_prompts_end_to_end_native_at_a_long_deadline_equals_the_full_kv() -> None:
-    from pfec.lab.eval_precision import precision_scores  # deferred: torch and the model
+    from pfec.lab.eval.precision import precision_scores  # deferred: torch and the model
 
     cfg = EvalConfig(context_tokens=600, max_new_tokens=12)
     out = precision_scores(cfg, rhos=(2.0,), variants=("native", "int8", "split"), prompts=2)

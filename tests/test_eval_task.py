@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from pfec.common.model import llm
-from pfec.lab.eval_config import EvalConfig
-from pfec.lab.eval_task import task_scores
+from pfec.lab.eval.config import EvalConfig
+from pfec.lab.eval.task import task_scores
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from pfec.common.codec.fec import (
     density_for,
     warm_up,
 )
-from pfec.lab import codec_bench
+from pfec.lab.bench import codec_kernels
 
 U8 = npt.NDArray[np.uint8]
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -561,12 +561,12 @@ def test_warm_up_runs() -> None:
 
 
 def test_codec_bench_smoke() -> None:
-    enc = codec_bench.bench_encode(symbol_size=64, repeats=5)
+    enc = codec_kernels.bench_encode(symbol_size=64, repeats=5)
     assert set(enc) == {"k16_dense", "k64_dense", "k64_sparse8"}
     assert all(v > 0 for v in enc.values())
-    lost = codec_bench.ge_loss_mask(3000, seed=3)
+    lost = codec_kernels.ge_loss_mask(3000, seed=3)
     assert 0.0 < lost.mean() < 0.3
-    res = codec_bench.bench_decode_insert(lost, symbol_size=64)
+    res = codec_kernels.bench_decode_insert(lost, symbol_size=64)
     assert res["decode_insert_us_mean"] > 0 and res["decode_insert_us_p99"] >= res["decode_insert_us_median"]
     assert res["complete"] == 1.0
 

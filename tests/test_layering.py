@@ -50,6 +50,31 @@ LONG_MODULES: dict[str, str] = {
     "the theory-of-operation docstring and comments",
 }
 
+# The lab's rooms (docs/ARCHITECTURE.md): room -> the other rooms it may import. A room is a sub-package of
+# lab/, or one of the modules standing directly in lab/ (the demo and its helper processes). The rooms form
+# one stack: the simulator and the KV tools stand on the lab's reporting only; the emulator takes its loss
+# models from the simulator; the benchmarks and the evaluation stand on top and never import each other.
+LAB_ROOMS: dict[str, set[str]] = {
+    "reporting": set(),
+    "sim": {"reporting"},
+    "kv": {"reporting"},
+    "emulator": {"sim"},
+    "baselines": {"sim", "emulator", "reporting"},
+    "train": {"sim", "reporting"},
+    "processes": {"emulator"},
+    "demo": {"sim", "kv", "reporting", "processes"},
+    "eval": {"sim", "baselines", "kv", "train", "reporting"},
+    "bench": {"sim", "kv", "emulator", "reporting", "processes", "demo"},
+}
+# The simulator runs the sans-IO sessions in simulated time: outside the lab it imports only the sans-IO
+# core, and no event loop, socket, thread or model (``time`` only to report its own wall time).
+SIM_BANNED_ROOTS = (IO - {"time"}) | TORCH
+
+# How many modules a folder may hold before it wants rooms of its own (``__init__`` counts), and how many
+# may stand directly in lab/ beside its rooms.
+MAX_FOLDER_MODULES = 15
+MAX_LAB_TOP_MODULES = 6
+
 # folder -> folders it must never import, whatever the groups (sender and receiver never import each other)
 FOLDER_RULES: dict[str, set[str]] = {
     "common": {"sender", "receiver", "lab", "cli"},
@@ -119,6 +144,43 @@ def violations(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
     return out
 
 
+def lab_room_of(module: str) -> str:
+    """The lab room of a ``pfec.lab.*`` module: its sub-package, or its own name for a top-level module."""
+    return module.split(".")[2]
+
+
+def lab_room_violations(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Imports of a lab module that cross the rooms' table, or leave the sans-IO core from the simulator."""
+    room = lab_room_of(module)
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for name, line in imports_of(path):
+        if name.split(".")[0] in SIM_BANNED_ROOTS and room == "sim":
+            out.append(f"{where}:{line} (lab room sim) imports {name}")
+        if name not in modules or not name.startswith("pfec."):
+            continue
+        if name.startswith("pfec.lab."):
+            other = lab_room_of(name)
+            if other != room and other not in LAB_ROOMS[room]:
+                out.append(f"{where}:{line} (lab room {room}) imports {name} (room {other})")
+        elif room == "sim" and group_of(name) != "sans-io":
+            out.append(f"{where}:{line} (lab room sim) imports {name} ({group_of(name)})")
+    return out
+
+
+def crowded_folders(paths: list[Path]) -> list[str]:
+    """Folders over MAX_FOLDER_MODULES modules, and lab/ over MAX_LAB_TOP_MODULES standing in it directly."""
+    count: dict[Path, int] = {}
+    for path in paths:
+        count[path.parent] = count.get(path.parent, 0) + 1
+    out = [f"{folder} holds {n} modules (at most {MAX_FOLDER_MODULES})"
+           for folder, n in sorted(count.items()) if n > MAX_FOLDER_MODULES]
+    lab = ROOT / "lab"
+    if count.get(lab, 0) > MAX_LAB_TOP_MODULES:
+        out.append(f"{lab} holds {count[lab]} modules directly (at most {MAX_LAB_TOP_MODULES})")
+    return out
+
+
 def undeclared_local_imports(path: Path) -> list[str]:
     """Imports inside a function body without a ``deferred`` comment on that line or the one above:
     a function-local import is only for a heavy dependency deferred on purpose, and says so."""
@@ -171,6 +233,22 @@ def test_every_folder_is_walked() -> None:
 def test_module_follows_the_layering_table(module: str) -> None:
     bad = violations(module, MODULES[module], MODULES)
     assert not bad, "layering broken (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
+
+
+def test_every_lab_module_stands_in_a_listed_room() -> None:
+    rooms = {lab_room_of(m) for m in MODULES if m.startswith("pfec.lab.")}
+    assert rooms == set(LAB_ROOMS), f"rooms on disk {sorted(rooms)} vs the table {sorted(LAB_ROOMS)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("pfec.lab.")))
+def test_lab_module_follows_the_rooms_table(module: str) -> None:
+    bad = lab_room_violations(module, MODULES[module], MODULES)
+    assert not bad, "lab rooms crossed (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
+
+
+def test_no_folder_is_crowded() -> None:
+    bad = crowded_folders(list(MODULES.values()))
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -231,7 +309,7 @@ def test_checker_catches_a_forbidden_import_in_each_group(tmp_path: Path) -> Non
         "pfec.receiver.session": "def f():\n    from pfec.common.node import config\n",
         "pfec.sender.daemon": "from pfec.receiver import daemon\n",
         "pfec.receiver.daemon": "import pfec.sender.session\n",
-        "pfec.common.node.probe": "from pfec.lab.sim import simulate\n",
+        "pfec.common.node.probe": "from pfec.lab.sim.simulate import simulate\n",
         "pfec.common.plan.probe": "import torch\n",
         "pfec.lab.probe": "from pfec.cli import app\n",
     }
@@ -239,6 +317,28 @@ def test_checker_catches_a_forbidden_import_in_each_group(tmp_path: Path) -> Non
         assert violations(module, _probe(tmp_path, text), MODULES), (module, text)
     assert not violations("pfec.lab.probe", _probe(tmp_path, "import torch\nimport pfec.sender.daemon\n"),
                           MODULES)
+
+
+def test_checker_catches_a_lab_room_crossing(tmp_path: Path) -> None:
+    cases = {
+        "pfec.lab.sim.probe": "from pfec.lab.eval import config\n",  # the simulator above the evaluation
+        "pfec.lab.eval.probe": "import pfec.lab.bench.drivers\n",  # the two top rooms apart
+        "pfec.lab.reporting.probe": "from pfec.lab.sim import simulate\n",
+        "pfec.lab.sim.probe2": "from pfec.common.node import config\n",  # the simulator leaves the core
+        "pfec.lab.sim.probe3": "import asyncio\n",
+    }
+    for module, text in cases.items():
+        assert lab_room_violations(module, _probe(tmp_path, text), MODULES), (module, text)
+    allowed = "from pfec.lab.sim import channel\nfrom pfec.sender.session import SenderSession\nimport time\n"
+    assert not lab_room_violations("pfec.lab.sim.probe", _probe(tmp_path, allowed), MODULES)
+    assert not lab_room_violations("pfec.lab.emulator.probe", _probe(tmp_path, allowed), MODULES)
+
+
+def test_checker_catches_a_crowded_folder() -> None:
+    many = [ROOT / "sender" / f"m{i}.py" for i in range(MAX_FOLDER_MODULES + 1)]
+    assert crowded_folders(many) == [f"{ROOT / 'sender'} holds 16 modules (at most {MAX_FOLDER_MODULES})"]
+    top = [ROOT / "lab" / f"m{i}.py" for i in range(MAX_LAB_TOP_MODULES + 1)]
+    assert len(crowded_folders(top)) == 1 and not crowded_folders(top[:-1])
 
 
 def test_checker_catches_relative_and_dynamic_imports(tmp_path: Path) -> None:
@@ -261,7 +361,7 @@ def test_checker_names_a_cycle() -> None:
 
 def test_transport_core_does_not_pull_in_torch() -> None:
     """Importing every sans-IO module and the simulator loads no torch, transformers or asyncio."""
-    modules = [m for m in MODULES if group_of(m) == "sans-io"] + ["pfec.lab.sim"]
+    modules = [m for m in MODULES if group_of(m) == "sans-io"] + ["pfec.lab.sim.simulate"]
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in modules)

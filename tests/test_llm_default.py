@@ -11,9 +11,9 @@ import torch
 
 from pfec.common.model import llm
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile, utility_order
-from pfec.lab.profiler import check_profile, needle_prompts, perturbation_scores
-from pfec.lab.retention import blocks_available, needle_examples, retention_check, roundtrip_check
-from pfec.lab.workloads import contains_answer, first_line
+from pfec.lab.kv.profiler import check_profile, needle_prompts, perturbation_scores
+from pfec.lab.kv.retention import blocks_available, needle_examples, retention_check, roundtrip_check
+from pfec.lab.kv.workloads import contains_answer, first_line
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from pfec.common.sched.open_loop_tail import (
     OpenLoopTail,
     tail_rate,
 )
-from pfec.lab.channel import parse_loss_spec
-from pfec.lab.sim_handoff import SimConfig
+from pfec.lab.sim.channel import parse_loss_spec
+from pfec.lab.sim.handoff import SimConfig
 from pfec.sender.daemon import PathLossPriors
 from pfec.sender.session import SenderConfig
 

@@ -11,9 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
-from pfec.lab.channel import Bernoulli
-from pfec.lab.emulator_netns import netns_available
-from pfec.lab.reliable import (
+from pfec.lab.baselines.reliable import (
     HANDSHAKE_STALL_MS,
     RELIABLE_SCHEMES,
     ReliableRun,
@@ -24,7 +22,9 @@ from pfec.lab.reliable import (
     score_prefix,
     stream_bytes,
 )
-from pfec.lab.sim import SimConfig, prepare
+from pfec.lab.emulator.netns import netns_available
+from pfec.lab.sim.channel import Bernoulli
+from pfec.lab.sim.simulate import SimConfig, prepare
 
 _NETNS_OK, _NETNS_WHY = netns_available()
 needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"kernel TCP between namespaces: {_NETNS_WHY}")
@@ -218,8 +218,8 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tm
     from aioquic.quic.configuration import QuicConfiguration
     from aioquic.quic.connection import QuicConnection
 
-    from pfec.lab.reliable import _self_signed
-    from pfec.lab.reliable_endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
+    from pfec.lab.baselines.endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
+    from pfec.lab.baselines.reliable import _self_signed
 
     cert, key = _self_signed(str(tmp_path))
     payload = tmp_path / "payload.bin"
@@ -227,7 +227,7 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tm
     deadline_s = 0.5
     params = {"host": "127.0.0.1", "port": 0, "payload": str(payload), "total": 1 << 20,
               "deadline_s": deadline_s, "cert": cert, "key": key}  # fmt: skip
-    rx = subprocess.Popen([sys.executable, "-m", "pfec.lab.reliable_endpoints", "quic-receiver",
+    rx = subprocess.Popen([sys.executable, "-m", "pfec.lab.baselines.endpoints", "quic-receiver",
                            json.dumps(params)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert rx.stdout is not None

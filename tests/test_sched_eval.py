@@ -10,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
-from pfec.lab.sched_eval import (
+from pfec.lab.train.ddqn import TrainConfig, draw_episode
+from pfec.lab.train.episodes import outside_support
+from pfec.lab.train.held_out import (
     HELDOUT_CONDITIONS,
     HELDOUT_SEED,
     HeldoutCondition,
@@ -19,8 +21,6 @@ from pfec.lab.sched_eval import (
     render_markdown,
     verdict,
 )
-from pfec.lab.train import TrainConfig, draw_episode
-from pfec.lab.train_episodes import outside_support
 
 
 def test_heldout_conditions_lie_outside_the_training_distribution() -> None:
@@ -107,7 +107,7 @@ def test_the_daemons_default_scheme_is_the_one_the_committed_held_out_comparison
     import json
 
     from pfec.common.node.config_models import SenderFecConfig
-    from pfec.lab.sched_eval import EVAL_PATH
+    from pfec.lab.train.held_out import EVAL_PATH
 
     recorded = json.loads(EVAL_PATH.read_text())
     assert SenderFecConfig().scheme == recorded["default_scheme"], recorded["pooled"]

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from pfec.common.sched.policies import get_scheme
-from pfec.lab.bench import OVERHEAD_PARTS, measure_overhead
-from pfec.lab.channel import MAIN_GE, Bernoulli
-from pfec.lab.sim import SimConfig, prepare, run_once, simulate
-from pfec.lab.stats import mean_ci95
+from pfec.lab.bench.drivers import OVERHEAD_PARTS, measure_overhead
+from pfec.lab.reporting.stats import mean_ci95
+from pfec.lab.sim.channel import MAIN_GE, Bernoulli
+from pfec.lab.sim.simulate import SimConfig, prepare, run_once, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +170,7 @@ def test_overhead_benchmark_reports_the_median_handoff() -> None:
         measure_overhead(0)
 
 
-# --- split and local modes (lab/sim_split.py) -----------------------------------------------------------
+# --- split and local modes (lab/sim/split.py) -----------------------------------------------------------
 
 
 def test_a_split_sender_stops_sending_blocks_the_receiver_reports_computed() -> None:
@@ -209,7 +209,7 @@ def test_split_credits_the_computed_front_as_exact_and_streams_only_the_back() -
 
 
 def test_local_ttft_is_the_speed_models_prefill_time() -> None:
-    from pfec.lab.sim_split import DEFAULT_RECEIVER, FRONT_CHUNK_TOKENS
+    from pfec.lab.sim.split import DEFAULT_RECEIVER, FRONT_CHUNK_TOKENS
 
     cfg = small(tokens=1000, mode="local")
     report = simulate(cfg, ["priorityfec"], 1)
@@ -248,7 +248,7 @@ def test_cli_sim_mode_split_reports_the_meeting_point_and_ttft() -> None:
 def test_the_decoder_check_compares_every_byte_of_the_named_rows() -> None:
     """The simulator's per-run check (decoded symbols equal the sent ones) reads rows in place; it must
     agree with numpy's comparison of the copied rows, byte for byte."""
-    from pfec.lab.sim import _rows_equal
+    from pfec.lab.sim.simulate import _rows_equal
 
     rng = np.random.default_rng(3)
     symbols = rng.integers(0, 256, (40, 96), dtype=np.uint8)

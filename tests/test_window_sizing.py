@@ -16,10 +16,10 @@ from pfec.common.plan.deadline import (
     slot_seconds,
 )
 from pfec.common.sched.policies import get_scheme
-from pfec.lab.channel import Bernoulli
-from pfec.lab.sim import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
-from pfec.lab.sim_engine import DeadlineScore, SimRun
-from pfec.lab.sim_handoff import SimConfig, prepare
+from pfec.lab.sim.channel import Bernoulli
+from pfec.lab.sim.engine import DeadlineScore, SimRun
+from pfec.lab.sim.handoff import SimConfig, prepare
+from pfec.lab.sim.simulate import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
 from pfec.sender.transfer import SenderSetup, assemble_sender

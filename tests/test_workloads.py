@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pfec.lab.workloads import (
+from pfec.lab.kv.workloads import (
     NEEDLE_KINDS,
     SHORT_ANSWER_INSTRUCTION,
     SUITE_DEPTHS,

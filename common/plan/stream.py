@@ -83,7 +83,7 @@ MAX_SCHEME_CHARS: Final = 64
 DEFAULT_FIDELITY: Final = "default"
 SHIPPED_FIDELITY: Final = "shipped"
 FIDELITY_NAMES: Final = (DEFAULT_FIDELITY, SHIPPED_FIDELITY)
-#: lab/fidelity.py's measured table for the default model (data outside the packages, as the profile).
+#: lab/kv/fidelity.py's measured table for the default model (data outside the packages, as the profile).
 SHIPPED_FIDELITY_PATH: Final = Path(__file__).resolve().parents[2] / "profiles" / "fidelity" / (
     "smollm2-135m-instruct.json")
 MAX_FIDELITY_BYTES: Final = 1 << 20

@@ -1,6 +1,6 @@
 """Double-DQN repair scheduler inference without torch (paper IV-D): a 15-64-64-4 ReLU MLP in float32.
 
-Sans-IO. The trained weights (``common/sched/ddqn_weights.npz``, written by ``pfec train``: lab/train.py)
+Sans-IO. The trained weights (``common/sched/ddqn_weights.npz``, written by ``pfec train``: lab/train/ddqn.py)
 are flattened once into one float32 parameter vector in torch's ``Linear`` layout (weight [out, in], then
 bias, layer by layer: 5,444 numbers). A decision writes the 15 features and the 4 action masks into one
 preallocated scratch vector and makes one compiled call that runs the network and returns the greedy

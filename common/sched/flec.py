@@ -22,7 +22,7 @@ Decision rule (sans-IO, only ``SchedulerView``):
   symbol; ``fill`` > 1 holds bursts back until the need is larger than the burst), and continues the
   source stream when no burst qualifies.
 
-Tuning (lab/flec_tune.py: the real sessions on paired realizations of seed 101, kept apart from the
+Tuning (lab/train/flec_tune.py: the real sessions on paired realizations of seed 101, kept apart from the
 evaluation seed 1; main GE config ge:0.001,0.5,0.02,0.1, rho 0.8, 1536 tokens, 100 Mbit/s, RTT 20 ms,
 shipped SmolLM2 profile, 4 realizations per point). ``pfec tune flec-rt --json`` over
 burst_weight {0, 1, 3} x fill {0.5, 0.75, 1} x deadline_rtts {1.5, 3}, then ``--burst-weight 0

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.wire.messages import Ack, Role
 from pfec.common.wire.seal import Keyring, PacketProtector
-from pfec.lab.bench_fuzz import FuzzRig
+from pfec.lab.bench.fuzz import FuzzRig
 from pfec.sender.session import SenderConfig, SenderSession, SenderState
 
 u16 = st.one_of(st.sampled_from([0, 1, 0xFFFF]), st.integers(0, 0xFFFF))

@@ -1,7 +1,7 @@
 """Issue 12: hypothesis fuzzing of both endpoints' receive paths from a corpus of valid datagrams of every
 type, both directions and every key phase (bit flips, truncation, splicing, rewritten header fields).
 
-The rig (``pfec.lab.bench_fuzz.FuzzRig``) is one live authenticated handoff in mid-stream: a receiver
+The rig (``pfec.lab.bench.fuzz.FuzzRig``) is one live authenticated handoff in mid-stream: a receiver
 endpoint with an established session and the sender session talking to it. No exception may escape, and
 an input that is not byte for byte a corpus datagram (so cannot authenticate) must be counted as a drop
 (or, on the receiver, held unopened as early data of an unknown session).
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pfec.common.wire.frames import peek_header
-from pfec.lab.bench_fuzz import FuzzRig, run_fuzz_bench
+from pfec.lab.bench.fuzz import FuzzRig, run_fuzz_bench
 
 
 @pytest.fixture(scope="module")

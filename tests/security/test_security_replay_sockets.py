@@ -27,7 +27,7 @@ from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import KeyPhase, MsgType
-from pfec.lab.bench_flood import CaptureRelay
+from pfec.lab.bench.flood import CaptureRelay
 from pfec.receiver.control import receiver_routes
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.receiver.endpoint import AMPLIFICATION_FACTOR

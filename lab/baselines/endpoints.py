@@ -1,0 +1,253 @@
+"""The endpoint processes of the reliable-transport baselines (``reliable``): kernel TCP and QUIC (aioquic).
+
+Each runs as ``python -m pfec.lab.baselines.endpoints ROLE JSON`` (stdlib imports only, aioquic for the
+QUIC roles), so the emulator, the sender and the receiver do not share one interpreter lock. A role reads
+its parameters from the JSON argument, prints one JSON "ready" line, and then one JSON result line; a
+sender waits for a "go" line on stdin between the two. Every line carries the process's CPU time so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = ["AFTER_DEADLINE_S", "QUIC_DATAGRAM", "READY_TIMEOUT_S", "ROLES"]
+
+QUIC_DATAGRAM: Final = 1400  # bytes; wire.MAX_DATAGRAM, the simulator's datagram size
+READY_TIMEOUT_S: Final = 30.0
+AFTER_DEADLINE_S: Final = 1.0  # how long the receiver keeps reading after the deadline (rate metering)
+_CHUNK: Final = 1 << 18
+_SOCKET_BUFFER: Final = 8 << 20
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    # The endpoint's CPU so far: tells a CPU-bound transport (aioquic) from a link-bound one.
+    sys.stdout.write(json.dumps({**obj, "cpu_s": time.process_time()}) + "\n")
+    sys.stdout.flush()
+
+
+def _check_prefix(buf: bytearray, n: int, payload_path: str) -> bool:
+    """The bytes received are the payload's first ``n`` bytes (the stream really carried the handoff)."""
+    with open(payload_path, "rb") as f:
+        return f.read(n) == bytes(memoryview(buf)[:n])
+
+
+# --------------------------------------------------------------------------- kernel TCP
+
+
+def _tcp_receiver(p: dict[str, Any]) -> None:
+    total = int(p["total"])
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind((p["host"], int(p["port"])))
+    lsock.listen(1)
+    lsock.settimeout(READY_TIMEOUT_S)
+    _emit({"ready": True, "port": lsock.getsockname()[1]})
+    conn, _ = lsock.accept()
+    accepted = time.monotonic()
+    buf = bytearray(total)
+    view = memoryview(buf)
+    trace: list[list[float]] = []
+    got = 0
+    give_up = accepted + float(p["deadline_s"]) + AFTER_DEADLINE_S
+    conn.settimeout(0.5)
+    with contextlib.suppress(OSError):  # reset by the sender at its deadline, or idle past give_up
+        while got < total and time.monotonic() < give_up:
+            try:
+                n = conn.recv_into(view[got:], total - got)
+            except TimeoutError:
+                continue
+            if n == 0:
+                break
+            got += n
+            trace.append([time.monotonic(), got])
+    conn.close()
+    lsock.close()
+    intact = _check_prefix(buf, got, p["payload"])
+    _emit({"accepted": accepted, "trace": trace, "bytes": got, "intact": intact})
+
+
+def _tcp_sender(p: dict[str, Any]) -> None:
+    payload = Path(p["payload"]).read_bytes()
+    view = memoryview(payload)
+    deadline_s = float(p["deadline_s"])
+    _emit({"ready": True})
+    sys.stdin.readline()  # "go"
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if p.get("congestion_control"):  # the driver checked the kernel offers it; root in the namespace
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, str(p["congestion_control"]).encode())
+    congestion = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+    sent = 0
+    connected = math.nan
+    t0 = time.monotonic()
+    end = t0 + deadline_s
+    with contextlib.suppress(OSError):  # timeouts at the deadline, or the receiver gone
+        sock.settimeout(deadline_s)
+        sock.connect((p["host"], int(p["port"])))
+        connected = time.monotonic()
+        while sent < len(payload) and time.monotonic() < end:
+            sock.settimeout(max(1e-3, end - time.monotonic()))
+            sent += sock.send(view[sent : sent + _CHUNK])
+        if sent == len(payload):
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(max(1e-3, end - time.monotonic()))
+            sock.recv(1)  # the receiver closes once it holds everything
+    # Abort (RST): a handoff does not keep sending after its deadline.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") + bytes(4))
+    sock.close()
+    _emit({"t0": t0, "connected": connected, "sent": sent, "congestion_control": congestion})
+
+
+# --------------------------------------------------------------------------- QUIC (aioquic)
+# aioquic is imported inside the QUIC roles (deferred: the TCP roles must not pay for it). The endpoints
+# run on the stdlib loop: on uvloop (whose loop.time() is a coarser cached clock, see emulator_link) a
+# lossless direct run delivered 1.5 MB instead of 17 MB by the deadline.
+
+
+def _quic_configuration(is_client: bool, p: dict[str, Any]) -> Any:
+    from aioquic.quic.configuration import QuicConfiguration  # deferred: aioquic
+
+    cfg = QuicConfiguration(is_client=is_client, max_datagram_size=QUIC_DATAGRAM)
+    # Flow control well above the bandwidth-delay product, so only congestion control limits the stream.
+    cfg.max_data = cfg.max_stream_data = 16 << 20
+    if is_client:
+        cfg.server_name = "localhost"
+        cfg.load_verify_locations(cafile=p["cert"])
+    else:
+        cfg.load_cert_chain(p["cert"], p["key"])
+    return cfg
+
+
+def _udp_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    sock.bind((host, port))
+    return sock
+
+
+def _quic_receiver(p: dict[str, Any]) -> None:
+    asyncio.run(_quic_receiver_main(p))
+
+
+async def _quic_receiver_main(p: dict[str, Any]) -> None:
+    from aioquic.asyncio.protocol import QuicConnectionProtocol  # deferred: aioquic
+    from aioquic.asyncio.server import QuicServer  # deferred: aioquic
+    from aioquic.quic.events import (  # deferred: aioquic
+        ConnectionTerminated,
+        HandshakeCompleted,
+        StreamDataReceived,
+    )
+
+    total = int(p["total"])
+    buf = bytearray(total)
+    trace: list[list[float]] = []
+    marks: dict[str, float] = {}
+    done = asyncio.Event()
+
+    class Receiver(QuicConnectionProtocol):
+        def quic_event_received(self, event: Any) -> None:
+            now = time.monotonic()
+            if isinstance(event, HandshakeCompleted):
+                marks["handshake"] = now
+                asyncio.get_running_loop().call_later(float(p["deadline_s"]) + AFTER_DEADLINE_S, done.set)
+            elif isinstance(event, StreamDataReceived):  # aioquic hands stream data over in order
+                got = int(trace[-1][1]) if trace else 0
+                buf[got : got + len(event.data)] = event.data
+                trace.append([now, got + len(event.data)])
+                if event.end_stream:
+                    self._quic.send_stream_data(event.stream_id, b"ok", end_stream=True)
+                    self.transmit()
+                    done.set()
+            elif isinstance(event, ConnectionTerminated):
+                done.set()
+
+    loop = asyncio.get_running_loop()
+    sock = _udp_socket(p["host"], int(p["port"]))
+    cfg = _quic_configuration(False, p)
+    transport, _ = await loop.create_datagram_endpoint(
+        lambda: QuicServer(configuration=cfg, create_protocol=Receiver), sock=sock
+    )
+    _emit({"ready": True, "port": sock.getsockname()[1]})
+    # The sender closes the connection at its deadline, or after our "ok" once everything arrived. Its
+    # CONNECTION_CLOSE can be lost (aioquic does not repeat it unprompted), so the handshake also arms a
+    # give-up AFTER_DEADLINE_S past the deadline, as the TCP receiver has (a lost close had left the run
+    # idle for ~30 s of real time with nothing more to measure).
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done.wait(), READY_TIMEOUT_S + float(p["deadline_s"]) + AFTER_DEADLINE_S)
+    await asyncio.sleep(0.05)  # let the "ok" leave before the endpoint goes
+    transport.close()
+    got = int(trace[-1][1]) if trace else 0
+    _emit(
+        {
+            "accepted": marks.get("handshake", math.nan),
+            "trace": trace,
+            "bytes": got,
+            "intact": _check_prefix(buf, got, p["payload"]),
+        }
+    )
+
+
+def _quic_sender(p: dict[str, Any]) -> None:
+    asyncio.run(_quic_sender_main(p))
+
+
+async def _quic_sender_main(p: dict[str, Any]) -> None:
+    from aioquic.asyncio.protocol import QuicConnectionProtocol  # deferred: aioquic
+    from aioquic.quic.connection import QuicConnection  # deferred: aioquic
+
+    payload = Path(p["payload"]).read_bytes()
+    deadline_s = float(p["deadline_s"])
+    cfg = _quic_configuration(True, p)
+    loop = asyncio.get_running_loop()
+    sock = _udp_socket("127.0.0.1", 0)
+    connection = QuicConnection(configuration=cfg)
+    _, protocol = await loop.create_datagram_endpoint(lambda: QuicConnectionProtocol(connection), sock=sock)
+    _emit({"ready": True})
+    await loop.run_in_executor(None, sys.stdin.readline)  # "go"
+    t0 = time.monotonic()
+    end = t0 + deadline_s
+    connected = math.nan
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        protocol.connect((p["host"], int(p["port"])))
+        await asyncio.wait_for(protocol.wait_connected(), deadline_s)
+        connected = time.monotonic()
+        reader, writer = await protocol.create_stream()
+        writer.write(payload)
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), max(1e-3, end - time.monotonic()))
+    protocol.close()  # at the deadline, or once the receiver confirmed everything
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(protocol.wait_closed(), 0.2)
+    recovery = connection._loss  # aioquic's recovery state, read once: why a run was slow
+    _emit(
+        {
+            "cwnd_bytes": recovery.congestion_window,
+            "srtt_ms": recovery._rtt_smoothed * 1000,
+            "t0": t0,
+            "connected": connected,
+            "sent": len(payload),
+            "congestion_control": f"aioquic {cfg.congestion_control_algorithm}",
+        }
+    )
+
+
+ROLES: Final[dict[str, Callable[[dict[str, Any]], None]]] = {
+    "tcp-receiver": _tcp_receiver,
+    "tcp-sender": _tcp_sender,
+    "quic-receiver": _quic_receiver,
+    "quic-sender": _quic_sender,
+}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
+        sys.exit(f"usage: python -m pfec.lab.baselines.endpoints {{{','.join(ROLES)}}} JSON")
+    ROLES[sys.argv[1]](json.loads(sys.argv[2]))
