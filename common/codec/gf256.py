@@ -9,7 +9,8 @@ The codec's kernels live in four modules, lowest first:
   ``EXP[LOG[a] + LOG[b]]`` needs no modulo; ``LOG``: ``LOG[0]`` is a placeholder 0, 0 has no
   logarithm; ``MUL``: the full 256x256 product table; ``INV``: ``INV[0] = 0`` placeholder), the
   compiled region kernels (``dst ^= c * src`` and friends, bit-plane accumulators for sums of many
-  scaled regions) and the ``njit_cached`` / :func:`entry_point` helpers the other kernel modules use;
+  scaled regions) and the :func:`entry_point` helper the other kernel modules use (with ``njit_cached`` /
+  ``njit_inlined``, re-exported from :mod:`.jit`);
 * :mod:`.coefficients`: RFC 8682 TinyMT32 and RFC 8681 coefficient generation;
 * :mod:`.encoder_kernels`: one repair symbol (the encoder's "make one repair" step);
 * :mod:`.decoder_kernels`: the decoder's state layout, its inserts (one compiled call per received
@@ -29,18 +30,23 @@ Sums of three or more scaled regions (repair encoding, the substitution and
 reduction of an incoming repair) use bit-plane accumulators instead: one XOR
 pass per set coefficient bit, then a single Horner pass (see :func:`acc_finish`).
 
-Compile cost: on a cold numba cache the kernels take ~20 s to compile (cached on
-disk under ``__pycache__`` afterwards); :func:`pfec.common.codec.fec.warm_up` does it up front.
+Compile cost: on a cold numba cache the kernels take ~20 s to compile; :func:`pfec.common.codec.fec.warm_up`
+does it up front. They are cached on disk, by :mod:`.jit`, in ``__pycache__/numba-<module>-<key>/`` beside
+each module (or under ``$NUMBA_CACHE_DIR`` when set), the key hashing the sources the kernels are compiled
+from (the module and everything it imports from ``pfec``) and the numba/numpy/Python versions: an edit to a
+table or a called kernel in another module, or an upgrade, never runs code compiled from the old sources.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numba
 import numpy as np
 import numpy.typing as npt
+
+from pfec.common.codec.jit import njit_cached, njit_inlined
 
 if TYPE_CHECKING:
     from numba.core.dispatcher import Dispatcher
@@ -77,23 +83,6 @@ I64 = npt.NDArray[np.int64]
 B1 = npt.NDArray[np.bool_]
 
 POLY = 0x11D
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def njit_cached(fn: _F) -> _F:
-    """``numba.njit(cache=True)`` that keeps the Python signature for mypy.
-
-    Not ``nogil``: these kernels run once or more per datagram on the event loop's thread, and releasing
-    and retaking the GIL costs about 0.3 us per call, as much as a source insert's own work."""
-    return cast(_F, numba.njit(cache=True)(fn))
-
-
-def njit_inlined(fn: _F) -> _F:
-    """:func:`njit_cached` for a named step of a per-packet kernel: numba inlines it into its callers
-    (as a compiled call of its own it made a repair insert about 5% slower)."""
-    return cast(_F, numba.njit(cache=True, inline="always")(fn))
-
 
 _entry_points: dict[tuple[int, tuple[NumbaType, ...]], Callable[..., Any]] = {}
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.gf256 import entry_point
+from pfec.common.codec.jit import njit_cached_with
 from pfec.common.sched.actions import N_ACTIONS, Action, SchedulerView
 from pfec.common.sched.features import N_FEATURES, WINDOW_SCALE
 
@@ -66,7 +66,7 @@ def load_weights(path: str | Path = WEIGHTS_PATH) -> Float32Array:
         return flatten_weights({k: data[k] for k in WEIGHT_KEYS})
 
 
-@numba.njit(cache=True, boundscheck=False, fastmath=True, inline="always")
+@njit_cached_with(boundscheck=False, fastmath=True, inline="always")
 def _dense(params: Float32Array, at: int, src: Float32Array, src_at: int, n_in: int,
            dst: Float32Array, dst_at: int, n_out: int, relu: bool) -> int:
     """dst[dst_at:+n_out] = (relu of) W @ src[src_at:+n_in] + b; returns the offset past this layer."""
@@ -81,7 +81,7 @@ def _dense(params: Float32Array, at: int, src: Float32Array, src_at: int, n_in: 
     return bias_at + n_out
 
 
-@numba.njit(cache=True, boundscheck=False, fastmath=True)
+@njit_cached_with(boundscheck=False, fastmath=True)
 def q_values(params: Float32Array, scratch: Float32Array, q: Float32Array) -> None:
     """Q(x, .) of the features in scratch[:N_FEATURES] into q (float32[N_ACTIONS])."""
     at = _dense(params, 0, scratch, 0, N_FEATURES, scratch, H1_AT, HIDDEN, True)
@@ -89,7 +89,7 @@ def q_values(params: Float32Array, scratch: Float32Array, q: Float32Array) -> No
     _dense(params, at, scratch, H2_AT, HIDDEN, q, 0, N_ACTIONS, False)
 
 
-@numba.njit(cache=True, boundscheck=False, fastmath=True)
+@njit_cached_with(boundscheck=False, fastmath=True)
 def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
     """argmax of Q over the allowed actions (scratch[MASK_AT + a] > 0); -1 when none is allowed.
 
@@ -104,12 +104,12 @@ def greedy_action(params: Float32Array, scratch: Float32Array) -> int:
     return best
 
 
-@numba.njit(cache=True, boundscheck=False, inline="always")
+@njit_cached_with(boundscheck=False, inline="always")
 def _clip01(x: float) -> float:
     return 0.0 if x < 0.0 else (1.0 if x > 1.0 else x)
 
 
-@numba.njit(cache=True, boundscheck=False)
+@njit_cached_with(boundscheck=False)
 def write_features_compiled(
     scratch: Float32Array,
     repairs_left: int,
@@ -153,7 +153,7 @@ def write_features_compiled(
     scratch[14] = _clip01(effectiveness)
 
 
-@numba.njit(cache=True, boundscheck=False)
+@njit_cached_with(boundscheck=False)
 def decide_compiled(
     params: Float32Array,
     scratch: Float32Array,
