@@ -31,7 +31,7 @@ class SenderConfig:
     window_cap: int = DEFAULT_WINDOW
     # A cap the operator configured (fec.window_cap > 0) bounds every repair window; a cap sized from the
     # path (fec.window_cap = 0) lets the open-loop tail's repairs reach over the whole tail, as far as the
-    # decoder span granted (SenderSession._tail_window).
+    # decoder span granted (SendPath.tail_width, sender/send_path.py).
     window_cap_strict: bool = False
     target_nonzeros: int | None = 8
     fixed_dt: int | None = None

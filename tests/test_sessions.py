@@ -383,7 +383,7 @@ def test_fixed_rate_policy_is_open_loop_and_the_others_are_not() -> None:
 def _sources_before(sender: SenderSession, repair: int) -> int:
     """Source symbols the sender had sent when it sent repair number ``repair``."""
     n = sender.encoder.next_esi
-    return int(np.count_nonzero(sender._src_pn[:n] < sender._rep_pn[repair]))
+    return int(np.count_nonzero(sender.inflight.src_pn[:n] < sender.inflight.rep_pn[repair]))
 
 
 def test_fixed_rate_repairs_proactively_over_the_newest_window() -> None:
@@ -395,7 +395,7 @@ def test_fixed_rate_repairs_proactively_over_the_newest_window() -> None:
     sent = h.sender.view.repairs_sent
     assert 20 <= sent <= len(symbols) // 8
     for i in range(sent):
-        first, end = h.sender._rep_window[i]
+        first, end = h.sender.inflight.rep_window[i]
         assert end == _sources_before(h.sender, i) and 0 < end - first <= 16  # window_cap 16
     # Closed loop: a handoff long enough for feedback (9.5 RTT; under 6, the first ACK two round trips in
     # leaves no closed-loop cycle, and the heuristic's tail code covers the whole handoff).
@@ -417,7 +417,7 @@ def test_fixed_rate_repairs_aim_at_a_stalled_prefix() -> None:
     assert ev.stats.stalls >= 1
     assert len(ev.decoded_esis) == len(symbols)
     assert np.array_equal(ev.store, symbols)
-    windows = h.sender._rep_window[: h.sender.view.repairs_sent]
+    windows = h.sender.inflight.rep_window[: h.sender.view.repairs_sent]
     assert sum(first == 26 for first, _end in windows) >= 4  # at the stalled prefix: one per hole at least
 
 
@@ -538,7 +538,7 @@ def test_an_ack_reporting_computed_tokens_past_the_context_is_dropped() -> None:
     """The sender's context is 64 tokens; a receiver reporting 80 computed is out of bounds: dropped with
     its reason, and nothing is skipped."""
     h, _, ends = make_split_pair(sender_tokens=SPLIT_TOKENS)
-    h.sender._split_n_tokens = 64  # the sender's bound (a receiver that disagrees about the context)
+    h.sender.split.n_tokens = 64  # the sender's bound (a receiver that disagrees about the context)
     session = _split_session(h, ends, until=0.016)
     session.set_computed(80, h.now)  # type: ignore[attr-defined]
     h.run(until=0.03)
@@ -628,7 +628,7 @@ def test_with_no_feedback_before_the_deadline_the_heuristic_repairs_open_loop() 
     # Credit accrues per source and is spent between source bursts: the last burst's may find no slot.
     assert sources * rate - SOURCE_BURST * rate - 1 <= repairs <= sources * rate, (sources, repairs, rate)
     for i in range(repairs):
-        first, end = sender._rep_window[i]
+        first, end = sender.inflight.rep_window[i]
         assert end == _sources_before(sender, i) and 0 < end - first <= 16
     plain, _ = make_pair(n=200, budget_s=0.012, loss_prior=prior, policy=SourceOnly())
     plain.run()
@@ -637,9 +637,9 @@ def test_with_no_feedback_before_the_deadline_the_heuristic_repairs_open_loop() 
 
 
 def _repairs(sender: SenderSession) -> list[tuple[float, int, int]]:
-    n = sender.view.repairs_sent
-    return [(float(sender._rep_time[i]), int(sender._rep_window[i, 0]), int(sender._rep_window[i, 1]))
-            for i in range(n)]
+    sent = sender.inflight
+    return [(float(sent.rep_time[i]), int(sent.rep_window[i, 0]), int(sent.rep_window[i, 1]))
+            for i in range(sender.view.repairs_sent)]
 
 
 def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -> None:
@@ -649,7 +649,7 @@ def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -
 
     def run(tail: bool) -> Harness:
         h, _ = make_pair(n=900, budget_s=0.1, loss_prior=0.1)  # 9.5 RTT: closed loop until the tail
-        h.sender._tail.enabled = tail
+        h.sender.send_path.tail.enabled = tail
         h.drop_forward = lambda i, d: i in lost
         h.run()
         return h
@@ -661,7 +661,7 @@ def test_closed_loop_repair_is_unchanged_until_feedback_can_no_longer_return() -
     before = [r for r in _repairs(with_tail.sender) if r[0] < tail_start]
     assert before and before == [r for r in _repairs(without.sender) if r[0] < tail_start]
     extra = with_tail.sender.view.repairs_sent - without.sender.view.repairs_sent
-    assert extra > 0 and with_tail.sender._tail.active and not without.sender._tail.active
+    assert extra > 0 and with_tail.sender.send_path.tail.active and not without.sender.send_path.tail.active
     lost_count, seen = with_tail.sender.measured_loss  # the ACK counters a daemon keeps per receiver
     assert lost_count == len(lost) and seen > 300
 
@@ -679,7 +679,7 @@ def test_when_no_ack_can_return_in_time_one_open_loop_code_covers_the_whole_hand
     h.run()
     sender = h.sender
     assert sender._send_deadline <= 2 * 2 * OWD + 1e-9  # no ACK arrives while the sender sends
-    assert sender._tail_first == 0
+    assert sender.send_path.tail_first == 0
     ev = h.deadline_event()
     sent = sender.encoder.next_esi
     assert len(ev.decoded_esis) == sent and np.array_equal(ev.store[:sent], symbols[:sent])

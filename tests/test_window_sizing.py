@@ -94,8 +94,9 @@ def _run(rtt_ms: float, window_cap: int) -> tuple[int, int, int, list[tuple[int,
         return DeadlineScore(np.zeros(handoff.plan.n_blocks, dtype=np.bool_), 0.0, 0, 0, 0, ReceiverStats())
 
     SimRun(sender, endpoint, _links(handoff, 0), at_deadline).drive()
-    windows = [(int(a), int(b)) for a, b in sender._rep_window[: sender.view.repairs_sent]]
-    return sender.config.window_cap, spans[0], sender.config.decoder_span, windows, sender._tail_first
+    windows = [(int(a), int(b)) for a, b in sender.inflight.rep_window[: sender.view.repairs_sent]]
+    tail_first = sender.send_path.tail_first
+    return sender.config.window_cap, spans[0], sender.config.decoder_span, windows, tail_first
 
 
 def test_a_long_rtt_handoff_codes_over_the_larger_window_on_both_ends() -> None:

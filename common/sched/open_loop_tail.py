@@ -9,7 +9,7 @@ all of it (the receiver establishes 1.5 RTT after the start; no ACK may ever arr
 So the session protects the tail *open loop*, as a fixed-rate code does: credit accrues with every
 source sent in the tail, at ``rate`` repairs per source, and is spent on single repairs before the policy
 is asked (the policy, and so the DDQN's features, are unchanged). Each repair covers every source sent in
-the tail, as far as the receiver's decoder span reaches (``SenderSession._tail_window``): one code over
+the tail, as far as the receiver's decoder span reaches (the sender's ``SendPath.tail_width``): one code over
 the tail, so a burst that outruns the repairs of a window is paid for by the repairs after it. Until the
 first ACK, the handshake delays all feedback (``HANDSHAKE_RTTS``); when no closed-loop cycle fits after
 it, the tail is the whole handoff (``OpenLoopTail.update``). The

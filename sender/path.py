@@ -1,0 +1,76 @@
+"""A sender session's ACK intake: the plausibility check and the path estimates (sans-IO).
+
+An ACK is first checked against what the session sent (``ack_plausible``); a crafted one is dropped before
+anything reads it. A plausible ACK's cumulative counters give the loss rate and the mean loss-run length,
+its feedback fields the scheduler's view of the receiver (deficit, unknowns), and its largest packet
+number, through :class:`pfec.sender.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
+(RFC 6298's 1/8 gain). The estimates live where the policy reads them, in the session's
+``SchedulerView``; the open-loop tail's loss rate follows the same counters.
+"""
+
+from __future__ import annotations
+
+from pfec.common.sched.actions import SchedulerView
+from pfec.common.sched.open_loop_tail import OpenLoopTail
+from pfec.common.wire.messages import Ack
+
+RTT_GAIN = 0.125  # weight of a new RTT sample in the smoothed estimate (RFC 6298's alpha)
+_RTT_KEEP = 1.0 - RTT_GAIN  # 0.875, exactly
+
+
+def ack_plausible(ack: Ack, sources_sent: int, packets_sealed: int) -> bool:
+    """Whether an ACK's fields fit what the session sent: decoded prefix, seen end and decoded count
+    within the sources sent, largest packet number and counters within the datagrams sealed, loss runs
+    within the losses and the hole map's bits within its bytes."""
+    return (
+        ack.decoded_prefix <= sources_sent
+        and ack.seen_end <= sources_sent
+        and ack.decoded_count <= sources_sent
+        and ack.largest_pn <= packets_sealed
+        and ack.received <= packets_sealed
+        and ack.lost <= packets_sealed
+        and ack.loss_runs <= ack.lost
+        and ack.hole_bits <= 8 * len(ack.holes)
+    )
+
+
+class PathEstimates:
+    """The path as the ACKs measure it, written into the scheduler's view: loss, burst and RTT estimates,
+    the receiver's reported deficit and unknowns, and when the decoded prefix last moved."""
+
+    __slots__ = ("last_prefix_change", "tail", "view")
+
+    def __init__(self, view: SchedulerView, tail: OpenLoopTail) -> None:
+        self.view = view
+        self.tail = tail  # its loss rate blends these counters with the prior
+        self.last_prefix_change = 0.0  # when the decoded prefix last advanced (the view's ack staleness)
+
+    def start(self, now: float) -> None:
+        self.last_prefix_change = now
+
+    def on_ack(self, ack: Ack, now: float, prefix_moved: bool, sample_time: float) -> None:
+        """A plausible ACK's counters and feedback fields; ``sample_time``: the send time of the packet it
+        newly acknowledges as its largest (-1: no RTT sample)."""
+        if prefix_moved:
+            self.last_prefix_change = now
+        view = self.view
+        view.feedback_seen = True
+        view.deficit_reported = ack.deficit
+        view.window_at_feedback = ack.unknowns
+        lost = ack.lost
+        seen = ack.received + lost
+        if seen > 0:
+            view.loss_estimate = lost / seen
+        if ack.loss_runs > 0:
+            view.burst_estimate = lost / ack.loss_runs
+        self.tail.on_ack(lost, seen, view.burst_estimate)
+        if sample_time >= 0:
+            rtt = now - sample_time - ack.ack_delay_us * 1e-6
+            if rtt > 0:  # the first sample sets the estimate, later ones move it by RTT_GAIN
+                smoothed = view.rtt_estimate
+                view.rtt_estimate = rtt if smoothed == 0 else _RTT_KEEP * smoothed + RTT_GAIN * rtt
+
+    @property
+    def measured_loss(self) -> tuple[int, int]:
+        """(lost, lost + received) by the newest ACK's counters (a reordered older ACK counts less)."""
+        return self.tail.lost, self.tail.seen
