@@ -5,7 +5,8 @@ anything reads it. A plausible ACK's cumulative counters give the loss rate and 
 its feedback fields the scheduler's view of the receiver (deficit, unknowns), and its largest packet
 number, through :class:`pfec.sender.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
 (RFC 6298's 1/8 gain). The estimates live where the policy reads them, in the session's
-``SchedulerView``; the open-loop tail's loss rate follows the same counters.
+``SchedulerView``; the open-loop tail's loss rate follows the same counters, and the rate controller
+(:mod:`pfec.sender.rate`) hears each new loss count and every RTT sample.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pfec.common.sched.actions import SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.wire.messages import Ack
+from pfec.sender.rate import RateController
 
 RTT_GAIN = 0.125  # weight of a new RTT sample in the smoothed estimate (RFC 6298's alpha)
 _RTT_KEEP = 1.0 - RTT_GAIN  # 0.875, exactly
@@ -36,14 +38,17 @@ def ack_plausible(ack: Ack, sources_sent: int, packets_sealed: int) -> bool:
 
 class PathEstimates:
     """The path as the ACKs measure it, written into the scheduler's view: loss, burst and RTT estimates,
-    the receiver's reported deficit and unknowns, and when the decoded prefix last moved."""
+    the receiver's reported deficit and unknowns, and when the decoded prefix last moved. New losses and
+    every RTT sample also go to the rate controller."""
 
-    __slots__ = ("last_prefix_change", "tail", "view")
+    __slots__ = ("last_prefix_change", "lost", "rate", "tail", "view")
 
-    def __init__(self, view: SchedulerView, tail: OpenLoopTail) -> None:
+    def __init__(self, view: SchedulerView, tail: OpenLoopTail, rate: RateController) -> None:
         self.view = view
         self.tail = tail  # its loss rate blends these counters with the prior
+        self.rate = rate
         self.last_prefix_change = 0.0  # when the decoded prefix last advanced (the view's ack staleness)
+        self.lost = 0  # the largest cumulative loss count any ACK reported
 
     def start(self, now: float) -> None:
         self.last_prefix_change = now
@@ -64,11 +69,15 @@ class PathEstimates:
         if ack.loss_runs > 0:
             view.burst_estimate = lost / ack.loss_runs
         self.tail.on_ack(lost, seen, view.burst_estimate)
+        if lost > self.lost:
+            self.rate.on_packets_lost(now, lost - self.lost)
+            self.lost = lost
         if sample_time >= 0:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:  # the first sample sets the estimate, later ones move it by RTT_GAIN
                 smoothed = view.rtt_estimate
                 view.rtt_estimate = rtt if smoothed == 0 else _RTT_KEEP * smoothed + RTT_GAIN * rtt
+                self.rate.on_rtt_measurement(now, rtt)
 
     @property
     def measured_loss(self) -> tuple[int, int]:

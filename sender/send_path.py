@@ -4,7 +4,7 @@ Sources go out in ESI order, sealed from the session's rows. A repair covers the
 (:mod:`pfec.sender.repair_plan`) picks for the decision (``plan_epoch``: reused by the burst's first
 repair, planned again for the next), or, when the burst is the open-loop tail's
 (:mod:`pfec.common.sched.open_loop_tail`), a window over the tail's sources. Every datagram leaves its
-record in :class:`pfec.sender.inflight.InFlight`.
+record in :class:`pfec.sender.inflight.InFlight` and is reported to the rate controller.
 
 The planner's side of the path lives here too: the receiver's decoder span (its ACCEPT grants it), whether
 the newest ACK says its decoder stalled, and the ACKs' hole maps (``on_ack``). An open-loop policy (a
@@ -27,6 +27,7 @@ from pfec.common.sched.open_loop_tail import FEEDBACK_RTTS, OpenLoopTail
 from pfec.common.wire.messages import Ack
 from pfec.common.wire.seal import PacketProtector
 from pfec.sender.inflight import InFlight
+from pfec.sender.rate import RateController
 from pfec.sender.repair_plan import RESEND_RTTS, SEEN_MIN_S, SEEN_RTTS, Plan, RepairPlanner
 from pfec.sender.session_types import MAX_SPAN, SenderConfig
 
@@ -36,14 +37,14 @@ class SendPath:
 
     __slots__ = (
         "_repair_buf", "_src_pn", "_src_time", "_symbols", "cpu", "datagrams_sent", "encoder", "fresh_plan",
-        "inflight", "open_loop", "planner", "planner_loss", "proactive", "protector",
+        "inflight", "open_loop", "planner", "planner_loss", "proactive", "protector", "rate",
         "repairs_skipped", "span", "stalled", "strict", "tail", "tail_burst", "tail_first", "tail_width",
         "view", "window_cap",
     )
 
     def __init__(self, config: SenderConfig, symbols: npt.NDArray[np.uint8], encoder: Encoder,
                  protector: PacketProtector, view: SchedulerView, inflight: InFlight, tail: OpenLoopTail,
-                 open_loop: bool, cpu: CpuMeter | None) -> None:
+                 open_loop: bool, rate: RateController, cpu: CpuMeter | None) -> None:
         self._symbols = symbols  # the encoder's rows (a split reorders the unsent ones in place)
         self.encoder = encoder
         self.protector = protector
@@ -51,6 +52,7 @@ class SendPath:
         self.inflight = inflight
         self._src_pn, self._src_time = inflight.src_pn, inflight.src_time  # its source rows, per datagram
         self.tail = tail
+        self.rate = rate  # told of every data datagram
         self.cpu = cpu
         self.window_cap = config.window_cap
         self.strict = config.window_cap_strict
@@ -125,6 +127,7 @@ class SendPath:
             if self.tail_first < 0:
                 self.tail_first = esi
             tail.on_source()
+        self.rate.on_packet_sent(now, len(datagram))
         return datagram
 
     def repair(self, now: float) -> bytes | None:
@@ -170,6 +173,7 @@ class SendPath:
         view.repairs_left -= 1
         view.repairs_sent = sent + 1
         self.datagrams_sent["repair"] += 1
+        self.rate.on_packet_sent(now, len(datagram))
         return datagram
 
     # ------------------------------------------------------------------ feedback

@@ -16,7 +16,9 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts the session
   refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
   left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
-  an action; the burst is then sent one datagram per call. An open-loop policy (a fixed-rate code) needs
+  an action; the burst is then sent one datagram per call. A slot's length is the rate controller's
+  (``rate``, :mod:`pfec.sender.rate`: today ``FixedRate``, the configured slot); the parts report every
+  data datagram, ACKed count, new loss and RTT sample to it. An open-loop policy (a fixed-rate code) needs
   no deficit for a repair and its repairs cover the newest window (``send_path``).
 - A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
   sample) cannot be repaired from feedback: the session protects them open loop at the expected-loss rate
@@ -50,7 +52,9 @@ delegates the rest, each part sans-IO with a narrow interface:
   sample of the newest acknowledged packet;
 - ``send_path`` (:mod:`pfec.sender.send_path`): source and repair datagrams, the tail's window, and the
   repair planner (:mod:`pfec.sender.repair_plan`) fed from the ACKs' hole maps;
-- ``split`` (:mod:`pfec.sender.split`): a split handoff's token ends, computed tokens and unsent reorder.
+- ``split`` (:mod:`pfec.sender.split`): a split handoff's token ends, computed tokens and unsent reorder;
+- ``rate`` (:mod:`pfec.sender.rate`): the rate controller (the seam a controller plugs into; several
+  sessions may share one): the session reads its slot, ``send_path``, ``inflight`` and ``path`` report to it.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ from pfec.common.wire.messages import (
 from pfec.common.wire.seal import PacketProtector, drop_reason
 from pfec.sender.inflight import InFlight
 from pfec.sender.path import PathEstimates, ack_plausible
+from pfec.sender.rate import FixedRate, RateController
 from pfec.sender.send_path import SendPath
 from pfec.sender.session_types import (
     EARLY_OFFER_EVERY,
@@ -121,7 +126,9 @@ __all__ = [
 
 class SenderSession:
     """The sending end of one handoff: OFFER, paced source and repair datagrams, ACK processing, the
-    RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``."""
+    RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``.
+
+    ``rate``: the rate controller (:mod:`pfec.sender.rate`); None paces at ``config.slot_s``."""
 
     def __init__(
         self,
@@ -133,12 +140,14 @@ class SenderSession:
         source_info: SourceInfo | None = None,
         cpu: CpuMeter | None = None,
         split: SplitInfo | None = None,
+        rate: RateController | None = None,
     ) -> None:
         self.session_id = session_id
         self.config = config
         self.policy = policy
         self.protector = protector
         self.cpu = cpu
+        self.rate: RateController = FixedRate(config.slot_s) if rate is None else rate
         self.split = SplitBookkeeping(split, symbols)
         symbols = self.split.symbols  # a split's copy of its own: its unsent rows get reordered
         # Unless the cap was configured, the encoder may build windows as wide as an RFC 8681 window: the
@@ -160,10 +169,11 @@ class SenderSession:
         # (common/sched/open_loop_tail.py); before an RTT sample, the path's prior: twice the one-way delay.
         tail = OpenLoopTail(policy.sends_repairs and not open_loop, config.loss_prior, 2 * config.owd_s,
                             config.window_cap)
-        self.inflight = InFlight(self.encoder.n_source, config.repair_budget)
-        self.path = PathEstimates(view, tail)
+        # The parts that see the path report to the rate controller: sends, ACKed counts, losses, RTTs.
+        self.inflight = InFlight(self.encoder.n_source, config.repair_budget, self.rate)
+        self.path = PathEstimates(view, tail, self.rate)
         self.send_path = SendPath(config, symbols, self.encoder, protector, view, self.inflight, tail,
-                                  open_loop, cpu)
+                                  open_loop, self.rate, cpu)
         self.planner = self.send_path.planner
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
@@ -311,7 +321,7 @@ class SenderSession:
 
     # ------------------------------------------------------------ decision epochs
     def _slots_left(self, now: float) -> int:
-        return max(0, int((self._send_deadline - now) / self.config.slot_s))
+        return max(0, int((self._send_deadline - now) / self.rate.slot_s))
 
     def _decide(self, now: float) -> bool:
         cpu = self.cpu
@@ -351,7 +361,7 @@ class SenderSession:
         next_esi = enc.next_esi
         view.now = now
         view.sources_sent = next_esi
-        slot_s = self.config.slot_s
+        slot_s = self.rate.slot_s
         slots_left = max(0, int((self._send_deadline - now) / slot_s))
         view.slots_left = slots_left
         view.acked_prefix = enc.ack_prefix
@@ -387,7 +397,7 @@ class SenderSession:
         # Until the ACCEPT, the OFFER also repeats every EARLY_OFFER_EVERY data datagrams: a receiver that
         # lost it holds only its first 256 (unauthenticated) datagrams and drops the rest, which in
         # utility order are the most valuable (measured: a lost OFFER cut a handoff to 0.27 of its utility).
-        self._offer_timer = now + min(self.config.offer_retry_s, EARLY_OFFER_EVERY * self.config.slot_s)
+        self._offer_timer = now + min(self.config.offer_retry_s, EARLY_OFFER_EVERY * self.rate.slot_s)
 
     def _queue_offer_part(self, parts: list[bytes], index: int, now: float) -> None:
         cfg = self.config
@@ -475,7 +485,7 @@ class SenderSession:
         prefix_moved = prefix > enc.ack_prefix
         enc.on_ack(prefix)
         # What the receiver has accounted for; the newest datagram it saw gives an RTT sample.
-        sample_time = self.inflight.on_ack(ack.largest_pn, enc.next_esi, self.view.repairs_sent)
+        sample_time = self.inflight.on_ack(now, ack.largest_pn, enc.next_esi, self.view.repairs_sent)
         # The planner first (the newest ACK: its hole map is current): it looks back by the RTT estimate
         # before this ACK's sample moves it.
         self.send_path.on_ack(ack, now, prefix == enc.ack_prefix)

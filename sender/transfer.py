@@ -30,6 +30,7 @@ from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
+from pfec.sender.rate import FixedRate, RateController
 from pfec.sender.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo, SplitInfo
 from pfec.sender.session_types import OFFER_RETRY_S
 
@@ -139,8 +140,11 @@ def decoder_span_for(budget: LinkBudget, window_cap: int, n_source: int) -> int:
 
 
 def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup: SenderSetup,
-                    cpu: CpuMeter | None = None) -> SenderSession:
-    """A ready-to-start ``SenderSession`` for ``send`` within ``budget``."""
+                    cpu: CpuMeter | None = None, rate: RateController | None = None) -> SenderSession:
+    """A ready-to-start ``SenderSession`` for ``send`` within ``budget``.
+
+    ``rate``: the session's rate controller (``sender/rate.py``), e.g. one shared by every handoff on the
+    same path; None: a ``FixedRate`` at the budget's slot, the configured link rate."""
     plan = send.plan
     window_cap = resolve_window_cap(setup.window_cap, budget.owd_s, budget.slot_s)
     config = SenderConfig(
@@ -163,5 +167,7 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
                                 plan.symbol_size, random_bytes=setup.random_bytes)
     source_info = SourceInfo(send.blocks_in_send_order(), send.block_utility)
     split = None if send.token_ends is None else SplitInfo(send.token_ends, plan.n_tokens)
+    if rate is None:
+        rate = FixedRate(config.slot_s)
     return SenderSession(session_id, config, send.symbols, setup.scheme.make_policy(), protector, source_info,
-                         cpu, split)
+                         cpu, split, rate)

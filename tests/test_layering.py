@@ -23,6 +23,7 @@ SANS_IO = (
     "pfec.common.codec", "pfec.common.wire", "pfec.common.sched", "pfec.common.plan", "pfec.common.events",
     "pfec.sender.session", "pfec.sender.session_types", "pfec.sender.repair_plan", "pfec.sender.transfer",
     "pfec.sender.path", "pfec.sender.inflight", "pfec.sender.send_path", "pfec.sender.split",
+    "pfec.sender.rate",
     "pfec.receiver.session", "pfec.receiver.endpoint",
 )
 IO = {"asyncio", "socket", "time", "threading", "selectors", "uvloop", "aiohttp", "prometheus_client"}

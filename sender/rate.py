@@ -1,0 +1,80 @@
+"""Where a rate controller plugs into a sender session (sans-IO): the ``RateController`` interface and
+``FixedRate``, today's rate logic (pace at the configured rate, whatever the feedback says).
+
+The interface follows aioquic's congestion controllers (``quic/congestion/base.py``, fed by its loss
+recovery): the session's parts report what happens on the path, the controller answers how fast to send.
+
+- ``slot_s`` is read by the session whenever it counts the transmission slots left before its send
+  deadline (each decision epoch, at ``start``, for the OFFER repeat timer): the link time of one
+  full-size datagram at the rate the controller allows now;
+- ``on_packet_sent(now, size)``: the send path (``send_path``), for every data datagram (source or repair)
+  it hands to the link;
+- ``on_packets_acked(now, count)``: the in-flight records (``inflight``), with the data datagrams an ACK
+  newly covers (sent at or before the ACK's largest packet number);
+- ``on_packets_lost(now, count)``: the ACK intake (``path``), with the growth of the receiver's cumulative
+  loss counter (losses the FEC repaired count too: random loss is the code's business, but a loss rate
+  above its floor is congestion, RFC 9265);
+- ``on_rtt_measurement(now, rtt)``: the ACK intake, with each RTT sample (the newest acknowledged packet,
+  less the ACK delay).
+
+One controller may serve several sessions at once (concurrent handoffs to one receiver share one path):
+its hooks then see every session's packets, and each session reads the shared ``slot_s``.
+``sender/transfer.py`` builds a ``FixedRate`` from the session's config unless the caller passes one.
+
+The datagrams themselves are paced by the link adapters at the configured rate (``sender/pacer.py``'s
+``LinkClock``, ``lab/sim_engine.py``'s link); a controller that paces at its own estimate changes them to
+read its rate instead.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class RateController(Protocol):
+    """How fast a session may send, updated from what the session reports about its path."""
+
+    @property
+    def slot_s(self) -> float:
+        """Link time of one full-size datagram at the rate allowed now (seconds, > 0)."""
+        ...
+
+    def on_packet_sent(self, now: float, size: int) -> None:
+        """A data datagram of ``size`` bytes left for the link at ``now``."""
+        ...
+
+    def on_packets_acked(self, now: float, count: int) -> None:
+        """An ACK arriving at ``now`` newly covers ``count`` data datagrams."""
+        ...
+
+    def on_packets_lost(self, now: float, count: int) -> None:
+        """An ACK arriving at ``now`` reports ``count`` more datagrams lost than any before it."""
+        ...
+
+    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+        """One RTT sample (seconds, > 0) taken at ``now``."""
+        ...
+
+
+class FixedRate:
+    """The configured rate, always: the slot the config gives, deaf to every report (today's behaviour,
+    DESIGN.md: pacing at the told rate is the whole rate logic)."""
+
+    __slots__ = ("slot_s",)
+
+    def __init__(self, slot_s: float) -> None:
+        if not slot_s > 0:
+            raise ValueError(f"slot_s must be positive, got {slot_s!r}")
+        self.slot_s = slot_s  # a plain attribute: read at every decision epoch
+
+    def on_packet_sent(self, now: float, size: int) -> None:
+        pass
+
+    def on_packets_acked(self, now: float, count: int) -> None:
+        pass
+
+    def on_packets_lost(self, now: float, count: int) -> None:
+        pass
+
+    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""The sender session's rate-controller seam (sender/rate.py): what a controller hears, what the session
+takes from it, and that the default (FixedRate, the configured slot) is today's behaviour."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pfec.common.sched.policies import get_scheme
+from pfec.lab.channel import Bernoulli
+from pfec.lab.sim import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
+from pfec.lab.sim_engine import DeadlineScore, SimRun
+from pfec.lab.sim_handoff import Handoff, SimConfig, prepare
+from pfec.receiver.endpoint import ReceiverEndpoint
+from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
+from pfec.sender.rate import FixedRate, RateController
+from pfec.sender.session import SenderSession
+from pfec.sender.transfer import SenderSetup, assemble_sender
+
+
+class Recorder:
+    """A controller that paces like FixedRate (``slot_s``) and writes down every report."""
+
+    def __init__(self, slot_s: float) -> None:
+        self.slot_s = slot_s
+        self.sent: list[int] = []
+        self.acked: list[int] = []
+        self.lost: list[int] = []
+        self.rtts: list[float] = []
+
+    def on_packet_sent(self, now: float, size: int) -> None:
+        self.sent.append(size)
+
+    def on_packets_acked(self, now: float, count: int) -> None:
+        self.acked.append(count)
+
+    def on_packets_lost(self, now: float, count: int) -> None:
+        self.lost.append(count)
+
+    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+        self.rtts.append(rtt)
+
+
+HANDOFF = SimConfig(loss=Bernoulli(0.05), rtt_ms=20, tokens=192, rho=1.0)
+
+
+def _sender(handoff: Handoff, session_id: int = 7, rate: RateController | None = None) -> SenderSession:
+    setup = SenderSetup(scheme=get_scheme("heuristic"), repair_budget=0.15, window_cap=0,
+                        fingerprint=SIM_FINGERPRINT, psk=SIM_PSK, result_wait_s=0.5, authenticate=False,
+                        random_bytes=seeded_random_bytes(1, 0, "sender"))
+    return assemble_sender(session_id, handoff.send_queue("utility"), handoff.budget, setup, rate=rate)
+
+
+def _drive(handoff: Handoff, sender: SenderSession) -> None:
+    endpoint = ReceiverEndpoint(SIM_PSK, SIM_FINGERPRINT, ReceiverConfig(), authenticate=False,
+                                random_bytes=seeded_random_bytes(1, 0, "receiver"))
+
+    def at_deadline(event: DeadlineReached) -> DeadlineScore:
+        return DeadlineScore(np.zeros(handoff.plan.n_blocks, dtype=np.bool_), 0.0, 0, 0, 0, ReceiverStats())
+
+    SimRun(sender, endpoint, _links(handoff, 0), at_deadline).drive()
+
+
+def test_fixed_rate_is_the_configured_slot_and_the_default() -> None:
+    assert FixedRate(1e-4).slot_s == 1e-4
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="slot_s"):
+            FixedRate(bad)
+    handoff = prepare(HANDOFF)
+    sender = _sender(handoff)
+    assert isinstance(sender.rate, FixedRate) and sender.rate.slot_s == sender.config.slot_s
+
+
+def test_a_controller_hears_every_send_ack_loss_and_rtt_and_changes_nothing_by_listening() -> None:
+    handoff = prepare(HANDOFF)
+    recorder = Recorder(handoff.budget.slot_s)
+    heard, plain = _sender(handoff, rate=recorder), _sender(handoff)
+    _drive(handoff, heard)
+    _drive(handoff, plain)
+    sent = heard.datagrams_sent["source"] + heard.datagrams_sent["repair"]
+    assert heard.view.repairs_sent > 0 and len(recorder.sent) == sent
+    assert min(recorder.sent) > handoff.plan.symbol_size  # each datagram carries a whole symbol
+    acked = sum(recorder.acked)
+    assert 0 < acked <= sent and min(recorder.acked) > 0
+    assert acked == heard.inflight.acked_source_end + heard.inflight.repairs_acked
+    assert sum(recorder.lost) == heard.measured_loss[0] > 0 and min(recorder.lost) > 0
+    # The samples the RTT estimate is smoothed from (none below the path's 20 ms).
+    assert recorder.rtts and min(recorder.rtts) >= 0.02
+    smoothed = 0.0
+    for rtt in recorder.rtts:
+        smoothed = rtt if smoothed == 0 else 0.875 * smoothed + 0.125 * rtt
+    assert heard.view.rtt_estimate == smoothed
+    # A controller at the configured slot sends exactly what FixedRate sends.
+    assert heard.datagrams_sent == plain.datagrams_sent
+    for name in ("src_pn", "src_time", "rep_pn", "rep_time", "rep_window"):
+        assert np.array_equal(getattr(heard.inflight, name), getattr(plain.inflight, name)), name
+
+
+def test_the_session_counts_its_slots_with_the_controllers_slot() -> None:
+    handoff = prepare(HANDOFF)
+    slot = handoff.budget.slot_s
+    usual, slower = _sender(handoff), _sender(handoff, rate=Recorder(2 * slot))
+    usual.start(0.0)
+    slower.start(0.0)
+    send_window = usual.config.budget_s - usual.config.owd_s
+    assert usual.view.slots_total == int(send_window / slot)
+    assert slower.view.slots_total == int(send_window / (2 * slot)) < usual.view.slots_total
+
+
+def test_one_controller_serves_two_sessions() -> None:
+    handoff = prepare(HANDOFF)
+    shared = Recorder(handoff.budget.slot_s)
+    first, second = _sender(handoff, 7, shared), _sender(handoff, 8, shared)
+    _drive(handoff, first)
+    _drive(handoff, second)
+    data = [s.datagrams_sent["source"] + s.datagrams_sent["repair"] for s in (first, second)]
+    assert len(shared.sent) == sum(data) and all(n > 0 for n in data)
