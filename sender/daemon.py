@@ -2,8 +2,8 @@
 ``PacedTransfer`` (``sender/pacer.py``) per handoff.
 
 A handoff goes: prepare (prefill or synthetic KV, in the worker) -> assemble the session
-(``sender/transfer.py``, as the simulator does) -> stream over its own UDP socket until the RESULT, a
-refusal, a failure or a cancel -> report (``sender/handoffs.py``). The control API
+(``sender/transport/transfer.py``, as the simulator does) -> stream over its own UDP socket until the RESULT,
+a refusal, a failure or a cancel -> report (``sender/handoffs.py``). The control API
 (``sender/control.py``) submits handoffs and reads their reports; ``sender/serve.py`` runs it all.
 """
 
@@ -40,8 +40,8 @@ from pfec.sender.handoffs import (
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
-from pfec.sender.repair_plan import warm_up as planner_warm_up
-from pfec.sender.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
+from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
+from pfec.sender.transport.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime

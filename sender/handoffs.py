@@ -16,8 +16,8 @@ from pfec.common.plan.handoff import ResultApp, recovered_utility, unpack_bits
 from pfec.common.plan.precision import PieceKind
 from pfec.common.plan.stream import AUTO
 from pfec.sender.kv import ContextInput, Prepared
-from pfec.sender.session import SenderSession
-from pfec.sender.transfer import LinkBudget
+from pfec.sender.transport.session import SenderSession
+from pfec.sender.transport.transfer import LinkBudget
 
 HandoffState = Literal["preparing", "streaming", "draining", "done", "failed"]
 

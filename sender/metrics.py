@@ -29,7 +29,7 @@ __all__ = [
 HANDOFF_OUTCOMES: Final = ("done", "failed", "refused", "cancelled")
 PRECISION_LEVELS: Final = ("int2", "int4", "int8", "native")
 PLANNER_LEVELS: Final = tuple(level.name for level in DEFAULT_PRECISION_LEVELS)
-#: ``common.wire.PARSE_REASONS`` plus what the sender session and daemon drop for (see ``sender/session.py``).
+#: ``common.wire.PARSE_REASONS`` plus what the sender session and daemon drop for (``transport/session.py``).
 SENDER_DROP_REASONS: Final = (
     *sorted(PARSE_REASONS),
     "unexpected_type",  # a valid datagram of a type the session does not expect in its state

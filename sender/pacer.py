@@ -34,7 +34,7 @@ from pfec.common.node.udp import UDP_SEGMENT, Destination, PeerAddress, connect_
 from pfec.common.plan.handoff import ResultApp
 from pfec.sender.handoffs import Handoff
 from pfec.sender.metrics import SenderMetrics
-from pfec.sender.session import (
+from pfec.sender.transport.session import (
     Accepted,
     Failed,
     Refused,

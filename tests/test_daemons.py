@@ -61,7 +61,7 @@ from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import Handoff, HandoffSpec
 from pfec.sender.kv import ContextInput, plan_stream
 from pfec.sender.pacer import PacedTransfer
-from pfec.sender.session import SenderSession
+from pfec.sender.transport.session import SenderSession
 
 T = TypeVar("T")
 PSK = bytes(range(100, 132))

@@ -142,8 +142,8 @@ def test_the_raw_cache_check_can_fail(tmp_path: Path) -> None:
 def test_the_project_kernels_cache_under_their_sources_key() -> None:
     path = Path(gf256.region_xor.stats.cache_path)
     assert path.name == f"numba-gf256-{jit.source_key('pfec.common.codec.gf256')}"
-    sources = jit.project_sources("pfec.sender.repair_plan")
-    assert {"pfec.sender.repair_plan", "pfec.common.codec.fec", "pfec.common.codec.decoder_kernels",
+    sources = jit.project_sources("pfec.sender.transport.repair_plan")
+    assert {"pfec.sender.transport.repair_plan", "pfec.common.codec.fec", "pfec.common.codec.decoder_kernels",
             "pfec.common.codec.gf256", "pfec.common.codec.jit", "pfec.common.wire.messages",
             "pfec.common.codec", "pfec.common.wire", "pfec.sender"} <= set(sources)
     assert not any(name.startswith(("numpy", "numba")) for name in sources)

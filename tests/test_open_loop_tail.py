@@ -22,7 +22,7 @@ from pfec.common.sched.open_loop_tail import (
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.handoff import SimConfig
 from pfec.sender.daemon import PathLossPriors
-from pfec.sender.session import SenderConfig
+from pfec.sender.transport.session import SenderConfig
 
 
 def test_tail_rate_covers_the_expected_losses_plus_a_burst_margin() -> None:

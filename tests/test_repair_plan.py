@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pfec.common.codec.fec import density_for
-from pfec.sender.repair_plan import PROACTIVE, REPAIR_HITS_MARGIN, RepairPlanner
+from pfec.sender.transport.repair_plan import PROACTIVE, REPAIR_HITS_MARGIN, RepairPlanner
 
 
 class ReferencePlanner:

@@ -1,5 +1,5 @@
-"""The sender session's rate-controller seam (sender/rate.py): what a controller hears, what the session
-takes from it, and that the default (FixedRate, the configured slot) is today's behaviour."""
+"""The sender session's rate-controller seam (sender/transport/rate.py): what a controller hears, what the
+session takes from it, and that the default (FixedRate, the configured slot) is today's behaviour."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from pfec.common.sched.policies import get_scheme
-from pfec.lab.channel import Bernoulli
-from pfec.lab.sim import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
-from pfec.lab.sim_engine import DeadlineScore, SimRun
-from pfec.lab.sim_handoff import Handoff, SimConfig, prepare
+from pfec.lab.sim.channel import Bernoulli
+from pfec.lab.sim.engine import DeadlineScore, SimRun
+from pfec.lab.sim.handoff import Handoff, SimConfig, prepare
+from pfec.lab.sim.simulate import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
-from pfec.sender.rate import FixedRate, RateController
-from pfec.sender.session import SenderSession
-from pfec.sender.transfer import SenderSetup, assemble_sender
+from pfec.sender.transport.rate import FixedRate, RateController
+from pfec.sender.transport.session import SenderSession
+from pfec.sender.transport.transfer import SenderSetup, assemble_sender
 
 
 class Recorder:

@@ -21,7 +21,7 @@ from pfec.common.wire.seal import PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverConfig, SessionClosed
-from pfec.sender.session import (
+from pfec.sender.transport.session import (
     MAX_SPAN,
     Failed,
     Refused,
@@ -32,8 +32,8 @@ from pfec.sender.session import (
     SourceInfo,
     SplitInfo,
 )
-from pfec.sender.session_types import OFFER_RETRY_S
-from pfec.sender.transfer import (
+from pfec.sender.transport.session_types import OFFER_RETRY_S
+from pfec.sender.transport.transfer import (
     HANDSHAKE_RETRIES_COVERED,
     MAX_FIRST_FLIGHT,
     MIN_FIRST_FLIGHT,

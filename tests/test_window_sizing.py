@@ -22,7 +22,7 @@ from pfec.lab.sim.handoff import SimConfig, prepare
 from pfec.lab.sim.simulate import SIM_FINGERPRINT, SIM_PSK, _links, seeded_random_bytes
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
-from pfec.sender.transfer import SenderSetup, assemble_sender
+from pfec.sender.transport.transfer import SenderSetup, assemble_sender
 
 SLOT_100M = slot_seconds(1234, 100e6)  # a 1234-byte symbol at 100 Mbit/s: about 0.1 ms
 

@@ -66,8 +66,8 @@ class FixedRate:
     or deficit the receiver reports: 1 repair per 8 sources at the default rate, within the repair budget
     and the slots left. The one use of feedback is the ACK's prefix and seen end: once the receiver's
     decoder is stalled (undecoded range past its span, where it refuses repairs), the window sits at its
-    prefix instead (see ``SendPath.on_ack`` in sender/send_path.py). No repair once every source is out (a
-    fixed-rate code has nothing left to protect).
+    prefix instead (see ``SendPath.on_ack`` in sender/transport/send_path.py). No repair once every source
+    is out (a fixed-rate code has nothing left to protect).
     """
 
     name = "fixed-rate"

@@ -13,7 +13,7 @@ from pfec.common.plan.deadline import DEFAULT_RHO
 from pfec.lab.bench.codec_kernels import bench_decode_insert, bench_encode
 from pfec.lab.sim.channel import MAIN_GE, realization_rng
 from pfec.lab.sim.simulate import RunResult, SimConfig, prepare, run_scheme
-from pfec.sender.repair_plan import warm_up
+from pfec.sender.transport.repair_plan import warm_up
 
 OVERHEAD_PARTS = ("encode", "decode", "feedback", "policy")
 

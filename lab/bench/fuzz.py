@@ -36,7 +36,7 @@ from pfec.common.wire.messages import Ack, Close, CloseCode, Offer, Refuse, Refu
 from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig
-from pfec.sender.session import SenderConfig, SenderSession, SenderState
+from pfec.sender.transport.session import SenderConfig, SenderSession, SenderState
 
 PSK = bytes(range(32))
 FINGERPRINT = b"pfec-fuzz".ljust(32, b"\0")

@@ -19,7 +19,7 @@ from pfec.lab.eval.config import EvalConfig
 from pfec.lab.reporting.progress import StageProgress
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.simulate import Handoff, prepare, report, run_once
-from pfec.sender.repair_plan import warm_up
+from pfec.sender.transport.repair_plan import warm_up
 
 __all__ = ["TimedPolicy", "overhead"]
 

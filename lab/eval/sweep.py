@@ -29,7 +29,7 @@ from pfec.lab.reporting.progress import StageProgress
 from pfec.lab.reporting.stats import mean_ci95, mean_ci95_fields
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.simulate import Handoff, RunResult, SimConfig, forward_losses, prepare, report, run_scheme
-from pfec.sender.repair_plan import warm_up
+from pfec.sender.transport.repair_plan import warm_up
 
 __all__ = ["check_pairing", "grid_sweep", "reliable_sweep", "utility_sweep"]
 

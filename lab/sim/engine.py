@@ -23,7 +23,7 @@ import numpy.typing as npt
 from pfec.common.wire.messages import TYPE_MASK
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverStats
-from pfec.sender.session import Failed, SenderSession
+from pfec.sender.transport.session import Failed, SenderSession
 
 _DATA_TYPES = (1, 2)  # wire type (the type byte's low six bits) of SOURCE and REPAIR
 

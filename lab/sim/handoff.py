@@ -37,7 +37,7 @@ from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE
 from pfec.lab.sim.channel import LossModel
 from pfec.lab.sim.split import DEFAULT_RECEIVER, check_mode
-from pfec.sender.transfer import LinkBudget, SendQueue
+from pfec.sender.transport.transfer import LinkBudget, SendQueue
 
 __all__ = ["Handoff", "SimConfig", "complete_blocks", "prepare"]
 

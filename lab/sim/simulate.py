@@ -11,7 +11,7 @@ data datagram's position in the stream (k-th SOURCE/REPAIR sent), so every schem
 pattern; control datagrams (OFFER, CLOSE) and ACKs draw from their own streams of the same seed.
 
 Deadline: D = T_ow + rho * T_ser, T_ser = S_KV / C, where S_KV is the KV cache size in bytes (paper V-A).
-The sessions are assembled by ``sender/transfer.py``, the same code the sender daemon uses, so the
+The sessions are assembled by ``sender/transport/transfer.py``, the same code the sender daemon uses, so the
 budget, slot, repair budget and OFFER parameters cannot drift apart between the simulator and a node.
 Recovered utility = sum of U_b over blocks whose every fragment was decoded by the receiver's deadline,
 divided by sum U_b (the utilities sum to 1). With a quantised ``precision`` (``common/plan/stream.py``) the
@@ -55,8 +55,8 @@ from pfec.lab.sim.oracle import DataTiming, oracle_delivered
 from pfec.lab.sim.split import FrontPrefill, local_start_s, split_credit, split_fields, split_inputs
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
-from pfec.sender.repair_plan import warm_up
-from pfec.sender.transfer import SenderSetup, SendQueue, assemble_sender
+from pfec.sender.transport.repair_plan import warm_up
+from pfec.sender.transport.transfer import SenderSetup, SendQueue, assemble_sender
 
 __all__ = [
     "REFERENCE_SCHEMES", "Handoff", "RunResult", "SimConfig", "complete_blocks", "data_timing",

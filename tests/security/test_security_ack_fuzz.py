@@ -15,8 +15,8 @@ from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.wire.messages import Ack, Role
 from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.lab.bench.fuzz import FuzzRig
-from pfec.sender.path import ack_plausible
-from pfec.sender.session import SenderConfig, SenderSession, SenderState
+from pfec.sender.transport.path import ack_plausible
+from pfec.sender.transport.session import SenderConfig, SenderSession, SenderState
 
 u16 = st.one_of(st.sampled_from([0, 1, 0xFFFF]), st.integers(0, 0xFFFF))
 u32 = st.one_of(st.sampled_from([0, 1, 2, 0xFFFF_FFFF]), st.integers(0, 600), st.integers(0, 0xFFFF_FFFF))

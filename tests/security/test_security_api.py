@@ -38,7 +38,7 @@ from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import Handoff, HandoffSpec
 from pfec.sender.kv import ContextInput
-from pfec.sender.transfer import MAX_FIRST_FLIGHT, MIN_FIRST_FLIGHT
+from pfec.sender.transport.transfer import MAX_FIRST_FLIGHT, MIN_FIRST_FLIGHT
 
 T = TypeVar("T")
 PSK = bytes(range(7, 39))

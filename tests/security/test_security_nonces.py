@@ -27,7 +27,7 @@ from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig
-from pfec.sender.session import SenderConfig, SenderSession, SenderState
+from pfec.sender.transport.session import SenderConfig, SenderSession, SenderState
 
 PSK = bytes(range(32))
 FP = b"n" * 32

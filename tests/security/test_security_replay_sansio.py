@@ -23,7 +23,7 @@ from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import AMPLIFICATION_FACTOR, ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverConfig
-from pfec.sender.session import SenderConfig, SenderSession, SenderState
+from pfec.sender.transport.session import SenderConfig, SenderSession, SenderState
 
 PSK = bytes(range(32))
 FP = b"r" * 32

@@ -17,7 +17,7 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
   left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
   an action; the burst is then sent one datagram per call. A slot's length is the rate controller's
-  (``rate``, :mod:`pfec.sender.rate`: today ``FixedRate``, the configured slot); the parts report every
+  (``rate``, :mod:`.rate`: today ``FixedRate``, the configured slot); the parts report every
   data datagram, ACKed count, new loss and RTT sample to it. An open-loop policy (a fixed-rate code) needs
   no deficit for a repair and its repairs cover the newest window (``send_path``).
 - A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
@@ -46,14 +46,14 @@ Parts
 The session holds the states, the OFFER/ACCEPT/RESULT/CLOSE flow, timers, events and decision epochs, and
 delegates the rest, each part sans-IO with a narrow interface:
 
-- ``path`` (:mod:`pfec.sender.path`): ACK intake, the plausibility check and the path estimates (loss,
+- ``path`` (:mod:`.path`): ACK intake, the plausibility check and the path estimates (loss,
   burst, RTT smoothing, ACK staleness), written into the view;
-- ``inflight`` (:mod:`pfec.sender.inflight`): what was sent and not yet covered by an ACK, and the RTT
+- ``inflight`` (:mod:`.inflight`): what was sent and not yet covered by an ACK, and the RTT
   sample of the newest acknowledged packet;
-- ``send_path`` (:mod:`pfec.sender.send_path`): source and repair datagrams, the tail's window, and the
-  repair planner (:mod:`pfec.sender.repair_plan`) fed from the ACKs' hole maps;
-- ``split`` (:mod:`pfec.sender.split`): a split handoff's token ends, computed tokens and unsent reorder;
-- ``rate`` (:mod:`pfec.sender.rate`): the rate controller (the seam a controller plugs into; several
+- ``send_path`` (:mod:`.send_path`): source and repair datagrams, the tail's window, and the
+  repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps;
+- ``split`` (:mod:`.split`): a split handoff's token ends, computed tokens and unsent reorder;
+- ``rate`` (:mod:`.rate`): the rate controller (the seam a controller plugs into; several
   sessions may share one): the session reads its slot, ``send_path``, ``inflight`` and ``path`` report to it.
 """
 
@@ -87,11 +87,11 @@ from pfec.common.wire.messages import (
     split_app,
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
-from pfec.sender.inflight import InFlight
-from pfec.sender.path import PathEstimates, ack_plausible
-from pfec.sender.rate import FixedRate, RateController
-from pfec.sender.send_path import SendPath
-from pfec.sender.session_types import (
+from pfec.sender.transport.inflight import InFlight
+from pfec.sender.transport.path import PathEstimates, ack_plausible
+from pfec.sender.transport.rate import FixedRate, RateController
+from pfec.sender.transport.send_path import SendPath
+from pfec.sender.transport.session_types import (
     EARLY_OFFER_EVERY,
     MAX_SPAN,
     Accepted,
@@ -105,7 +105,7 @@ from pfec.sender.session_types import (
     SourceInfo,
     SplitInfo,
 )
-from pfec.sender.split import SplitBookkeeping
+from pfec.sender.transport.split import SplitBookkeeping
 
 # The session's inputs and outputs live in session_types; callers import them from here too.
 __all__ = [
@@ -128,7 +128,7 @@ class SenderSession:
     """The sending end of one handoff: OFFER, paced source and repair datagrams, ACK processing, the
     RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``.
 
-    ``rate``: the rate controller (:mod:`pfec.sender.rate`); None paces at ``config.slot_s``."""
+    ``rate``: the rate controller (:mod:`.rate`); None paces at ``config.slot_s``."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The sender session's inputs and outputs (sans-IO): its config, its states, the events it emits and the
 per-ESI application context it may be given (``SourceInfo``; ``SplitInfo`` for a split handoff).
 
-:mod:`pfec.sender.session` holds the state machine itself and re-exports every name here.
+:mod:`.session` holds the state machine itself and re-exports every name here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class SenderConfig:
     window_cap: int = DEFAULT_WINDOW
     # A cap the operator configured (fec.window_cap > 0) bounds every repair window; a cap sized from the
     # path (fec.window_cap = 0) lets the open-loop tail's repairs reach over the whole tail, as far as the
-    # decoder span granted (SendPath.tail_width, sender/send_path.py).
+    # decoder span granted (SendPath.tail_width, sender/transport/send_path.py).
     window_cap_strict: bool = False
     target_nonzeros: int | None = 8
     fixed_dt: int | None = None

@@ -3,10 +3,10 @@
 An ACK is first checked against what the session sent (``ack_plausible``); a crafted one is dropped before
 anything reads it. A plausible ACK's cumulative counters give the loss rate and the mean loss-run length,
 its feedback fields the scheduler's view of the receiver (deficit, unknowns), and its largest packet
-number, through :class:`pfec.sender.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
+number, through :class:`pfec.sender.transport.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
 (RFC 6298's 1/8 gain). The estimates live where the policy reads them, in the session's
 ``SchedulerView``; the open-loop tail's loss rate follows the same counters, and the rate controller
-(:mod:`pfec.sender.rate`) hears each new loss count and every RTT sample.
+(:mod:`.rate`) hears each new loss count and every RTT sample.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pfec.common.sched.actions import SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.wire.messages import Ack
-from pfec.sender.rate import RateController
+from pfec.sender.transport.rate import RateController
 
 RTT_GAIN = 0.125  # weight of a new RTT sample in the smoothed estimate (RFC 6298's alpha)
 _RTT_KEEP = 1.0 - RTT_GAIN  # 0.875, exactly

@@ -6,7 +6,7 @@ source, one per repair the budget allows), so sending writes two or three array 
 nothing. Packet numbers grow in send order within each kind, so the newest ACK's largest packet number
 splits each kind into an acknowledged prefix and what is still in flight (``count_upto``, compiled): the
 repair planner charges the repairs in flight to the holes they may still fill, the scheduler view counts
-both, the newest acknowledged packet gives the RTT sample, and the rate controller (:mod:`pfec.sender.rate`)
+both, the newest acknowledged packet gives the RTT sample, and the rate controller (:mod:`.rate`)
 hears how many data datagrams each ACK newly covers.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pfec.sender.rate import RateController
-from pfec.sender.repair_plan import count_upto_kernel
+from pfec.sender.transport.rate import RateController
+from pfec.sender.transport.repair_plan import count_upto_kernel
 
 
 class InFlight:

@@ -30,9 +30,9 @@ from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme
 from pfec.common.wire.messages import Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, keyring_for
-from pfec.sender.rate import FixedRate, RateController
-from pfec.sender.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo, SplitInfo
-from pfec.sender.session_types import OFFER_RETRY_S
+from pfec.sender.transport.rate import FixedRate, RateController
+from pfec.sender.transport.session import MAX_SPAN, SenderConfig, SenderSession, SourceInfo, SplitInfo
+from pfec.sender.transport.session_types import OFFER_RETRY_S
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,8 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
                     cpu: CpuMeter | None = None, rate: RateController | None = None) -> SenderSession:
     """A ready-to-start ``SenderSession`` for ``send`` within ``budget``.
 
-    ``rate``: the session's rate controller (``sender/rate.py``), e.g. one shared by every handoff on the
-    same path; None: a ``FixedRate`` at the budget's slot, the configured link rate."""
+    ``rate``: the session's rate controller (``rate.py``), e.g. one shared by every handoff on the same path;
+    None: a ``FixedRate`` at the budget's slot, the configured link rate."""
     plan = send.plan
     window_cap = resolve_window_cap(setup.window_cap, budget.owd_s, budget.slot_s)
     config = SenderConfig(

@@ -1,10 +1,10 @@
 """A sender session's send path (sans-IO): the data datagrams, and where each repair's window goes.
 
 Sources go out in ESI order, sealed from the session's rows. A repair covers the window the repair planner
-(:mod:`pfec.sender.repair_plan`) picks for the decision (``plan_epoch``: reused by the burst's first
+(:mod:`.repair_plan`) picks for the decision (``plan_epoch``: reused by the burst's first
 repair, planned again for the next), or, when the burst is the open-loop tail's
 (:mod:`pfec.common.sched.open_loop_tail`), a window over the tail's sources. Every datagram leaves its
-record in :class:`pfec.sender.inflight.InFlight` and is reported to the rate controller.
+record in :class:`pfec.sender.transport.inflight.InFlight` and is reported to the rate controller.
 
 The planner's side of the path lives here too: the receiver's decoder span (its ACCEPT grants it), whether
 the newest ACK says its decoder stalled, and the ACKs' hole maps (``on_ack``). An open-loop policy (a
@@ -26,10 +26,10 @@ from pfec.common.sched.actions import SchedulerView
 from pfec.common.sched.open_loop_tail import FEEDBACK_RTTS, OpenLoopTail
 from pfec.common.wire.messages import Ack
 from pfec.common.wire.seal import PacketProtector
-from pfec.sender.inflight import InFlight
-from pfec.sender.rate import RateController
-from pfec.sender.repair_plan import RESEND_RTTS, SEEN_MIN_S, SEEN_RTTS, Plan, RepairPlanner
-from pfec.sender.session_types import MAX_SPAN, SenderConfig
+from pfec.sender.transport.inflight import InFlight
+from pfec.sender.transport.rate import RateController
+from pfec.sender.transport.repair_plan import RESEND_RTTS, SEEN_MIN_S, SEEN_RTTS, Plan, RepairPlanner
+from pfec.sender.transport.session_types import MAX_SPAN, SenderConfig
 
 
 class SendPath:

@@ -19,10 +19,10 @@ recovery): the session's parts report what happens on the path, the controller a
 
 One controller may serve several sessions at once (concurrent handoffs to one receiver share one path):
 its hooks then see every session's packets, and each session reads the shared ``slot_s``.
-``sender/transfer.py`` builds a ``FixedRate`` from the session's config unless the caller passes one.
+``transfer.py`` builds a ``FixedRate`` from the session's config unless the caller passes one.
 
 The datagrams themselves are paced by the link adapters at the configured rate (``sender/pacer.py``'s
-``LinkClock``, ``lab/sim_engine.py``'s link); a controller that paces at its own estimate changes them to
+``LinkClock``, ``lab/sim/engine.py``'s link); a controller that paces at its own estimate changes them to
 read its rate instead.
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pfec.sender.session_types import SplitInfo
+from pfec.sender.transport.session_types import SplitInfo
 
 
 class SplitBookkeeping:
