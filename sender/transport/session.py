@@ -220,10 +220,7 @@ class SenderSession:
             return None  # the first flight is out: wait for the ACCEPT
         if self._burst_left == 0 and not self._decide(now):
             return None
-        self._burst_left -= 1  # the burst's next datagram (as _send_burst, written out: once per datagram)
-        if self._burst_action is Action.SOURCE:
-            return self.send_path.source(now)
-        datagram = self.send_path.repair(now)
+        datagram = self._send_burst(now)
         if datagram is None:  # its window emptied under the burst (an ACK moved it): decide again
             self._burst_left = 0
             if not self._decide(now):
