@@ -4,9 +4,10 @@ An ACK is first checked against what the session sent (``ack_plausible``); a cra
 anything reads it. A plausible ACK's cumulative counters give the loss rate and the mean loss-run length,
 its feedback fields the scheduler's view of the receiver (deficit, unknowns), and its largest packet
 number, through :class:`pfec.sender.transport.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
-(RFC 6298's 1/8 gain). The estimates live where the policy reads them, in the session's
-``SchedulerView``; the open-loop tail's loss rate follows the same counters, and the rate controller
-(:mod:`.rate`) hears each new loss count and every RTT sample.
+(RFC 6298's 1/8 gain, and its variation at 1/4 for the probe timeout, :mod:`.probe`). The estimates
+live where the policy reads them, in the session's ``SchedulerView``; the open-loop tail's loss rate
+follows the same counters, and the rate controller (:mod:`.rate`) hears each new loss count and every RTT
+sample.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pfec.sender.transport.rate import RateController
 
 RTT_GAIN = 0.125  # weight of a new RTT sample in the smoothed estimate (RFC 6298's alpha)
 _RTT_KEEP = 1.0 - RTT_GAIN  # 0.875, exactly
+RTTVAR_GAIN = 0.25  # weight of a new sample's deviation in the RTT variation (RFC 6298's beta)
 
 
 def ack_plausible(ack: Ack, sources_sent: int, packets_sealed: int) -> bool:
@@ -41,7 +43,7 @@ class PathEstimates:
     the receiver's reported deficit and unknowns, and when the decoded prefix last moved. New losses and
     every RTT sample also go to the rate controller."""
 
-    __slots__ = ("last_prefix_change", "lost", "rate", "tail", "view")
+    __slots__ = ("last_prefix_change", "lost", "rate", "rtt_var", "tail", "view")
 
     def __init__(self, view: SchedulerView, tail: OpenLoopTail, rate: RateController) -> None:
         self.view = view
@@ -49,6 +51,7 @@ class PathEstimates:
         self.rate = rate
         self.last_prefix_change = 0.0  # when the decoded prefix last advanced (the view's ack staleness)
         self.lost = 0  # the largest cumulative loss count any ACK reported
+        self.rtt_var = 0.0  # the RTT samples' smoothed mean deviation (RFC 6298's RTTVAR), seconds
 
     def start(self, now: float) -> None:
         self.last_prefix_change = now
@@ -76,7 +79,11 @@ class PathEstimates:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:  # the first sample sets the estimate, later ones move it by RTT_GAIN
                 smoothed = view.rtt_estimate
-                view.rtt_estimate = rtt if smoothed == 0 else _RTT_KEEP * smoothed + RTT_GAIN * rtt
+                if smoothed == 0:
+                    view.rtt_estimate, self.rtt_var = rtt, rtt / 2
+                else:  # RFC 6298 2.3: the variation moves against the old estimate first
+                    self.rtt_var += RTTVAR_GAIN * (abs(smoothed - rtt) - self.rtt_var)
+                    view.rtt_estimate = _RTT_KEEP * smoothed + RTT_GAIN * rtt
                 self.rate.on_rtt_measurement(now, rtt)
 
     @property

@@ -109,13 +109,17 @@ def _group_holes(
     in_flight_to: int,
     repair_times: npt.NDArray[np.float64],
     seen_since: float,
+    unseen_from: int,
+    unseen_to: int,
     holes: npt.NDArray[np.int64],
     reg_i: npt.NDArray[np.int64],
     reg_f: npt.NDArray[np.float64],
 ) -> tuple[int, int, int]:
-    """Unpack the ACK's hole map (ESIs below ``limit`` only) into ``holes``, group them greedily into
-    regions of <= cap consecutive ESIs (first ESI, one past the last hole, holes), give each region its
-    share of the deficit (``_share_by_region``) and charge each in-flight repair (rows
+    """Unpack the ACK's hole map (ESIs below ``limit`` only) into ``holes``, then the sources it never
+    saw although later packets were acknowledged (``[unseen_from, unseen_to)`` past the map: lost, each
+    one equation short, since every equation the receiver holds lies before its seen end); group them
+    greedily into regions of <= cap consecutive ESIs (first ESI, one past the last hole, holes), give each
+    region its share of the deficit (``_share_by_region``) and charge each in-flight repair (rows
     ``in_flight_from:in_flight_to`` of ``repair_windows``) to the region its [first, end) window overlaps
     that lacks most after the charges so far (its equation serves whichever of them it reaches).
     Returns (holes, regions, repairs overlapping no region)."""
@@ -127,6 +131,12 @@ def _group_holes(
                 break
             holes[n_holes] = esi
             n_holes += 1
+    for esi in range(max(unseen_from, prefix + bits), min(unseen_to, limit)):
+        if n_holes >= len(holes):
+            break
+        holes[n_holes] = esi
+        n_holes += 1
+        deficit += 1
     share = deficit / n_holes if n_holes else 0.0
     n = 0
     i = 0
@@ -295,11 +305,11 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         packed = np.frombuffer(b"\0", dtype=np.uint8)  # ACK hole maps arrive as read-only bytes
         in_flight = np.zeros((1, 2), dtype=np.int64)
         _bound["group"] = entry_point(
-            _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, ints, reg_i, reg_f
+            _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f
         )
         # ... and as the bytes object the parser made (numba reads it in place: no array per ACK).
         _bound["group_bytes"] = entry_point(
-            _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, ints, reg_i, reg_f
+            _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f
         )
         _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0, 0)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
@@ -383,13 +393,18 @@ class RepairPlanner:
         in_flight_to: int | None = None,
         repair_times: npt.NDArray[np.float64] | None = None,
         seen_since: float = -math.inf,
+        unseen_from: int = 0,
+        unseen_to: int = 0,
     ) -> None:
         """Rebuild regions from an ACK's hole map. Rows ``in_flight_from:in_flight_to`` of
         ``repair_windows`` (a C-contiguous (n, 2) int64 array) are the [first, end) windows of repairs the
         ACK had not seen: each still counts against the region it overlaps that lacks most. Of the repairs
         the ACK has seen, those sent at or after ``seen_since`` (``repair_times``: their send times, same
         rows, ascending) count as equations the regions they reach may still hold (``_share_by_region``).
-        Holes at or beyond ``next_esi`` (a forged or confused map) are ignored."""
+        Holes at or beyond ``next_esi`` (a forged or confused map) are ignored. Sources in
+        ``[unseen_from, unseen_to)`` (the ACK's seen end up to the last source sent before its largest
+        packet, within the span: the caller bounds it) count as holes the map could not show: the tail of
+        a round lost whole, which the receiver cannot report."""
         windows = repair_windows
         if windows is not self._checked_windows:  # the session passes the same array every time
             if windows.dtype != np.int64 or windows.ndim != 2 or not windows.flags.c_contiguous:
@@ -421,6 +436,8 @@ class RepairPlanner:
             stop,
             times,
             seen_since,
+            unseen_from,
+            unseen_to,
             self._hole_buf,
             self._reg_i,
             self._reg_f,

@@ -37,7 +37,7 @@ class SendPath:
 
     __slots__ = (
         "_repair_buf", "_src_pn", "_src_time", "_symbols", "cpu", "datagrams_sent", "encoder", "fresh_plan",
-        "inflight", "open_loop", "planner", "planner_loss", "proactive", "protector", "rate",
+        "inflight", "open_loop", "planner", "planner_loss", "proactive", "probe_burst", "protector", "rate",
         "repairs_skipped", "span", "stalled", "strict", "tail", "tail_burst", "tail_first", "tail_width",
         "view", "window_cap",
     )
@@ -75,6 +75,7 @@ class SendPath:
         self.tail_first = -1  # the first source sent in the tail (-1: none yet)
         self.tail_width = config.window_cap
         self.tail_burst = False  # the current burst is the tail's open-loop repair
+        self.probe_burst = False  # the current burst is a probe (:mod:`.probe`)
         self.proactive = False  # near the deadline: repairs may also protect the newest sources
         self.planner_loss = 0.0  # the loss the planner discounts repairs in flight by (``plan_epoch``)
         # The decision's repair plan, until an ACK or a sent repair changes the planner's state: the first
@@ -108,10 +109,17 @@ class SendPath:
     def take_tail_repair(self) -> bool:
         """Whether the next burst is one open-loop repair of the tail (its credit goes before the policy)."""
         tail, view = self.tail, self.view
+        self.probe_burst = False
         self.tail_burst = burst = (
             tail.active and view.repairs_left > 0 and view.sources_sent > 0 and tail.take()
         )
         return burst
+
+    def take_probe(self) -> None:
+        """The next burst is a probe: a repair where the receiver lacks most, every repair in flight
+        counted as lost (the feedback it waits on did not come), else over the newest window."""
+        self.probe_burst = True
+        self.tail_burst = False
 
     # ------------------------------------------------------------------- sending
     def source(self, now: float) -> bytes:
@@ -141,6 +149,8 @@ class SendPath:
         if self.tail_burst:  # open loop: the newest window, as far as a stalled receiver's span allows
             plan = planner.plan_newest(next_esi, self.tail.loss, self.span if self.stalled else MAX_SPAN,
                                        max(0, self.tail_first), self.tail_width)
+        elif self.probe_burst:
+            plan = planner.plan(next_esi, 1.0, True)
         elif plan is None:
             plan = planner.plan(next_esi, self.planner_loss, self.proactive)
         self.fresh_plan = None  # planner.sent() below changes what the next repair serves
@@ -213,4 +223,8 @@ class SendPath:
             self.view.repairs_sent,
             inflight.rep_time,
             now - max(SEEN_RTTS * self.view.rtt_estimate, SEEN_MIN_S),
+            # Sources past the receiver's seen end, sent before the packet it names as its largest: lost
+            # (a lost last source leaves no hole in the map, and the receiver saw no deficit).
+            0 if open_loop else ack.seen_end,
+            0 if open_loop else min(inflight.acked_source_end, ack.decoded_prefix + self.planner.span),
         )

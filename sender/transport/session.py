@@ -36,6 +36,11 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - A split handoff (``SplitInfo``: the receiver prefills the front of the context itself while this session
   streams the back): an ACK's ``computed_tokens`` (beyond the context: dropped, ``bad_ack_computed``) moves
   the unsent symbols that hold only computed blocks behind the others, never to be sent (``split``).
+- A closed-loop sender that waits on feedback which does not come (its last repairs lost, or the ACK
+  that answered them) probes, as QUIC does (RFC 9002 section 6.2; :mod:`.probe`): while the receiver has
+  not decoded everything, something is unacknowledged and repairs are left, a probe timer runs from the
+  newest data datagram; on expiry the next repairs go to what the receiver lacks most, whatever the
+  deficit estimate says, and the ACK they elicit says what is still missing.
 - When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
   receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
   fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
@@ -53,6 +58,7 @@ delegates the rest, each part sans-IO with a narrow interface:
 - ``send_path`` (:mod:`.send_path`): source and repair datagrams, the tail's window, and the
   repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps;
 - ``split`` (:mod:`.split`): a split handoff's token ends, computed tokens and unsent reorder;
+- ``probe`` (:mod:`.probe`): the probe timer's clock and backoff;
 - ``rate`` (:mod:`.rate`): the rate controller (the seam a controller plugs into; several
   sessions may share one): the session reads its slot, ``send_path``, ``inflight`` and ``path`` report to it.
 """
@@ -89,6 +95,7 @@ from pfec.common.wire.messages import (
 from pfec.common.wire.seal import PacketProtector, drop_reason
 from pfec.sender.transport.inflight import InFlight
 from pfec.sender.transport.path import PathEstimates, ack_plausible
+from pfec.sender.transport.probe import ProbeTimer
 from pfec.sender.transport.rate import FixedRate, RateController
 from pfec.sender.transport.send_path import SendPath
 from pfec.sender.transport.session_types import (
@@ -175,6 +182,8 @@ class SenderSession:
         self.send_path = SendPath(config, symbols, self.encoder, protector, view, self.inflight, tail,
                                   open_loop, self.rate, cpu)
         self.planner = self.send_path.planner
+        self.probe = ProbeTimer(config.max_ack_delay_s, 2 * config.owd_s)
+        self.probes_sent = 0  # repairs sent because the probe timer expired
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
         self._utility_features: list[list[float]] | None = (
@@ -231,8 +240,12 @@ class SenderSession:
     def _send_burst(self, now: float) -> bytes | None:
         self._burst_left -= 1
         if self._burst_action is Action.SOURCE:
-            return self.send_path.source(now)
-        return self.send_path.repair(now)
+            datagram: bytes | None = self.send_path.source(now)
+        else:
+            datagram = self.send_path.repair(now)
+        if datagram is not None:
+            self.probe.on_sent(now)
+        return datagram
 
     def receive_datagram(self, data: bytes, now: float) -> None:
         """One datagram from the receiver: applied, or dropped and counted by reason (never raises for
@@ -254,7 +267,7 @@ class SenderSession:
             if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
             else None
         )
-        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake)
+        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake, self._probe_at())
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
@@ -272,6 +285,9 @@ class SenderSession:
             return
         if self.state is SenderState.STREAMING and now >= self._send_deadline:
             self._stop_sending(now)
+        probe_at = self._probe_at()
+        if probe_at is not None and now >= probe_at:
+            self.probe.expire()
         if self._result_timer is not None and now >= self._result_timer:
             self._result_timer = None
             if self.state is SenderState.DRAINING:
@@ -317,6 +333,25 @@ class SenderSession:
         return self.split.sources_dropped
 
     # ------------------------------------------------------------ decision epochs
+    def _probe_at(self) -> float | None:
+        """When the probe timer expires, or None while it is not armed: it runs only while the receiver
+        lacks symbols, something is unacknowledged, a closed-loop repair is left and no probe is owed."""
+        view = self.view
+        if (
+            self.state is not SenderState.STREAMING
+            or not self._accepted
+            or view.open_loop
+            or view.repairs_left <= 0
+            or self.probe.owed
+            or self.encoder.ack_prefix >= view.n_source
+        ):
+            return None
+        inflight = self.inflight
+        if inflight.repairs_acked >= view.repairs_sent and inflight.acked_source_end >= self.encoder.next_esi:
+            return None  # everything sent is acknowledged: the ACK's deficit drives the next repair
+        at = self.probe.deadline(view.rtt_estimate, self.path.rtt_var)
+        return at if at < self._send_deadline else None
+
     def _slots_left(self, now: float) -> int:
         return max(0, int((self._send_deadline - now) / self.rate.slot_s))
 
@@ -328,6 +363,16 @@ class SenderSession:
         if view.slots_left == 0:
             self._stop_sending(now)
             return False
+        # An owed probe goes first: one repair over what the receiver lacks most.
+        if view.repairs_left > 0 and self.probe.take():
+            self.send_path.take_probe()
+            self.probes_sent += 1
+            self._burst_action = Action.REPAIR_1
+            self._burst_left = 1
+            if cpu is not None:
+                cpu.policy_ns += cpu.clock() - t0
+                cpu.decisions += 1
+            return True
         # The tail's credit goes first (one repair over the newest window), the policy decides the rest.
         if self.send_path.take_tail_repair():
             self._burst_action = Action.REPAIR_1
@@ -476,6 +521,7 @@ class SenderSession:
             return
         if ack.computed_tokens:
             self._on_computed(ack.computed_tokens)
+        self.probe.on_ack()
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         prefix = ack.decoded_prefix

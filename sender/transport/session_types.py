@@ -49,6 +49,9 @@ class SenderConfig:
     # Loss rate the open-loop tail plans for before the ACKs measure one (common/sched/open_loop_tail.py):
     # the daemon's per-receiver history of past handoffs, or its configured default.
     loss_prior: float = DEFAULT_LOSS_PRIOR
+    # The longest the receiver delays an ACK (its ack_delay_s, 2 ms by default, plus scheduling): the
+    # probe timeout waits this long beyond the RTT (RFC 9002's max_ack_delay; :mod:`.probe`).
+    max_ack_delay_s: float = 0.005
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0:
@@ -69,6 +72,8 @@ class SenderConfig:
             raise ValueError(f"max_result_parts must be >= 1, got {self.max_result_parts!r}")
         if not 0.0 <= self.loss_prior < 1.0:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
+        if not 0.0 <= self.max_ack_delay_s <= 1.0:
+            raise ValueError(f"max_ack_delay_s must be in [0, 1] s, got {self.max_ack_delay_s!r}")
         if self.decoder_span != 0 and not self.window_cap <= self.decoder_span <= MAX_SPAN:
             raise ValueError(f"decoder_span must be 0 or window_cap..{MAX_SPAN}, got {self.decoder_span!r}")
 
