@@ -24,6 +24,8 @@ from pfec.common.plan.deadline import (
     DEFAULT_REPAIR_BUDGET,
     DEFAULT_RHO,
     DEFAULT_RTT_MS,
+    WHOLE_DEADLINE,
+    repair_fraction,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, PLANNER_MODES, check_mix, choose_mix, choose_mode
@@ -65,8 +67,10 @@ def sim_cmd(
     realizations: Annotated[int, typer.Option(help="Paired loss realizations per scheme.")] = 10,
     seed: SeedOpt = 1,
     repair_budget: Annotated[
-        float, typer.Option(help="Repair budget, fraction of source symbols.")
-    ] = DEFAULT_REPAIR_BUDGET,
+        str, typer.Option(help="Repair budget: a fraction of the source symbols (default: the paper's "
+                          f"fixed {DEFAULT_REPAIR_BUDGET}), or {WHOLE_DEADLINE!r}: repair while symbols are "
+                          "missing and a repair can still arrive in time (the daemons' default).")
+    ] = str(DEFAULT_REPAIR_BUDGET),
     window: Annotated[int, typer.Option(
         help="Coding window cap K (symbols), as the sender's fec.window_cap: 0 sizes it from the path "
         "(a quarter of the bandwidth-delay product, 64..512).")] = AUTO_WINDOW,
@@ -119,6 +123,10 @@ def sim_cmd(
     if rho is None and deadline_ms is None:
         rho = DEFAULT_RHO
     try:
+        fraction = repair_fraction(repair_budget)
+    except ValueError as exc:
+        raise fail(f"--repair-budget: {exc}") from None
+    try:
         config = SimConfig(
             loss=parse_loss_spec(loss),
             rate_mbps=rate_mbps,
@@ -126,7 +134,7 @@ def sim_cmd(
             rho=rho if deadline_ms is None else None,
             deadline_ms=deadline_ms,
             tokens=tokens,
-            repair_budget=repair_budget,
+            repair_budget=fraction,
             window_cap=window,
             authenticate=authenticate,
             profile=None if profile == "synthetic" else UtilityProfile.load(profile_path),

@@ -228,7 +228,7 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
                                                                     profile_name)
     sim_cfg = SimConfig(loss=parse_loss_spec(cfg.loss), rate_mbps=cfg.rate_mbps, rtt_ms=cfg.rtt_ms,
                         rho=cfg.rho, tokens=int(n_tokens), profile=profile, seed=cfg.seed,
-                        precision=report.get("precision") or "native")
+                        precision=report.get("precision") or "native", repair_budget=None)  # as the daemons
     out = simulate(sim_cfg, [cfg.scheme], cfg.sim_realizations, verify=False)
     s = out["schemes"][cfg.scheme]
     return {

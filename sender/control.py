@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Literal
+from typing import Annotated, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,7 +24,7 @@ from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
-from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.common.plan.deadline import DEFAULT_RHO, MAX_REPAIR_FRACTION
 from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TOKEN_ID
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
@@ -74,7 +74,9 @@ class HandoffRequest(BaseModel):
     generate: bool = True
     profile: str | None = Field(default=None, max_length=300,
                                 description="Profile NAME in the sender's profile directory (never a path).")
-    repair_budget: float | None = Field(default=None, ge=0, le=10)
+    repair_budget: Annotated[float, Field(ge=0, le=MAX_REPAIR_FRACTION)] | Literal["deadline"] | None = Field(
+        default=None, description='A cap as a fraction of the source symbols, or "deadline" (repair until '
+        "done); null: the daemon's fec.repair_budget.")
     precision: Literal["auto", "native", "int8", "int8-int4", "int4", "int2"] = Field(
         default="auto", description="KV precision: auto (the break-even planner's mix; native for "
         "synthetic KV) or a mix.")

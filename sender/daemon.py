@@ -23,7 +23,12 @@ from pfec.common.node.config import SenderLimitsConfig
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
 from pfec.common.node.worker import ModelWorker, WorkerBusy
-from pfec.common.plan.deadline import AUTO_WINDOW, DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET
+from pfec.common.plan.deadline import (
+    AUTO_WINDOW,
+    DEFAULT_RATE_MBPS,
+    WHOLE_DEADLINE,
+    repair_fraction,
+)
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
@@ -103,7 +108,7 @@ class SenderDaemon:
         owd_ms: float = 10.0,
         scheme: str = "heuristic",
         window_cap: int = AUTO_WINDOW,  # 0: sized from the path per handoff (fec.window_cap)
-        repair_budget: float = DEFAULT_REPAIR_BUDGET,
+        repair_budget: float | str = WHOLE_DEADLINE,  # or a cap: a fraction of the source symbols
         sndbuf: int = 8 << 20,
         metrics: SenderMetrics | None = None,
         result_wait_s: float = 2.0,
@@ -121,7 +126,7 @@ class SenderDaemon:
         self.owd_s = owd_ms / 1000.0
         self.scheme = scheme
         self.window_cap = window_cap
-        self.repair_budget = repair_budget
+        self.repair_budget = repair_fraction(repair_budget)  # None: the whole deadline
         self.sndbuf = sndbuf
         self.result_wait_s = result_wait_s
         self.path_loss = PathLossPriors(loss_prior)  # loss priors of the receivers handed off to before
@@ -337,7 +342,8 @@ class SenderDaemon:
                              "use --mode handoff for this context)")
         setup = SenderSetup(
             scheme=scheme,
-            repair_budget=self.repair_budget if spec.repair_budget is None else spec.repair_budget,
+            repair_budget=(self.repair_budget if spec.repair_budget is None
+                           else repair_fraction(spec.repair_budget)),
             window_cap=self.window_cap,
             fingerprint=self.fingerprint,
             psk=self.psk,
@@ -351,6 +357,8 @@ class SenderDaemon:
                          None if split is None or stream is None else split.token_ends)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
+        fraction = setup.repair_budget
+        handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
         link = self._links.setdefault(rate_bps, LinkClock(rate_bps))
         return PacedTransfer(handoff, session, link, self.metrics)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pfec.common.node.udp import Destination
-from pfec.common.plan.deadline import DEFAULT_RHO
+from pfec.common.plan.deadline import DEFAULT_RHO, RepairBudget
 from pfec.common.plan.handoff import ResultApp, recovered_utility, unpack_bits
 from pfec.common.plan.precision import PieceKind
 from pfec.common.plan.stream import AUTO
@@ -37,7 +37,7 @@ class HandoffSpec:
     full_kv_answer: bool = False
     profile: str | None = None
     generate: bool = True
-    repair_budget: float | None = None
+    repair_budget: RepairBudget | None = None  # None: the daemon's (fec.repair_budget)
     destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
     precision: str = AUTO  # auto (the planner's mix; native for synthetic KV) or a mix of stream.MIXES
     handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (stream.HANDOFF_MODES)
@@ -129,6 +129,8 @@ def wire_report(session: SenderSession, bytes_sent: int, socket_errors: int) -> 
         "source_sent": sent["source"],
         "repair_sent": sent["repair"],
         "control_sent": sent["control"],
+        "repair_cap": session.config.repair_budget,  # repairs it could have sent (budget or deadline)
+        "probes_sent": session.probes_sent,  # repairs sent on a probe timeout (transport/probe.py)
         "bytes_sent": bytes_sent,
         "socket_errors": socket_errors,
         "drops": dict(session.drops),

@@ -138,7 +138,8 @@ def test_cross_field_and_scheme_errors() -> None:
         ("[udp\nport=1", "invalid TOML"),
         ("[control]\nsocket = 'relative.sock'", "use an absolute path"),
         ("[control]\nsocket = '/" + "x" * 120 + "'", "at most 107 bytes"),
-        ("[fec]\nrepair_budget = -0.1", "fec.repair_budget: bad value -0.1 — must be >= 0"),
+        ("[fec]\nrepair_budget = -0.1", "fec.repair_budget: bad value -0.1 — repair budget -0.1: a fraction"),
+        ("[fec]\nrepair_budget = 'all'", "bad value 'all' — repair budget 'all': a fraction"),
         ("udp = 3", "udp: bad value 3 — must be a table"),
     ],
 )

@@ -137,6 +137,7 @@ def make_pair(
     first_flight: int = 128,
     decoder_span: int = 0,
     loss_prior: float = 0.05,
+    fill_idle: bool = False,
 ) -> tuple[Harness, np.ndarray]:
     symbols = make_symbols(n)
     sender = SenderSession(
@@ -153,6 +154,7 @@ def make_pair(
             first_flight=first_flight,  # one RTT is 100 slots: the link stays busy through the handshake
             decoder_span=decoder_span,
             loss_prior=loss_prior,
+            fill_idle=fill_idle,
         ),
         symbols,
         policy or DeficitHeuristic(),  # type: ignore[arg-type]
@@ -775,3 +777,25 @@ def test_probe_timeout_follows_the_rtt_and_backs_off() -> None:
     assert timer.timeout(0.010, 0.002) == pytest.approx(4 * 0.023)
     timer.on_ack()
     assert timer.timeout(0.010, 0.002) == pytest.approx(0.023)
+
+
+def test_with_the_whole_deadline_as_budget_idle_slots_carry_repairs() -> None:
+    """The same lost round of repairs: a sender whose budget is the whole deadline does not wait a probe
+    timeout, it fills the slots that would idle with repairs where the receiver lacks most, and the
+    receiver starts sooner. A fixed budget (the paper's rule) leaves those slots idle."""
+    drops = {59, 60, 119}
+    probed, symbols = make_pair(n=200, budget_s=0.3)
+    probed.drop_forward = _drop_repairs_and(drops, first_repairs=3)
+    probed.run()
+    filled, _ = make_pair(n=200, budget_s=0.3, fill_idle=True)
+    filled.drop_forward = _drop_repairs_and(drops, first_repairs=3)
+    filled.run()
+    at_probed, at_filled = probed.deadline_event(), filled.deadline_event()
+    assert at_filled.ready and np.array_equal(at_filled.store, symbols)
+    assert filled.sender.repairs_filled > 0 == probed.sender.repairs_filled
+    assert at_filled.at < at_probed.at, (at_filled.at, at_probed.at)
+    for policy in (SourceOnly(), FixedRate(0.1)):  # no repairs, or open loop: nothing to fill
+        h, _ = make_pair(n=200, budget_s=0.3, policy=policy, fill_idle=True)
+        h.drop_forward = _drop_repairs_and(drops, first_repairs=3)
+        h.run()
+        assert h.sender.repairs_filled == 0, policy

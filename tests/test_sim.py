@@ -16,7 +16,7 @@ from pfec.common.sched.policies import get_scheme
 from pfec.lab.bench.drivers import OVERHEAD_PARTS, measure_overhead
 from pfec.lab.reporting.stats import mean_ci95
 from pfec.lab.sim.channel import MAIN_GE, Bernoulli
-from pfec.lab.sim.simulate import SimConfig, prepare, run_once, simulate
+from pfec.lab.sim.simulate import SimConfig, prepare, run_once, run_scheme, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,6 +138,10 @@ def test_a_quantised_precision_sends_the_piece_plans_symbols_and_credits_blocks_
         (["--scheme", "tcp"], "unknown scheme 'tcp'"),
         (["--rho", "-1"], "rho"),
         (["--profile", "/nonexistent.json"], "/nonexistent.json"),
+        (["--repair-budget", "all"], "--repair-budget: repair budget 'all'"),
+        (["--repair-budget", "-0.5"], "must be in 0..10"),
+        (["--repair-budget", "nan"], "must be in 0..10"),
+        (["--scheme", "udp@deadline2"], "unknown scheme 'udp@deadline2'"),
     ],
 )
 def test_cli_bad_input_names_the_value(args: list[str], needle: str) -> None:
@@ -264,3 +268,32 @@ def test_the_decoder_check_compares_every_byte_of_the_named_rows() -> None:
     other = np.setdiff1d(np.arange(40), rows)[:25].astype(np.int64)
     assert not _rows_equal(store, rows, symbols, other)  # the rows of other symbols
     assert not _rows_equal(store, rows, symbols[:, :95], rows)  # another symbol size
+
+
+def test_a_whole_deadline_budget_repairs_past_the_papers_fixed_one_on_the_same_losses() -> None:
+    """Bursty loss near 17% with room before the deadline: the paper's fixed budget (15% of the sources)
+    runs out with symbols missing; ``heuristic@deadline`` (the whole deadline as its budget, the daemons'
+    default) meets the very same losses and keeps repairing until everything it can use decoded."""
+    from pfec.lab.sim.channel import GilbertElliott
+
+    handoff = prepare(small(loss=GilbertElliott(0.002, 0.6, 0.03, 0.08), rho=1.4, tokens=512))
+    fixed = run_once(handoff, get_scheme("heuristic"), 0)
+    whole = run_scheme(handoff, "heuristic@deadline", 0)
+    assert whole.scheme == "heuristic@deadline"
+    assert fixed.repair_sent == round(0.15 * handoff.plan.n_fragments)  # the fixed budget binds
+    assert whole.repair_sent > fixed.repair_sent
+    assert whole.recovered_symbol_fraction == 1.0 > fixed.recovered_symbol_fraction
+    assert whole.source_sent == fixed.source_sent  # every source went out either way
+
+
+def test_repair_budget_words_and_bounds() -> None:
+    from pfec.common.plan.deadline import repair_cap, repair_fraction
+
+    assert repair_fraction("deadline") is None and repair_fraction(None) is None
+    assert repair_fraction("0.15") == 0.15 and repair_fraction(2) == 2.0
+    for bad in ("all", -0.1, 10.5, float("nan"), "inf"):
+        with pytest.raises(ValueError, match="repair budget"):
+            repair_fraction(bad)  # type: ignore[arg-type]
+    assert repair_cap(0.15, 1000, 1.0, 1e-3) == 150
+    assert repair_cap(None, 1000, 1.0, 1e-3) == 1000  # one per slot of the deadline
+    assert repair_cap(None, 10, 1.0, 1e-3) == 100  # at most ten per source

@@ -13,7 +13,14 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pfec.common.plan.deadline import AUTO_WINDOW, DEFAULT_RATE_MBPS, DEFAULT_REPAIR_BUDGET, MAX_WINDOW_CAP
+from pfec.common.plan.deadline import (
+    AUTO_WINDOW,
+    DEFAULT_RATE_MBPS,
+    DEFAULT_REPAIR_BUDGET,
+    MAX_WINDOW_CAP,
+    WHOLE_DEADLINE,
+    repair_fraction,
+)
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, MAX_PROFILE_BYTES
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.sched.policies import SCHEMES
@@ -253,10 +260,19 @@ class SenderFecConfig(_Section):
         "100 ms, 512 beyond). "
         "1..4095: that cap for every handoff.",
     )
-    repair_budget: float = Field(
-        default=DEFAULT_REPAIR_BUDGET, ge=0, le=10,
-        description="Repair budget B_rep as a fraction of the source symbols.",
+    repair_budget: float | str = Field(
+        default=WHOLE_DEADLINE,
+        description=f'Repair budget B_rep. "{WHOLE_DEADLINE}" (default): repair while the receiver lacks '
+        "symbols and a repair can still arrive before the deadline (the link time left is the budget). A "
+        "number: a cap, as a fraction of the source symbols (the paper's fixed budget is "
+        f"{DEFAULT_REPAIR_BUDGET}).",
     )
+
+    @field_validator("repair_budget")
+    @classmethod
+    def _repair_budget(cls, v: float | str) -> float | str:
+        fraction = repair_fraction(v)  # ValueError names the fix
+        return WHOLE_DEADLINE if fraction is None else fraction
     loss_prior: float = Field(
         default=DEFAULT_LOSS_PRIOR, ge=0, le=MAX_LOSS,
         description="Datagram loss rate assumed for a receiver no handoff has measured yet: what the "

@@ -12,13 +12,20 @@ budgets from here, so the simulator and the daemons cannot disagree about what "
 from __future__ import annotations
 
 import math
+from typing import Final, Literal
 
 from pfec.common.wire.messages import HEADER_SIZE, REPAIR_ID_SIZE, TAG_SIZE
 
 DEFAULT_RHO = 0.8
 DEFAULT_RATE_MBPS = 100.0
 DEFAULT_RTT_MS = 20.0
-DEFAULT_REPAIR_BUDGET = 0.15  # B_rep as a fraction of the source symbols (paper III-C)
+DEFAULT_REPAIR_BUDGET = 0.15  # B_rep as a fraction of the source symbols (paper III-C): its fixed budget
+# The daemons' default: no fixed budget. While the receiver lacks symbols and a repair can still arrive
+# in time the sender repairs: the budget is the link time left before the deadline (a repair per slot at
+# most). A fraction of the source symbols stays available as a cap (config, per request, `pfec sim`).
+WHOLE_DEADLINE: Final = "deadline"
+RepairBudget = float | Literal["deadline"]  # a fraction of the source symbols, or WHOLE_DEADLINE
+MAX_REPAIR_FRACTION = 10.0
 
 # The coding window cap K. A configured cap of AUTO_WINDOW sizes it from the path (auto_window_cap); any
 # other value, 1..MAX_WINDOW_CAP, is used as given.
@@ -27,6 +34,33 @@ MAX_WINDOW_CAP = 4095  # an RFC 8681 window's 12-bit NSS
 MIN_AUTO_WINDOW = 64  # the codec's default window: what short paths keep
 MAX_AUTO_WINDOW = 512  # what 200 ms RTT at 100 Mbit/s measured best with; a dense repair costs O(K)
 WINDOW_BDP_DIVISOR = 4  # K ~ a quarter of the bandwidth-delay product (see auto_window_cap)
+
+
+def repair_fraction(budget: RepairBudget | str | None) -> float | None:
+    """A repair budget as the sender's setup holds it: a fraction of the source symbols, or None for the
+    whole deadline. Refuses anything else (a negative, NaN or absurd fraction, an unknown word)."""
+    if budget is None or budget == WHOLE_DEADLINE:
+        return None
+    if isinstance(budget, str):
+        try:
+            value = float(budget)
+        except ValueError:
+            raise ValueError(f"repair budget {budget!r}: a fraction of the source symbols (0..10) or "
+                             f"{WHOLE_DEADLINE!r}") from None
+    else:
+        value = float(budget)
+    if not 0.0 <= value <= MAX_REPAIR_FRACTION:  # NaN fails too
+        raise ValueError(f"repair budget {budget!r}: a fraction of the source symbols must be in 0..10")
+    return value
+
+
+def repair_cap(fraction: float | None, n_source: int, deadline_s: float, slot_s: float) -> int:
+    """Repair datagrams a session may send: ``fraction`` of the sources, or (None) one per link slot of
+    the whole deadline, at most MAX_REPAIR_FRACTION per source (the session keeps a record per repair it
+    may send; ten per source is past 90% loss)."""
+    if fraction is not None:
+        return round(fraction * n_source)
+    return max(0, min(int(deadline_s / slot_s), round(MAX_REPAIR_FRACTION * n_source)))
 
 
 def serialisation_s(n_bytes: int, rate_bps: float) -> float:

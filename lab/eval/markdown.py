@@ -15,6 +15,7 @@ from pfec.lab.eval.config import ABLATION_RHOS, FALLBACK, GRID_AUTO, PAPER, RESU
 from pfec.lab.eval.figures import config_spec, scheme_label
 from pfec.lab.eval.precision_report import precision_section
 from pfec.lab.reporting.stats import mean_ci95
+from pfec.lab.reporting.text import budget_label
 from pfec.lab.train.held_out import render_markdown
 
 CLAIM_BASELINES = ("udp", "uniform-fec", "flec-rt", "arq")  # the "main baselines" (arq: the paper's)
@@ -97,7 +98,7 @@ def _inputs_text(result: dict[str, Any]) -> str:
         f"default model's geometry ({cell.get('kv_bytes', 0) / 1e6:.1f} MB of bf16 KV, "
         f"{cell.get('n_source')} "
         f"source symbols); {cfg['rate_mbps']:g} Mbit/s, RTT {cfg['rtt_ms']:g} ms; repair budget "
-        f"{cell.get('repair_budget', 0):.0%}; utility profile `{Path(cfg['profile']).name}`; "
+        f"{budget_label(cell.get('repair_budget'))}; utility profile `{Path(cfg['profile']).name}`; "
         + ("each cell's loss model on the ACK path too (the paper-like setting)"
            if cfg.get("reverse_lossy") else "a lossless ACK path")
         + ". Intervals are 95% Student-t over realizations. Efficiency = utility / the oracle's on the same "

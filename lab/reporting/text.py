@@ -8,6 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def budget_label(fraction: float | None) -> str:
+    """A repair budget as the reports print it: a fraction of the sources, or the whole deadline."""
+    return "the whole deadline" if fraction is None else f"{fraction:.0%} of the sources"
+
+
 def format_handoff_report(report: dict[str, Any]) -> str:
     """One handoff's report (a daemon's `GET /handoffs/ID`) as a few lines."""
 
@@ -44,21 +49,22 @@ def format_handoff_report(report: dict[str, Any]) -> str:
 def format_sim_table(result: dict[str, Any]) -> str:
     """`pfec sim`'s result: the inputs, then one row per scheme."""
     inp = result["inputs"]
+    width = max(16, 2 + max((len(name) for name in result["schemes"]), default=0))
     lines = [
         f"Simulated handoff: {inp['tokens']} tokens ({inp['kv_bytes'] / 1e6:.1f} MB KV, {inp['n_source']} "
         f"source symbols of {inp['symbol_size']} B), {inp['rate_mbps']:g} Mbit/s, RTT {inp['rtt_ms']:g} ms, "
         f"loss {inp['loss']}",
         f"deadline {inp['deadline_ms']:.1f} ms (rho {inp['rho']:.2f}, {inp['slots']} slots), repair budget "
-        f"{inp['repair_budget']:.0%}, window {inp['window_cap']}, profile {inp['profile']}, "
+        f"{budget_label(inp['repair_budget'])}, window {inp['window_cap']}, profile {inp['profile']}, "
         f"{inp['realizations']} paired realizations",
         "",
-        f"{'scheme':<16}{'utility':>9}{'  95% CI':<18}{'effic.':>8}{'symbols':>9}{'source':>9}{'repair':>8}"
-        f"{'stalls':>8}{'ms/run':>9}",
+        f"{'scheme':<{width}}{'utility':>9}{'  95% CI':<18}{'effic.':>8}{'symbols':>9}{'source':>9}"
+        f"{'repair':>8}{'stalls':>8}{'ms/run':>9}",
     ]
     for name, s in result["schemes"].items():
         lo, hi = s["recovered_utility_ci95"]
         lines.append(
-            f"{name:<16}{s['recovered_utility_mean']:>9.2%}  [{lo:.2%}, {hi:.2%}]".ljust(43)
+            f"{name:<{width}}{s['recovered_utility_mean']:>9.2%}  [{lo:.2%}, {hi:.2%}]".ljust(width + 27)
             + f"{s.get('efficiency_mean', float('nan')):>8.2%}"
             + f"{s['recovered_symbol_fraction_mean']:>9.2%}{s['source_sent_mean']:>9.0f}"
             f"{s['repair_sent_mean']:>8.0f}{s['stalls_mean']:>8.0f}{s['wall_s_mean'] * 1000:>9.0f}"

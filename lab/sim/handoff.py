@@ -53,7 +53,9 @@ class SimConfig:
     geometry: KVGeometry = DEFAULT_GEOMETRY
     max_symbol_size: int = DEFAULT_SYMBOL_SIZE
     fit_symbols: bool = True  # equal fragments per block (kvlayout.fitted_symbol_size)
-    repair_budget: float = DEFAULT_REPAIR_BUDGET  # B_rep as a fraction of the source symbols
+    # B_rep as a fraction of the source symbols (the paper's fixed budget by default); None: the whole
+    # deadline, as the daemons (common/plan/deadline.py WHOLE_DEADLINE).
+    repair_budget: float | None = DEFAULT_REPAIR_BUDGET
     window_cap: int = AUTO_WINDOW  # coding window cap K, as the daemon's fec.window_cap (0: from the path)
     target_nonzeros: int = 8
     ack_every: int = 16  # as the receiver daemon's default (ReceiverConfig)
@@ -83,7 +85,7 @@ class SimConfig:
             raise ValueError(f"rate_mbps must be positive, got {self.rate_mbps!r}")
         if self.rtt_ms < 0:
             raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms!r}")
-        if not 0 <= self.repair_budget <= 10:
+        if self.repair_budget is not None and not 0 <= self.repair_budget <= 10:
             raise ValueError(f"repair_budget is a fraction of the source symbols, got {self.repair_budget!r}")
         check_mix(self.precision)
         check_mode(self.mode)

@@ -33,6 +33,7 @@ every scheme's ``efficiency`` is its recovered utility / the oracle's on the sam
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.gf256 import njit_cached
 from pfec.common.events import CpuMeter
+from pfec.common.plan.deadline import WHOLE_DEADLINE
 from pfec.common.sched.policies import SCHEMES, Scheme, get_scheme
 from pfec.common.wire.messages import HEADER_SIZE, NONCE_SIZE, OFFER_FIXED_SIZE, SOURCE_ID_SIZE, TAG_SIZE
 from pfec.lab.reporting.stats import mean_ci95_fields
@@ -66,6 +68,9 @@ __all__ = [
 
 SIM_PSK = bytes(range(32))
 SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
+# ``<scheme>@deadline``: a session scheme with the whole deadline as its repair budget (the daemons'
+# default), beside the same scheme at the cell's budget (the paper's fixed 15% by default).
+WHOLE_DEADLINE_VARIANT = "@" + WHOLE_DEADLINE
 REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
     **{name: scheme.definition for name, scheme in ARQ_SCHEMES.items()},
     "oracle": "clairvoyant bound: knows the losses, sends sources in utility order only in arriving slots",
@@ -315,18 +320,30 @@ def run_arq(handoff: Handoff, realization: int, name: str = "arq") -> RunResult:
     )  # fmt: skip
 
 
+def whole_deadline_base(name: str) -> str | None:
+    """The session scheme of a ``<scheme>@deadline`` name (that scheme repairing until done: the whole
+    deadline as its repair budget, whatever the cell's), or None for any other name."""
+    base = name.removesuffix(WHOLE_DEADLINE_VARIANT)
+    return base if base != name and base in SCHEMES else None
+
+
 def run_scheme(handoff: Handoff, name: str, realization: int, verify: bool = True) -> RunResult:
-    """One realization of a session scheme (SCHEMES) or a reference scheme (REFERENCE_SCHEMES)."""
+    """One realization of a session scheme (SCHEMES, or one with the ``@deadline`` variant) or a reference
+    scheme (REFERENCE_SCHEMES)."""
     if name == "oracle":
         return run_oracle(handoff, realization)
     if name in ARQ_SCHEMES:
         return run_arq(handoff, realization, name)
+    base = whole_deadline_base(name)
+    if base is not None:  # same handoff and realization, the whole deadline as the repair budget
+        whole = dataclasses.replace(handoff, config=dataclasses.replace(handoff.config, repair_budget=None))
+        return dataclasses.replace(run_once(whole, get_scheme(base), realization, verify=verify), scheme=name)
     return run_once(handoff, get_scheme(name), realization, verify=verify)
 
 
 def check_scheme_names(names: Sequence[str]) -> None:
     for name in names:
-        if name not in SCHEMES and name not in REFERENCE_SCHEMES:
+        if name not in SCHEMES and name not in REFERENCE_SCHEMES and whole_deadline_base(name) is None:
             known = ", ".join([*SCHEMES, *REFERENCE_SCHEMES])
             raise ValueError(f"unknown scheme {name!r}; choose from {known}")
 

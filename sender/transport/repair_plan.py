@@ -234,12 +234,15 @@ def _plan(
     proactive: bool,
     next_esi: int,
     newest_span: int,
+    fill: bool,
 ) -> tuple[int, int, int, int, float, float]:
     """(region, first, count, dt, reactive need, effectiveness): the region with the largest outstanding
     need (the oldest on ties), or PROACTIVE over the newest symbols when ``proactive`` and no region
-    needs as much as half a repair. ``newest_span`` > 0: PROACTIVE over the newest symbols whatever the
-    regions, reaching at most that far past the prefix (an open-loop repair). ``params`` holds the
-    planner's scalars (``_P_*``)."""
+    needs as much as half a repair. ``fill``: a slot that would idle while regions are open (every need
+    covered by repairs in flight, in expectation): the region with the largest need all the same, however
+    small or negative, so spare slots go where a lost repair would hurt most. ``newest_span`` > 0:
+    PROACTIVE over the newest symbols whatever the regions, reaching at most that far past the prefix (an
+    open-loop repair). ``params`` holds the planner's scalars (``_P_*``)."""
     n = params[_P_REGIONS]
     prefix = params[_P_PREFIX]
     span = params[_P_SPAN]
@@ -249,7 +252,7 @@ def _plan(
     unknowns = params[_P_UNKNOWNS]
     arrive = 1.0 - loss
     best = -1
-    best_rem = 0.0
+    best_rem = -math.inf if fill else 0.0
     need_total = 0.0
     for r in range(n):
         rem = reg_f[_NEED, r] - arrive * reg_f[_SENT, r]
@@ -311,7 +314,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         _bound["group_bytes"] = entry_point(
             _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f
         )
-        _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0, 0)
+        _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0, 0, False)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
     return _bound
 
@@ -447,12 +450,12 @@ class RepairPlanner:
         params[_P_PREFIX] = prefix
         params[_P_UNKNOWNS] = unknowns
 
-    def plan(self, next_esi: int, loss: float, proactive: bool = False) -> Plan:
+    def plan(self, next_esi: int, loss: float, proactive: bool = False, fill: bool = False) -> Plan:
         """Where the next repair goes, how much reactive repair is still owed, and how likely the next
         repair is to hit a reported hole. A region starts and ends on a hole, so with one or two holes
         the encoder is told to cover both ends (see ``covers_both_ends``) and the repair stays sparse."""
         # tuple.__new__ wraps the kernel's tuple as a Plan at half the cost of Plan._make (every decision).
-        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi, 0)
+        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, proactive, next_esi, 0, fill)
         return tuple.__new__(Plan, fields)
 
     def plan_newest(self, next_esi: int, loss: float, span: int, first: int = 0, width: int = 0) -> Plan:
@@ -461,7 +464,7 @@ class RepairPlanner:
         starting at ``first`` or later and at most ``width`` symbols wide (0: the window cap)."""
         self._params[_P_NEWEST_FIRST] = max(0, first)
         self._params[_P_NEWEST_WIDTH] = width if width > 0 else self.window_cap
-        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, True, next_esi, max(1, span))
+        fields = self._plan(self._reg_i, self._reg_f, self._params, loss, True, next_esi, max(1, span), False)
         return tuple.__new__(Plan, fields)
 
     def reactive_need(self, loss: float) -> float:

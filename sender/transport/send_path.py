@@ -36,10 +36,33 @@ class SendPath:
     """Makes one session's source and repair datagrams and keeps the repair planner fed."""
 
     __slots__ = (
-        "_repair_buf", "_src_pn", "_src_time", "_symbols", "cpu", "datagrams_sent", "encoder", "fresh_plan",
-        "inflight", "open_loop", "planner", "planner_loss", "proactive", "probe_burst", "protector", "rate",
-        "repairs_skipped", "span", "stalled", "strict", "tail", "tail_burst", "tail_first", "tail_width",
-        "view", "window_cap",
+        "_repair_buf",
+        "_src_pn",
+        "_src_time",
+        "_symbols",
+        "cpu",
+        "datagrams_sent",
+        "encoder",
+        "fill_burst",
+        "fresh_plan",
+        "inflight",
+        "open_loop",
+        "planner",
+        "planner_loss",
+        "proactive",
+        "probe_burst",
+        "protector",
+        "rate",
+        "repairs_skipped",
+        "span",
+        "stalled",
+        "strict",
+        "tail",
+        "tail_burst",
+        "tail_first",
+        "tail_width",
+        "view",
+        "window_cap",
     )
 
     def __init__(self, config: SenderConfig, symbols: npt.NDArray[np.uint8], encoder: Encoder,
@@ -76,6 +99,7 @@ class SendPath:
         self.tail_width = config.window_cap
         self.tail_burst = False  # the current burst is the tail's open-loop repair
         self.probe_burst = False  # the current burst is a probe (:mod:`.probe`)
+        self.fill_burst = False  # the current burst fills a slot that would idle (``take_fill``)
         self.proactive = False  # near the deadline: repairs may also protect the newest sources
         self.planner_loss = 0.0  # the loss the planner discounts repairs in flight by (``plan_epoch``)
         # The decision's repair plan, until an ACK or a sent repair changes the planner's state: the first
@@ -109,7 +133,7 @@ class SendPath:
     def take_tail_repair(self) -> bool:
         """Whether the next burst is one open-loop repair of the tail (its credit goes before the policy)."""
         tail, view = self.tail, self.view
-        self.probe_burst = False
+        self.probe_burst = self.fill_burst = False
         self.tail_burst = burst = (
             tail.active and view.repairs_left > 0 and view.sources_sent > 0 and tail.take()
         )
@@ -119,7 +143,14 @@ class SendPath:
         """The next burst is a probe: a repair where the receiver lacks most, every repair in flight
         counted as lost (the feedback it waits on did not come), else over the newest window."""
         self.probe_burst = True
-        self.tail_burst = False
+        self.tail_burst = self.fill_burst = False
+
+    def take_fill(self) -> None:
+        """The next burst fills a slot that would idle while the receiver lacks symbols (the whole deadline
+        is the budget): a repair for the region that lacks most even though the repairs in flight cover
+        it in expectation, or over the newest window when no region is open."""
+        self.fill_burst = True
+        self.tail_burst = self.probe_burst = False
 
     # ------------------------------------------------------------------- sending
     def source(self, now: float) -> bytes:
@@ -151,6 +182,8 @@ class SendPath:
                                        max(0, self.tail_first), self.tail_width)
         elif self.probe_burst:
             plan = planner.plan(next_esi, 1.0, True)
+        elif self.fill_burst:
+            plan = planner.plan(next_esi, self.planner_loss, self.proactive, True)
         elif plan is None:
             plan = planner.plan(next_esi, self.planner_loss, self.proactive)
         self.fresh_plan = None  # planner.sent() below changes what the next repair serves

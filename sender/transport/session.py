@@ -184,6 +184,7 @@ class SenderSession:
         self.planner = self.send_path.planner
         self.probe = ProbeTimer(config.max_ack_delay_s, 2 * config.owd_s)
         self.probes_sent = 0  # repairs sent because the probe timer expired
+        self.repairs_filled = 0  # repairs sent in slots that would have idled (``config.fill_idle``)
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
         # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
         self._utility_features: list[list[float]] | None = (
@@ -352,6 +353,18 @@ class SenderSession:
         at = self.probe.deadline(view.rtt_estimate, self.path.rtt_var)
         return at if at < self._send_deadline else None
 
+    def _may_fill(self) -> bool:
+        """Whether a slot that would idle carries a repair: the whole deadline is the budget, the policy
+        repairs closed loop, and the ACKs say the receiver still lacks symbols."""
+        view = self.view
+        return (
+            self.config.fill_idle
+            and self._accepted
+            and not view.open_loop
+            and view.repairs_left > 0
+            and self.encoder.ack_prefix < view.n_source
+        )
+
     def _slots_left(self, now: float) -> int:
         return max(0, int((self._send_deadline - now) / self.rate.slot_s))
 
@@ -382,7 +395,16 @@ class SenderSession:
                 cpu.decisions += 1
             return True
         if not view.update_mask():
-            return False  # nothing allowed until feedback changes (e.g. all sources sent, no deficit)
+            if not self._may_fill():
+                return False  # nothing allowed until feedback changes (e.g. all sources sent, no deficit)
+            self.send_path.take_fill()
+            self.repairs_filled += 1
+            self._burst_action = Action.REPAIR_1
+            self._burst_left = 1
+            if cpu is not None:
+                cpu.policy_ns += cpu.clock() - t0
+                cpu.decisions += 1
+            return True
         action = self.policy.decide(view)
         if not view.mask[action]:
             raise ValueError(f"policy {self.policy.name!r} chose masked action {action.name}")

@@ -52,6 +52,10 @@ class SenderConfig:
     # The longest the receiver delays an ACK (its ack_delay_s, 2 ms by default, plus scheduling): the
     # probe timeout waits this long beyond the RTT (RFC 9002's max_ack_delay; :mod:`.probe`).
     max_ack_delay_s: float = 0.005
+    # The whole deadline is the repair budget (common/plan/deadline.py WHOLE_DEADLINE): a slot that would
+    # idle while the receiver lacks symbols carries a repair (``SendPath.take_fill``) instead of waiting a
+    # round trip for feedback on the repairs in flight. Off for a fixed budget (the paper's rule).
+    fill_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0:

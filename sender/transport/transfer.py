@@ -20,6 +20,7 @@ from pfec.common.events import CpuMeter
 from pfec.common.plan.deadline import (
     AUTO_WINDOW,
     budget_seconds,
+    repair_cap,
     resolve_window_cap,
     rho_of,
     serialisation_s,
@@ -93,7 +94,7 @@ class SenderSetup:
     """The sender's knobs for one session (the daemon's configuration, or a simulation's)."""
 
     scheme: Scheme
-    repair_budget: float  # B_rep as a fraction of the source symbols
+    repair_budget: float | None  # B_rep as a fraction of the source symbols; None: the whole deadline
     window_cap: int  # the coding window cap K; deadline.AUTO_WINDOW (0): sized from the path at OFFER time
     fingerprint: bytes
     psk: bytes
@@ -151,7 +152,7 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         budget_s=budget.deadline_s,
         slot_s=budget.slot_s,
         owd_s=budget.owd_s,
-        repair_budget=round(setup.repair_budget * send.n_source),
+        repair_budget=repair_cap(setup.repair_budget, send.n_source, budget.deadline_s, budget.slot_s),
         fingerprint=setup.fingerprint,
         window_cap=window_cap,
         window_cap_strict=setup.window_cap != AUTO_WINDOW,
@@ -162,6 +163,7 @@ def assemble_sender(session_id: int, send: SendQueue, budget: LinkBudget, setup:
         first_flight=first_flight(budget),
         decoder_span=decoder_span_for(budget, window_cap, send.n_source),
         loss_prior=setup.loss_prior,
+        fill_idle=setup.repair_budget is None,
     )
     protector = PacketProtector(keyring_for(bytes(setup.psk), setup.authenticate), session_id, Role.SENDER,
                                 plan.symbol_size, random_bytes=setup.random_bytes)
