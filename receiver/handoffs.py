@@ -265,7 +265,7 @@ class Handoffs:
     # ------------------------------------------------------------------ deadline: rebuild, generate, RESULT
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:
         info = self.sessions.get(event.session_id)
-        late = now - (event.at if event.ready else event.stats.deadline_at)
+        late = now - event.started_at
         self.late_s.append(late)
         self.metrics.deadline_started(late)
         stats = event.stats

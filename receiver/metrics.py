@@ -65,6 +65,7 @@ RECEIVER_DROP_REASONS: Final = (
     *HANDSHAKE_DROP_REASONS,
     "unexpected_type",  # valid datagram the session does not expect in its state
     "bad_offer_part",  # OFFER part out of order / inconsistent
+    "bad_done",  # a DONE whose counts contradict what arrived (more sources than the handoff, ...)
     "closed_session",  # data for a recently closed session
     "early_evicted",  # early data of an unknown session evicted by newer ones
     "early_overflow",  # too much early data for one unknown session

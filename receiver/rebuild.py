@@ -125,17 +125,18 @@ class AtDeadline:
     decoded: int  # source symbols decoded
     n_source: int
     stats: ReceiverStats
-    ready: bool = False  # everything planned was decoded before the deadline
-    reached_at: float = 0.0  # when the session stopped decoding (its deadline, or when ready)
+    start: str = "deadline"  # what closed decoding: ready, sender-done (its DONE) or deadline
+    reached_at: float = 0.0  # when the session stopped decoding (its deadline, when ready, the DONE)
 
     @property
-    def start(self) -> str:
-        return "ready" if self.ready else "deadline"
+    def ready(self) -> bool:
+        """Everything planned was decoded before the deadline."""
+        return self.start == "ready"
 
     @classmethod
     def of(cls, event: DeadlineReached, late_s: float) -> AtDeadline:
-        reached = event.at if event.ready else event.stats.deadline_at
-        return cls(late_s, len(event.decoded_esis), len(event.have), event.stats, event.ready, reached)
+        return cls(late_s, len(event.decoded_esis), len(event.have), event.stats, event.start,
+                   event.started_at)
 
 
 def reconstruct(runtime: ModelRuntime | None, identity: ModelIdentity, app: OfferApp,

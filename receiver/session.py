@@ -19,6 +19,12 @@ Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED
 - At the deadline the session stops decoding and emits ``DeadlineReached`` with every decoded source
   symbol; it does so at once, before the deadline, when every source symbol is decoded and the OFFER is
   complete (start when ready: nothing more can arrive that the receiver could use; ``ready`` says which).
+  The sender's DONE (the completion signal: it will send nothing more this session could use) starts it
+  at once too (``sender_done``), once the OFFER is whole (a split: once its front is computed). A DONE
+  whose counts contradict what arrived (more sources than the handoff has, fewer than an ESI seen, more
+  repairs received than it says were sent, a last data packet at or after its own) is dropped
+  (``bad_done``); one after the session stopped decoding changes nothing. The deadline stays the last
+  resort.
   A split handoff (the application computes the front of the context itself, ``set_split`` and
   ``set_computed``): ready once every symbol still needed is decoded, a symbol being needed while its
   token end (``stream.symbol_token_ends``, by the stream index inside it) lies past the tokens computed
@@ -42,6 +48,7 @@ from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
     Ack,
     Close,
+    Done,
     Message,
     MsgType,
     Offer,
@@ -146,7 +153,18 @@ class DeadlineReached(Event):
     have: npt.NDArray[np.bool_]
     stats: ReceiverStats
     ready: bool = False  # True: everything planned was decoded before the deadline (start when ready)
-    at: float = 0.0  # when the session reached it (its deadline, or when the last symbol decoded)
+    at: float = 0.0  # when the session reached it (its deadline, when the last symbol decoded, the DONE)
+    sender_done: bool = False  # True: the sender's DONE started it (nothing more it could use would come)
+
+    @property
+    def start(self) -> str:
+        """What started generation: ``ready``, ``sender-done`` or ``deadline``."""
+        return "ready" if self.ready else "sender-done" if self.sender_done else "deadline"
+
+    @property
+    def started_at(self) -> float:
+        """When decoding closed: ``at`` unless the deadline closed it (then the deadline itself)."""
+        return self.at if self.ready or self.sender_done else self.stats.deadline_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +244,7 @@ class ReceiverSession:
         self._split_front = 0
         self.computed_tokens = 0
         self._missing_needed = -1
+        self._sender_done = False  # a valid DONE arrived: start as soon as the OFFER (and front) allow
         self._on_offer_part(offer)
 
     # ----------------------------------------------------------------- public API
@@ -241,6 +260,9 @@ class ReceiverSession:
         elif isinstance(message, Close):
             self.stats.received["control"] += 1
             self._close(f"sender closed ({message.code.name}) {message.text}".strip())
+        elif isinstance(message, Done):
+            self.stats.received["control"] += 1
+            self._on_done(message, packet_number, now)
         else:
             self._drop("unexpected_type")
 
@@ -405,19 +427,39 @@ class ReceiverSession:
             self._ack_timer = now + self.config.ack_delay_s
         self._start_if_ready(now)
 
+    def _on_done(self, done: Done, packet_number: int, now: float) -> None:
+        """The sender's completion signal, checked against what arrived before it is believed."""
+        if self.state is not ReceiverState.RECEIVING:
+            return  # decoding already closed: a repeat, or late
+        decoder, stats = self.decoder, self.stats
+        if (
+            done.sources_sent > self.offer.n_source
+            or done.sources_sent < decoder.seen_end
+            or done.repairs_sent < stats.received["repair"]
+            or done.last_data_pn >= packet_number
+        ):
+            self._drop("bad_done")
+            return
+        self._sender_done = True
+        self._start_if_ready(now)
+
     def _start_if_ready(self, now: float) -> None:
-        """Everything planned is decoded and the OFFER is whole: no need to wait for the deadline."""
+        """Everything planned is decoded (or the sender says nothing more will come) and the OFFER is
+        whole: no need to wait for the deadline."""
         if self.state is not ReceiverState.RECEIVING or not self._offer_complete:
             return
         decoded_all = self.decoder.decoded_count >= self.offer.n_source
+        front_done = self.computed_tokens >= self._split_front
         if self._split_tokens:  # a split: the front computed here, and what is still needed decoded
             computed = self.computed_tokens
             ready = computed >= self._split_tokens or (
-                computed >= self._split_front and (decoded_all or self._missing_needed == 0))
+                front_done and (decoded_all or self._missing_needed == 0))
         else:
             ready = decoded_all
         if ready:
             self._reach_deadline(now, ready=True)
+        elif self._sender_done and front_done:
+            self._reach_deadline(now, sender_done=True)
 
     def _track_stall(self, now: float) -> None:
         # Stalled: undecoded symbols reach past the decoder span, where no repair can help them until
@@ -474,7 +516,7 @@ class ReceiverSession:
             blob = b"".join(self._app_parts[i] for i in range(self._app_part_count))
             self._events.append(OfferReceived(self.session_id, self.offer, blob))
 
-    def _reach_deadline(self, now: float, ready: bool = False) -> None:
+    def _reach_deadline(self, now: float, ready: bool = False, sender_done: bool = False) -> None:
         self.state = ReceiverState.DEADLINE
         if self._stalled_since is not None:
             self.stats.stall_time_s += now - self._stalled_since
@@ -484,7 +526,8 @@ class ReceiverSession:
         self._ack_timer = None
         dec = self.decoder
         self._events.append(
-            DeadlineReached(self.session_id, dec.decoded_esis(), dec.store, dec.have, self.stats, ready, now)
+            DeadlineReached(self.session_id, dec.decoded_esis(), dec.store, dec.have, self.stats, ready, now,
+                            sender_done)
         )
 
     def _close(self, reason: str) -> None:

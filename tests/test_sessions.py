@@ -17,7 +17,17 @@ from pfec.common.sched.actions import SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.open_loop_tail import BURST_PRIOR, FEEDBACK_RTTS, tail_rate
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
 from pfec.common.wire.frames import peek_header
-from pfec.common.wire.messages import Header, Message, MsgType, Offer, RefuseCode, Role, Source
+from pfec.common.wire.messages import (
+    Done,
+    DoneReason,
+    Header,
+    Message,
+    MsgType,
+    Offer,
+    RefuseCode,
+    Role,
+    Source,
+)
 from pfec.common.wire.seal import PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import ReceiverEndpoint
@@ -89,8 +99,8 @@ class Harness:
             times += [t for t in (self.sender.get_timer(), self.endpoint.get_timer()) if t is not None]
             if ready:
                 times.append(link_free)
-            if not times:
-                return
+            if not times or min(times) > until:
+                return  # nothing more happens by ``until``
             self.now = max(self.now, min(times))
             arrived = sorted((x for x in self.in_transit if x[0] <= self.now), key=lambda x: x[0])
             self.in_transit = [x for x in self.in_transit if x[0] > self.now]
@@ -560,7 +570,7 @@ def test_split_receiver_waits_for_its_front_even_when_every_symbol_arrived() -> 
     assert not [e for e in h.receiver_events if isinstance(e, DeadlineReached)]
     session.set_computed(32, h.now)  # type: ignore[attr-defined]
     assert not [e for e in h.receiver_events if isinstance(e, DeadlineReached)]
-    at = h.now  # (the harness has moved on to the sender's next timer)
+    at = h.now  # (the harness stopped at its last event before 90 ms)
     session.set_computed(48, at)  # type: ignore[attr-defined]
     h.run()
     ev = h.deadline_event()
@@ -799,3 +809,91 @@ def test_with_the_whole_deadline_as_budget_idle_slots_carry_repairs() -> None:
         h.drop_forward = _drop_repairs_and(drops, first_repairs=3)
         h.run()
         assert h.sender.repairs_filled == 0, policy
+
+
+# ------------------------------------------------------------------------------- the completion signal
+
+
+def test_a_source_only_stream_says_done_and_the_receiver_starts_at_once() -> None:
+    """A scheme without repairs has nothing more to send once its last source is out: its DONE starts
+    the receiver then (``sender-done``), holes and all, instead of at its deadline."""
+    h, _ = make_pair(n=200, budget_s=0.3, policy=SourceOnly())
+    h.drop_forward = _drop_repairs_and({10, 11, 150}, first_repairs=0)
+    h.run()
+    ev = h.deadline_event()
+    assert ev.start == "sender-done" and not ev.ready, ev
+    assert ev.at < 0.05 < ev.stats.deadline_at and ev.started_at == ev.at
+    assert len(ev.decoded_esis) == 197
+    assert h.sender.completion.reason is DoneReason.NO_REPAIR and h.sender.state is SenderState.DONE
+
+
+def test_a_spent_repair_cap_says_done_and_a_lost_done_is_repeated() -> None:
+    """A cap of two repairs against five losses: once both are out the sender can do nothing more, says
+    so, and the first DONE lost, its repeat a round trip later starts the receiver."""
+    h, _ = make_pair(n=200, budget_s=0.3, repair_budget=2)
+    dones = [0]
+    lossy = _drop_repairs_and({20, 21, 22, 100, 180}, first_repairs=0)
+
+    def drop(i: int, d: bytes) -> bool:
+        if peek_header(d).type is MsgType.DONE:
+            dones[0] += 1
+            return dones[0] == 1
+        return lossy(i, d)
+
+    h.drop_forward = drop
+    h.run()
+    ev = h.deadline_event()
+    assert h.sender.completion.reason is DoneReason.BUDGET_SPENT and h.sender.view.repairs_sent == 2
+    assert dones[0] >= 2  # the first was lost, a repeat arrived
+    assert ev.start == "sender-done" and ev.at < 0.1 < ev.stats.deadline_at, ev
+    assert len(ev.decoded_esis) < 200
+
+
+def _established(budget_s: float = 0.3) -> tuple[Harness, SenderSession]:
+    h, _ = make_pair(n=200, budget_s=budget_s, policy=SourceOnly())
+    h.run(until=0.016)  # the handshake is done (one RTT, then a session datagram), sources still stream
+    assert h.sender.accepted and SID in h.endpoint.sessions
+    return h, h.sender
+
+
+@pytest.mark.parametrize(
+    ("done", "why"),
+    [
+        (lambda s: Done(201, 0, 1, DoneReason.NO_REPAIR), "more sources than the handoff has"),
+        (lambda s: Done(3, 0, 1, DoneReason.NO_REPAIR), "fewer sources than an ESI the receiver saw"),
+        (lambda s: Done(s.encoder.next_esi, 0, s.protector.packets_sealed + 5, DoneReason.NO_REPAIR),
+         "a last data packet after its own"),
+    ],
+)
+def test_a_done_that_contradicts_what_arrived_is_dropped_and_counted(
+    done: Callable[[SenderSession], Done], why: str
+) -> None:
+    h, sender = _established()
+    h.endpoint.receive_datagram(sender.protector.seal(done(sender)), h.now)
+    h.receiver_events.extend(iter(h.endpoint.next_event, None))  # session drops reach the endpoint's count
+    assert h.endpoint.drops.get("bad_done") == 1, why
+    assert not [e for e in h.receiver_events if isinstance(e, DeadlineReached)]
+    forged_at = h.now
+    h.run()
+    assert h.deadline_event().at > forged_at  # it started later, on what really arrived
+
+
+def test_a_replayed_or_foreign_or_early_done_is_dropped_and_never_starts_the_receiver() -> None:
+    h, sender = _established()
+    datagram = sender.protector.seal(Done(sender.encoder.next_esi, 0, sender.protector.packets_sealed - 1,
+                                          DoneReason.NO_REPAIR))
+    h.endpoint.receive_datagram(datagram, h.now)  # genuine: the receiver starts on it
+    h.endpoint.receive_datagram(datagram, h.now)  # the same datagram again: a replay
+    assert h.endpoint.drops.get("replay") == 1
+    started = [e for e in iter(h.endpoint.next_event, None) if isinstance(e, DeadlineReached)]
+    assert len(started) == 1 and started[0].start == "sender-done"
+    # Another session's DONE (unknown to this receiver), and one sealed before the session keys.
+    other = PacketProtector(PSK, SID + 1, Role.SENDER, SYMBOL, random_bytes=random.Random(9).randbytes)
+    other.set_peer_random(bytes(16))
+    before = dict(h.endpoint.drops)
+    h.endpoint.receive_datagram(other.seal(Done(1, 0, 0, DoneReason.NO_REPAIR)), h.now)
+    assert sum(h.endpoint.drops.values()) == sum(before.values()) + 1
+    # Before the ACCEPT the sender has no session keys and cannot seal one: a DONE is never early.
+    fresh, _ = make_pair(n=200, budget_s=0.3)
+    with pytest.raises(ValueError, match="never sends DONE in phase EARLY"):
+        fresh.sender.protector.seal(Done(0, 0, 0, DoneReason.NO_REPAIR))

@@ -627,7 +627,8 @@ def test_header_field_errors() -> None:
         (0, WIRE_VERSION + 1, "bad_version"),
         (0, 0, "bad_version"),
         (1, 0, "bad_type"),
-        (1, 9, "bad_type"),
+        (1, 10, "bad_type"),
+        (1, 0x49, "bad_type"),  # DONE travels under the session keys only, never early
         (1, 3, "bad_type"),  # ACK never travels sender -> receiver
         (1, 0xC1, "bad_type"),  # phase bits 11: no such phase
         (1, 0x85, "bad_type"),  # a handshake ACCEPT never travels sender -> receiver

@@ -30,7 +30,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from pfec.common.wire.messages import TYPE_MASK, MsgType
 
-DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close", "junk")
+DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close", "done",
+                          "junk")
 #: Message type (``MsgType`` value) -> its label.
 MSG_TYPE_LABELS: Final[dict[int, str]] = {int(t): t.name.lower() for t in MsgType}
 #: Wire type byte (``datagram[1]``: the type under the key-phase bits) -> its label, for the daemons'

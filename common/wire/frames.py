@@ -10,7 +10,7 @@ big-endian (network order).
 
 Header (14 B, cleartext, authenticated)::
 
-    u8 version (= WIRE_VERSION = 3) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
+    u8 version (= WIRE_VERSION = 5) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
 
 The type byte's top two bits are the key phase (:class:`.messages.KeyPhase`): 0x00 SESSION (the session
 keys), 0x40 EARLY (the sender's early key, before the ACCEPT), 0x80 HANDSHAKE (the static handshake key of
@@ -46,9 +46,13 @@ Bodies (type: layout -- body size in bytes)::
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
     CLOSE   8  u8 CloseCode | UTF-8 text (rest, <= 512 B)                  1 + text
+    DONE    9  u32 sources_sent | u32 repairs_sent | u32 last_data_pn |   13
+               u8 DoneReason (the completion signal: nothing more the
+               receiver could use will follow)
 
-Direction and phase: the sender seals OFFER (handshake), SOURCE, REPAIR and CLOSE (early or session);
-the receiver seals ACCEPT (handshake), REFUSE (handshake or session), ACK, RESULT and CLOSE (session).
+Direction and phase: the sender seals OFFER (handshake), SOURCE, REPAIR and CLOSE (early or session) and
+DONE (session); the receiver seals ACCEPT (handshake), REFUSE (handshake or session), ACK, RESULT and
+CLOSE (session).
 Any other (phase, type) pair arriving is ``bad_type``.
 For OFFER/RESULT ``part_index < part_count`` and ``part_count >= 1``; OFFER symbol_size
 is in [1, DEFAULT_SYMBOL_SIZE] (no datagram could carry a larger symbol).
@@ -83,6 +87,8 @@ from pfec.common.wire.messages import (
     ACK_BODY_SIZE,
     CLOSE_BY_INT,
     DEFAULT_SYMBOL_SIZE,
+    DONE_BODY_SIZE,
+    DONE_BY_INT,
     FINGERPRINT_SIZE,
     HEADER_SIZE,
     MAX_DATAGRAM,
@@ -103,6 +109,7 @@ from pfec.common.wire.messages import (
     Accept,
     Ack,
     Close,
+    Done,
     Header,
     KeyPhase,
     Message,
@@ -124,6 +131,7 @@ _ACK = struct.Struct(">IIIHHIIIIIIH")
 _OFFER = struct.Struct(">HHII32sHH16sH")
 _ACCEPT = struct.Struct(">HI16s")
 _RESULT = struct.Struct(">IHH")
+_DONE = struct.Struct(">IIIB")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
 # :mod:`.seal`'s per-packet layout steps).
 pack_header: Final = _HEADER.pack  # (version, type, session_id, packet_number) -> 14 B
@@ -138,6 +146,7 @@ assert _ACK.size == ACK_BODY_SIZE
 assert _OFFER.size == OFFER_FIXED_SIZE
 assert _ACCEPT.size == ACCEPT_BODY_SIZE
 assert _RESULT.size == RESULT_FIXED_SIZE
+assert _DONE.size == DONE_BODY_SIZE
 
 
 def _buflen(buf: bytes | bytearray | memoryview) -> int:
@@ -284,6 +293,10 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
         return _enc_result(msg)
     if isinstance(msg, (Refuse, Close)):
         return _enc_coded_text(msg)
+    if isinstance(msg, Done):
+        if msg.reason not in DONE_BY_INT.values():
+            raise ValueError(f"DONE: unknown reason {msg.reason!r}")
+        return _pack(_DONE, "DONE", msg.sources_sent, msg.repairs_sent, msg.last_data_pn, msg.reason)
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
@@ -398,6 +411,14 @@ def _dec_close(body: _Body) -> Close:
     return Close(code, _dec_text(body, "CLOSE"))
 
 
+def _dec_done(body: _Body) -> Done:
+    sources, repairs, last_pn, code = _DONE.unpack_from(body)
+    reason = DONE_BY_INT.get(code)
+    if reason is None:
+        raise ParseError("bad_field", f"DONE reason {code}")
+    return Done(sources, repairs, last_pn, reason)
+
+
 _DECODERS: Final[dict[int, Callable[[_Body], Message]]] = {
     1: _dec_source,
     2: _dec_repair,
@@ -407,6 +428,7 @@ _DECODERS: Final[dict[int, Callable[[_Body], Message]]] = {
     6: _dec_refuse,
     7: _dec_result,
     8: _dec_close,
+    9: _dec_done,
 }
 
 

@@ -13,8 +13,9 @@ from typing import ClassVar, Final, Literal, TypeAlias
 # --------------------------------------------------------------------------- constants
 
 # Wire versions: 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span;
-# 4: the ACK's computed_tokens (how far the receiver's own prefill has got: compute front, stream back)
-WIRE_VERSION: Final = 4
+# 4: the ACK's computed_tokens (how far the receiver's own prefill has got: compute front, stream back);
+# 5: the sender's DONE (the completion signal: it will send nothing more the receiver could use)
+WIRE_VERSION: Final = 5
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
 OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
@@ -29,6 +30,7 @@ NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram
 OFFER_FIXED_SIZE: Final = 50 + RANDOM_SIZE
 ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE
 RESULT_FIXED_SIZE: Final = 8
+DONE_BODY_SIZE: Final = 13
 FINGERPRINT_SIZE: Final = 32
 MAX_TEXT: Final = 512
 MAX_BODY: Final = MAX_DATAGRAM - OVERHEAD
@@ -46,6 +48,7 @@ class MsgType(enum.IntEnum):
     REFUSE = 6
     RESULT = 7
     CLOSE = 8
+    DONE = 9
 
 
 class KeyPhase(enum.IntEnum):
@@ -68,6 +71,14 @@ class RefuseCode(enum.IntEnum):
     OTHER = 5
 
 
+class DoneReason(enum.IntEnum):
+    """Why the sender will send nothing more the receiver could use (the DONE's reason)."""
+
+    DECODED = 0  # the ACKs say every source symbol planned is decoded
+    BUDGET_SPENT = 1  # its repair cap is spent with every source sent
+    NO_REPAIR = 2  # a scheme without repairs (or an open-loop code) has sent everything it will send
+
+
 class CloseCode(enum.IntEnum):
     DONE = 0
     CANCELLED = 1
@@ -84,18 +95,19 @@ MSGTYPE_BY_INT: Final = {int(t): t for t in MsgType}
 PHASE_BY_INT: Final = {int(p): p for p in KeyPhase}
 REFUSE_BY_INT: Final = {int(c): c for c in RefuseCode}
 CLOSE_BY_INT: Final = {int(c): c for c in CloseCode}
+DONE_BY_INT: Final = {int(c): c for c in DoneReason}
 
 # Types each direction may carry (s2r = sealed by the sender, opened by the receiver).
-_S2R_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR, MsgType.OFFER, MsgType.CLOSE})
+_S2R_TYPES: Final = frozenset({MsgType.SOURCE, MsgType.REPAIR, MsgType.OFFER, MsgType.CLOSE, MsgType.DONE})
 _R2S_TYPES: Final = frozenset({MsgType.ACK, MsgType.ACCEPT, MsgType.REFUSE, MsgType.RESULT, MsgType.CLOSE})
 
 
 # (phase, type) pairs each direction may carry: the OFFER in the handshake phase (and once more under the
 # session key right after the ACCEPT, to establish the session), ACCEPT only in the handshake phase, REFUSE
 # in the handshake phase (before a session exists) or under the session keys, data and CLOSE early or in
-# session.
+# session; DONE only under the session keys (the sender sends it after the ACCEPT).
 _S2R_PHASES: Final = frozenset(
-    {(KeyPhase.HANDSHAKE, MsgType.OFFER), (KeyPhase.SESSION, MsgType.OFFER)}
+    {(KeyPhase.HANDSHAKE, MsgType.OFFER), (KeyPhase.SESSION, MsgType.OFFER), (KeyPhase.SESSION, MsgType.DONE)}
     | {
         (p, t)
         for p in (KeyPhase.EARLY, KeyPhase.SESSION)
@@ -265,13 +277,26 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
+class Done:
+    """The completion signal: the sender will send nothing more the receiver could use. Its counts are
+    what the sender sent; the receiver checks them against what arrived (a DONE claiming fewer sources
+    than the receiver saw, or a last data packet at or after its own, is dropped)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DONE
+    sources_sent: int  # source symbols sent: ESIs [0, sources_sent)
+    repairs_sent: int
+    last_data_pn: int  # packet number of the last SOURCE/REPAIR sealed (0: none)
+    reason: DoneReason
+
+
+@dataclass(frozen=True, slots=True)
 class Close:
     TYPE: ClassVar[MsgType] = MsgType.CLOSE
     code: CloseCode
     text: str = ""
 
 
-Message: TypeAlias = Source | Repair | Ack | Offer | Accept | Refuse | Result | Close
+Message: TypeAlias = Source | Repair | Ack | Offer | Accept | Refuse | Result | Close | Done
 
 # --------------------------------------------------------------------------- helpers
 
@@ -313,6 +338,7 @@ def body_bounds(mtype: int, symbol_size: int) -> tuple[int, int]:
         MsgType.REFUSE: (1, 1 + MAX_TEXT),  # + NONCE_SIZE still fits MAX_DATAGRAM
         MsgType.RESULT: (RESULT_FIXED_SIZE, MAX_BODY),
         MsgType.CLOSE: (1, 1 + MAX_TEXT),
+        MsgType.DONE: (DONE_BODY_SIZE, DONE_BODY_SIZE),
     }[MSGTYPE_BY_INT[mtype]]
 
 

@@ -365,7 +365,7 @@ def _rows_equal(store: npt.NDArray[np.uint8], store_rows: npt.NDArray[np.int64],
 def _score(handoff: Handoff, send: SendQueue, order: str, event: DeadlineReached,
            verify: bool, endpoint: ReceiverEndpoint) -> DeadlineScore:
     decoded = event.decoded_esis
-    at = event.at if event.ready else event.stats.deadline_at
+    at = event.started_at
     split = handoff.config.mode == "split"
     # A split sender reorders its unsent symbols as the front grows, so ESIs no longer follow the queue:
     # each decoded symbol is filed by the stream index it carries (as the receiver daemon does).

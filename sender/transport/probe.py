@@ -11,11 +11,13 @@ plus the ACK delay, doubled on every expiry without an ACK in between. On expiry
 ``PTO_PROBES`` repairs over what the receiver lacks most (``SendPath.repair(probe=True)``): useful
 if the last round was lost, and whichever arrives elicits the ACK that says what is still missing.
 
-The session decides when the timer is armed (streaming, accepted, something unacknowledged, not all
-decoded, repairs left); this class only keeps the clock.
+The session asks only while it streams after the ACCEPT; ``expiry`` says whether the timer is armed.
 """
 
 from __future__ import annotations
+
+from pfec.common.sched.actions import SchedulerView
+from pfec.sender.transport.inflight import InFlight
 
 PTO_PROBES = 2  # repairs owed per expiry (RFC 9002 allows two: one may be lost)
 GRANULARITY_S = 0.001  # RFC 9002's kGranularity: the timer's floor above the smoothed RTT
@@ -43,6 +45,18 @@ class ProbeTimer:
 
     def deadline(self, srtt: float, rttvar: float) -> float:
         return self.last_sent + self.timeout(srtt, rttvar)
+
+    def expiry(self, view: SchedulerView, inflight: InFlight, next_esi: int, ack_prefix: int, rttvar: float,
+               send_deadline: float) -> float | None:
+        """When the timer expires, or None while it is not armed: it runs only while the receiver lacks
+        symbols (the ACKs' prefix), something is unacknowledged, a closed-loop repair is left, no probe
+        is owed, and it would expire before the send deadline."""
+        if view.open_loop or view.repairs_left <= 0 or self.owed or ack_prefix >= view.n_source:
+            return None
+        if inflight.repairs_acked >= view.repairs_sent and inflight.acked_source_end >= next_esi:
+            return None  # everything sent is acknowledged: the ACK's deficit drives the next repair
+        at = self.deadline(view.rtt_estimate, rttvar)
+        return at if at < send_deadline else None
 
     def on_sent(self, now: float) -> None:
         self.last_sent = now

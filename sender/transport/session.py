@@ -41,6 +41,10 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   not decoded everything, something is unacknowledged and repairs are left, a probe timer runs from the
   newest data datagram; on expiry the next repairs go to what the receiver lacks most, whatever the
   deficit estimate says, and the ACK they elicit says what is still missing.
+- When it will send nothing more the receiver could use while every source is sent (the ACKs say all
+  is decoded, its repair cap is spent, or its scheme sends no closed-loop repairs), it stops sending data
+  (DRAINING) and sends a DONE (the completion signal, :mod:`.completion`), repeated a round trip apart
+  unless the RESULT comes first; the receiver starts generating on it rather than at its deadline.
 - When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
   receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
   fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
@@ -59,6 +63,7 @@ delegates the rest, each part sans-IO with a narrow interface:
   repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps;
 - ``split`` (:mod:`.split`): a split handoff's token ends, computed tokens and unsent reorder;
 - ``probe`` (:mod:`.probe`): the probe timer's clock and backoff;
+- ``completion`` (:mod:`.completion`): when the sender is done, and its DONE;
 - ``rate`` (:mod:`.rate`): the rate controller (the seam a controller plugs into; several
   sessions may share one): the session reads its slot, ``send_path``, ``inflight`` and ``path`` report to it.
 """
@@ -76,24 +81,20 @@ from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, Schedu
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import (
-    NONCE_SIZE,
-    OFFER_FIXED_SIZE,
-    OVERHEAD,
     Accept,
     Ack,
     Close,
     CloseCode,
     Message,
-    MsgType,
-    Offer,
     ParseError,
     Refuse,
     Result,
     clip_text,
-    split_app,
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
+from pfec.sender.transport.completion import Completion, done_reason
 from pfec.sender.transport.inflight import InFlight
+from pfec.sender.transport.offer import OfferParts
 from pfec.sender.transport.path import PathEstimates, ack_plausible
 from pfec.sender.transport.probe import ProbeTimer
 from pfec.sender.transport.rate import FixedRate, RateController
@@ -111,6 +112,7 @@ from pfec.sender.transport.session_types import (
     SendingStopped,
     SourceInfo,
     SplitInfo,
+    UtilityFeatures,
 )
 from pfec.sender.transport.split import SplitBookkeeping
 
@@ -183,13 +185,12 @@ class SenderSession:
                                   open_loop, self.rate, cpu)
         self.planner = self.send_path.planner
         self.probe = ProbeTimer(config.max_ack_delay_s, 2 * config.owd_s)
+        self.offer = OfferParts(config, self.encoder, protector)
         self.probes_sent = 0  # repairs sent because the probe timer expired
         self.repairs_filled = 0  # repairs sent in slots that would have idled (``config.fill_idle``)
+        self.completion = Completion()  # the DONE: why, how many, the next repeat
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
-        # Per-ESI (progress, utility, upcoming) rows as Python lists: a decision reads three floats.
-        self._utility_features: list[list[float]] | None = (
-            source_info.per_esi_features().T.tolist() if source_info is not None else None
-        )
+        self._utility_features = None if source_info is None else UtilityFeatures(source_info)
         self._events: deque[SenderEvent] = deque()
         self._control: deque[bytes] = deque()  # OFFER / CLOSE datagrams, sent before data
         self._burst_action = Action.SOURCE
@@ -246,6 +247,7 @@ class SenderSession:
             datagram = self.send_path.repair(now)
         if datagram is not None:
             self.probe.on_sent(now)
+            self.completion.last_data_pn = self.protector.packets_sealed
         return datagram
 
     def receive_datagram(self, data: bytes, now: float) -> None:
@@ -268,7 +270,8 @@ class SenderSession:
             if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
             else None
         )
-        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake, self._probe_at())
+        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake, self._probe_at(),
+                        self.completion.timer)
 
     def handle_timer(self, now: float) -> None:
         if self._offer_timer is not None and now >= self._offer_timer:
@@ -289,6 +292,11 @@ class SenderSession:
         probe_at = self._probe_at()
         if probe_at is not None and now >= probe_at:
             self.probe.expire()
+        done_at = self.completion.timer
+        if done_at is not None and now >= done_at:
+            self.completion.timer = None
+            if self.state is SenderState.DRAINING and now < self._deadline:
+                self._queue_done(now)
         if self._result_timer is not None and now >= self._result_timer:
             self._result_timer = None
             if self.state is SenderState.DRAINING:
@@ -335,23 +343,19 @@ class SenderSession:
 
     # ------------------------------------------------------------ decision epochs
     def _probe_at(self) -> float | None:
-        """When the probe timer expires, or None while it is not armed: it runs only while the receiver
-        lacks symbols, something is unacknowledged, a closed-loop repair is left and no probe is owed."""
-        view = self.view
-        if (
-            self.state is not SenderState.STREAMING
-            or not self._accepted
-            or view.open_loop
-            or view.repairs_left <= 0
-            or self.probe.owed
-            or self.encoder.ack_prefix >= view.n_source
-        ):
+        """When the probe timer expires (None: not armed; it runs only while streaming after the ACCEPT)."""
+        if self.state is not SenderState.STREAMING or not self._accepted:
             return None
-        inflight = self.inflight
-        if inflight.repairs_acked >= view.repairs_sent and inflight.acked_source_end >= self.encoder.next_esi:
-            return None  # everything sent is acknowledged: the ACK's deficit drives the next repair
-        at = self.probe.deadline(view.rtt_estimate, self.path.rtt_var)
-        return at if at < self._send_deadline else None
+        enc = self.encoder
+        return self.probe.expiry(self.view, self.inflight, enc.next_esi, enc.ack_prefix, self.path.rtt_var,
+                                 self._send_deadline)
+
+    def _queue_done(self, now: float) -> None:
+        datagram = self.completion.datagram(self.protector, self.encoder.next_esi, self.view.repairs_sent,
+                                            now, self.view.rtt_estimate)
+        if datagram is not None:
+            self._control.append(datagram)
+            self.datagrams_sent["control"] += 1
 
     def _may_fill(self) -> bool:
         """Whether a slot that would idle carries a repair: the whole deadline is the budget, the policy
@@ -369,55 +373,60 @@ class SenderSession:
         return max(0, int((self._send_deadline - now) / self.rate.slot_s))
 
     def _decide(self, now: float) -> bool:
+        """A decision epoch: refresh the view, then choose the next burst (False: nothing to send now)."""
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
-        view = self.view
         self._refresh_view(now)
-        if view.slots_left == 0:
+        if self.view.slots_left == 0:
             self._stop_sending(now)
             return False
-        # An owed probe goes first: one repair over what the receiver lacks most.
+        chosen = self._choose_burst(now)
+        if chosen and cpu is not None:
+            cpu.policy_ns += cpu.clock() - t0
+            cpu.decisions += 1
+        return chosen
+
+    def _choose_burst(self, now: float) -> bool:
+        view, send_path = self.view, self.send_path
+        # An owed probe goes first, then the open-loop tail's credit: one repair each (over what the
+        # receiver lacks most, over the newest window). The policy decides the rest.
         if view.repairs_left > 0 and self.probe.take():
-            self.send_path.take_probe()
+            send_path.take_probe()
             self.probes_sent += 1
-            self._burst_action = Action.REPAIR_1
-            self._burst_left = 1
-            if cpu is not None:
-                cpu.policy_ns += cpu.clock() - t0
-                cpu.decisions += 1
-            return True
-        # The tail's credit goes first (one repair over the newest window), the policy decides the rest.
-        if self.send_path.take_tail_repair():
-            self._burst_action = Action.REPAIR_1
-            self._burst_left = 1
-            if cpu is not None:
-                cpu.policy_ns += cpu.clock() - t0
-                cpu.decisions += 1
-            return True
+            return self._one_repair()
+        if send_path.take_tail_repair():
+            return self._one_repair()
         if not view.update_mask():
-            if not self._may_fill():
-                return False  # nothing allowed until feedback changes (e.g. all sources sent, no deficit)
-            self.send_path.take_fill()
-            self.repairs_filled += 1
-            self._burst_action = Action.REPAIR_1
-            self._burst_left = 1
-            if cpu is not None:
-                cpu.policy_ns += cpu.clock() - t0
-                cpu.decisions += 1
-            return True
+            return self._nothing_allowed(now)
         action = self.policy.decide(view)
         if not view.mask[action]:
             raise ValueError(f"policy {self.policy.name!r} chose masked action {action.name}")
-        if action is Action.SOURCE:
-            burst = min(SOURCE_BURST, view.sources_left, view.slots_left)
-        else:
-            burst = REPAIR_SIZES[action]
         self._burst_action = action
-        self._burst_left = burst
-        if cpu is not None:
-            cpu.policy_ns += cpu.clock() - t0
-            cpu.decisions += 1
+        if action is Action.SOURCE:
+            self._burst_left = min(SOURCE_BURST, view.sources_left, view.slots_left)
+        else:
+            self._burst_left = REPAIR_SIZES[action]
         return True
+
+    def _one_repair(self) -> bool:
+        self._burst_action = Action.REPAIR_1
+        self._burst_left = 1
+        return True
+
+    def _nothing_allowed(self, now: float) -> bool:
+        """The masks allow nothing (every source sent, no deficit left): done (say so and stop), fill the
+        slot with a repair (the whole deadline is the budget), or wait for feedback."""
+        reason = done_reason(self.view, self.encoder.ack_prefix, self.policy.sends_repairs)
+        if reason is not None and self._accepted:
+            self.completion.reason = reason
+            self._stop_sending(now)
+            self._queue_done(now)
+            return False
+        if not self._may_fill():
+            return False
+        self.send_path.take_fill()
+        self.repairs_filled += 1
+        return self._one_repair()
 
     def _refresh_view(self, now: float) -> None:
         view = self.view
@@ -437,53 +446,17 @@ class SenderSession:
         since_start = None if rtt > 0 else now - self._start  # no RTT sample: no ACK yet
         self.send_path.plan_epoch(next_esi, view.loss_estimate, rtt, slots_left * slot_s, since_start)
         if self._utility_features is not None:
-            self._refresh_utility_features(next_esi)
-
-    def _refresh_utility_features(self, next_esi: int) -> None:
-        view = self.view
-        feats = self._utility_features
-        assert feats is not None
-        progress, utility, upcoming = feats
-        if next_esi >= len(progress):
-            view.block_progress = 1.0
-            view.block_utility = 0.0
-            view.upcoming_utility = 0.0
-            return
-        view.block_progress = progress[next_esi]
-        view.block_utility = utility[next_esi]
-        view.upcoming_utility = upcoming[next_esi]
+            self._utility_features.write(self.view, next_esi)
 
     # ------------------------------------------------------------------- control
     def _queue_offer(self, now: float) -> None:
-        parts = split_app(self.config.app_blob, MsgType.OFFER)
-        for index in range(len(parts)):
-            self._queue_offer_part(parts, index, now)
+        parts = self.offer.all(self._deadline, now)
+        self._control.extend(parts)
+        self.datagrams_sent["control"] += len(parts)
         # Until the ACCEPT, the OFFER also repeats every EARLY_OFFER_EVERY data datagrams: a receiver that
         # lost it holds only its first 256 (unauthenticated) datagrams and drops the rest, which in
         # utility order are the most valuable (measured: a lost OFFER cut a handoff to 0.27 of its utility).
         self._offer_timer = now + min(self.config.offer_retry_s, EARLY_OFFER_EVERY * self.rate.slot_s)
-
-    def _queue_offer_part(self, parts: list[bytes], index: int, now: float) -> None:
-        cfg = self.config
-        part = parts[index]
-        # The receiver's budget runs from when it receives this OFFER.
-        offer_bytes = OVERHEAD + NONCE_SIZE + OFFER_FIXED_SIZE + len(part)
-        serialise = offer_bytes * 8 / cfg.rate_bps if cfg.rate_bps > 0 else 0.0
-        budget = max(0.0, self._deadline - now - cfg.owd_s - serialise)
-        offer = Offer(
-            symbol_size=self.encoder.symbol_size,
-            window_cap=cfg.window_cap,
-            n_source=self.encoder.n_source,
-            budget_us=min(int(budget * 1e6), 0xFFFFFFFF),
-            fingerprint=cfg.fingerprint,
-            part_index=index,
-            part_count=len(parts),
-            app=part,
-            sender_random=self.protector.local_random,
-            span=cfg.decoder_span,
-        )
-        self._control.append(self.protector.seal(offer))
-        self.datagrams_sent["control"] += 1
 
     def _stop_sending(self, now: float) -> None:
         if self.state is not SenderState.STREAMING:
@@ -526,8 +499,8 @@ class SenderSession:
         self._offer_timer = None
         # The receiver establishes the session on our first datagram under the session key: send one now
         # (the OFFER's last, smallest part again) rather than wait for data, which may be over already.
-        parts = split_app(self.config.app_blob, MsgType.OFFER)
-        self._queue_offer_part(parts, len(parts) - 1, now)
+        self._control.append(self.offer.part(len(self.offer.parts) - 1, self._deadline, now))
+        self.datagrams_sent["control"] += 1
         self.send_path.on_accept(accept.window_cap)  # ACCEPT carries the receiver's decoder span
         self._events.append(Accepted(accept.window_cap))
 
@@ -568,9 +541,7 @@ class SenderSession:
         if order is None:
             return
         if self._utility_features is not None:
-            feats = np.asarray(self._utility_features)
-            feats[:, first:first + len(order)] = feats[:, order]
-            self._utility_features = feats.tolist()
+            self._utility_features.reorder(first, order)
         view = self.view
         view.n_source = self.split.source_end
         if self._burst_action is Action.SOURCE:
@@ -596,6 +567,7 @@ class SenderSession:
         self.state = SenderState.DONE
         self._result_timer = None
         self._offer_timer = None
+        self.completion.timer = None
         self._events.append(ResultReceived(result.decoded_count, blob))
 
     def _fail_refused(self, refuse: Refuse) -> None:
@@ -619,6 +591,7 @@ class SenderSession:
         self._burst_left = 0
         self._offer_timer = None
         self._result_timer = None
+        self.completion.timer = None
         self._events.append(Failed(reason))
 
     def _drop(self, reason: str) -> None:

@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import DEFAULT_WINDOW
 from pfec.common.events import DatagramDropped, Event
+from pfec.common.sched.actions import SchedulerView
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 
 MAX_SPAN = 4095  # largest RFC 8681 window the decoder could be asked to hold (12-bit NSS)
@@ -176,3 +177,28 @@ class SplitInfo:
         ends = self.token_end_of_esi
         if ends.ndim != 1 or (len(ends) and (int(ends.min()) < 1 or int(ends.max()) > self.n_tokens)):
             raise ValueError(f"split token ends must lie in 1..{self.n_tokens}, one per source symbol")
+
+
+class UtilityFeatures:
+    """The per-ESI (progress, utility, upcoming) rows of ``SourceInfo`` as Python lists (a decision reads
+    three floats), written into the scheduler's view for the next source."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, source_info: SourceInfo) -> None:
+        self.rows: list[list[float]] = source_info.per_esi_features().T.tolist()
+
+    def write(self, view: SchedulerView, next_esi: int) -> None:
+        progress, utility, upcoming = self.rows
+        if next_esi >= len(progress):
+            view.block_progress, view.block_utility, view.upcoming_utility = 1.0, 0.0, 0.0
+            return
+        view.block_progress = progress[next_esi]
+        view.block_utility = utility[next_esi]
+        view.upcoming_utility = upcoming[next_esi]
+
+    def reorder(self, first: int, order: npt.NDArray[np.int64]) -> None:
+        """The unsent symbols from ``first`` were reordered (a split): the rows follow."""
+        feats = np.asarray(self.rows)
+        feats[:, first:first + len(order)] = feats[:, order]
+        self.rows = feats.tolist()

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pfec.common.sched.actions import Action, SchedulerView
-from pfec.common.wire.messages import Ack, Role
+from pfec.common.wire.messages import Ack, DoneReason, Role
 from pfec.common.wire.seal import Keyring, PacketProtector
 from pfec.lab.bench.fuzz import FuzzRig
 from pfec.sender.transport.path import ack_plausible
@@ -117,4 +117,6 @@ def test_an_ack_that_empties_the_window_mid_burst_does_not_escape() -> None:
     sender.receive_datagram(receiver.seal(all_decoded), 0.003)
     for _ in range(20):
         sender.next_datagram(0.004)  # must not raise FecError('empty_window')
-    assert "bad_feedback" not in sender.drops and sender.state is SenderState.STREAMING
+    assert "bad_feedback" not in sender.drops
+    # Everything decoded: the sender says so (DONE) and stops sending data.
+    assert sender.completion.reason is DoneReason.DECODED and sender.state is SenderState.DRAINING
