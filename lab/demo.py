@@ -29,15 +29,15 @@ from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, HANDOFF_MODES, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.kv.workloads import best_f1, contains_answer, needle_qa
-from pfec.lab.processes import LOOPBACK_PSK, Child, raise_priority
+from pfec.lab.processes import LOOPBACK_PSK, Child, local_prefill_ttft, raise_priority
 from pfec.lab.reporting.text import format_handoff_report
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.simulate import SimConfig, simulate
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
-from pfec.sender.kv import ContextInput, prompt_ids
+from pfec.sender.kv import ContextInput
 
-__all__ = ["DemoConfig", "format_demo", "run_demo", "start_receiver"]
+__all__ = ["DemoConfig", "format_demo", "local_prefill_ttft", "run_demo", "start_receiver"]
 
 
 def _log(message: str) -> None:
@@ -181,22 +181,6 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
         "_relay": relay,
     }
     return out
-
-
-def local_prefill_ttft(runtime: llm.ModelRuntime, inputs: ContextInput, runs: int = 2) -> dict[str, Any]:
-    """The receiver's alternative, timed on the same model in this run: prefill the whole prompt itself
-    and produce the first token (context prefill + question forward); the fastest of ``runs``."""
-    context_ids, question_ids = prompt_ids(runtime, inputs)
-    times = []
-    load = os.getloadavg()[0]
-    for _ in range(runs):
-        started = time.perf_counter()
-        cache, _ = llm.prefill(runtime, context_ids)
-        prefill_s = time.perf_counter() - started
-        gen = llm.generate(runtime, llm.partial_from_cache(cache, None, "mask"), question_ids, 1)
-        times.append(prefill_s + gen.ttft_s)
-    return {"ttft_s": round(min(times), 6), "runs_s": [round(t, 6) for t in times],
-            "load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
 def _diagnostics(cfg: DemoConfig, report: dict[str, Any]) -> dict[str, Any]:
