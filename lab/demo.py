@@ -6,6 +6,12 @@ sender in one Python thread at 100 Mbit/s): a receiver daemon, the UDP relay emu
 ``processes``). The receiver and sender each load the model (in parallel). The workload is a seeded
 needle-QA question over real essays. The recovered utility is put next to `pfec sim` on the same link,
 deadline, scheme and context length.
+
+Two nodes on one machine: the receiver runs on its own CPU set, the sender and the relay on the other
+(``processes.node_cpu_sets``; ``cpus`` in the result). Local prefill, the receiver's alternative, is timed
+by the receiver on its CPUs after the handoff (``local_prefill_ttft_s``, what ``ttft_vs_local`` divides
+by); the sender then times it again with the whole machine (``local_prefill_whole_machine_ttft_s``, the
+figure of a receiver that had every core).
 """
 
 from __future__ import annotations
@@ -21,15 +27,23 @@ from typing import Any
 
 from pfec.common.codec.fec import warm_up
 from pfec.common.model import llm
-from pfec.common.model.runtime import load_runtime
+from pfec.common.model.runtime import load_runtime, usable_cpus
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.common.plan.stream import AUTO, HANDOFF_MODES, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
-from pfec.lab.kv.workloads import best_f1, contains_answer, needle_qa
-from pfec.lab.processes import LOOPBACK_PSK, Child, local_prefill_ttft, raise_priority
+from pfec.lab.kv.workloads import QAExample, best_f1, contains_answer, needle_qa
+from pfec.lab.processes import (
+    LOOPBACK_PSK,
+    Child,
+    NodeCpus,
+    local_prefill_ttft,
+    node_cpu_sets,
+    pinned,
+    raise_priority,
+)
 from pfec.lab.reporting.text import format_handoff_report
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.simulate import SimConfig, simulate
@@ -81,24 +95,28 @@ class DemoConfig:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(HANDOFF_MODES)}")
 
 
-def start_receiver(model: str, log: Callable[[str], None]) -> Child:
+def start_receiver(model: str, log: Callable[[str], None], cpus: tuple[int, ...] | None = None) -> Child:
     """The receiver daemon's process of a real-model run on this machine (the demo, the break-even bench),
-    after this process's own set-up: tokenizers single-threaded, the packet paths ahead of other work, the
-    embedded model converted once here rather than in two processes at once."""
+    on ``cpus`` (None: this process's), after this process's own set-up: tokenizers single-threaded, the
+    packet paths ahead of other work, the embedded model converted once here rather than in two processes
+    at once."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise_priority()
     if model == "default":
         llm.default_model_dir()
     log("starting the receiver (loads the model) ...")
-    return Child("receiver", model=model, psk=LOOPBACK_PSK)
+    return Child("receiver", cpus=cpus, model=model, psk=LOOPBACK_PSK)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     started = time.perf_counter()
-    receiver = start_receiver(cfg.model, _log)
+    cpus = node_cpu_sets()
+    _log(f"CPUs: receiver {list(cpus.receiver)}, sender and relay {list(cpus.sender)}"
+         + ("" if cpus.pinned else f" (not pinned: {cpus.why})"))
+    receiver = start_receiver(cfg.model, _log, cpus.pin("receiver"))
     relay: Child | None = None
     try:
-        result = run_event_loop(_sender_side(cfg, receiver, started))
+        result = run_event_loop(_sender_side(cfg, receiver, cpus, started))
         relay = result.pop("_relay")
     finally:
         rx_stats = receiver.stop()
@@ -112,14 +130,29 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return result
 
 
-async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict[str, Any]:
+async def _sender_side(cfg: DemoConfig, receiver: Child, cpus: NodeCpus, started: float) -> dict[str, Any]:
+    """The handoff and the receiver's local prefill with this process on the sender's CPUs; then local
+    prefill again here on the whole machine (this process's CPUs and torch threads restored)."""
+    loop = asyncio.get_running_loop()
+    with pinned(cpus.pin("sender")):
+        runtime, example, inputs, report, relay = await _handoff(cfg, receiver, cpus, started)
+        _log("timing a local prefill of the same prompt on the receiver's CPUs (its alternative) ...")
+        local = await loop.run_in_executor(None, receiver.local_prefill, inputs)
+    _log("timing it again in the sender on the whole machine (for comparison) ...")
+    whole = await loop.run_in_executor(None, local_prefill_ttft, runtime, inputs, 2, usable_cpus())
+    return {**_result(cfg, example, report, local, whole, cpus), "_relay": relay}
+
+
+async def _handoff(cfg: DemoConfig, receiver: Child, cpus: NodeCpus, started: float,
+                   ) -> tuple[llm.ModelRuntime, QAExample, ContextInput, dict[str, Any], Child]:
+    """Load the model here, start the relay, run the handoff: (runtime, example, inputs, report, relay)."""
     loop = asyncio.get_running_loop()
     warm_up()
     _log("loading the model in the sender ...")
     runtime, identity = await loop.run_in_executor(None, load_runtime, cfg.model)
     rx_addr = await loop.run_in_executor(None, receiver.wait_ready)
-    relay = Child("relay", forward_to=tuple(rx_addr), rate_bps=cfg.rate_mbps * 1e6, owd_s=cfg.rtt_ms / 2000,
-                  loss=cfg.loss, seed=cfg.seed)
+    relay = Child("relay", cpus=cpus.pin("relay"), forward_to=tuple(rx_addr), rate_bps=cfg.rate_mbps * 1e6,
+                  owd_s=cfg.rtt_ms / 2000, loss=cfg.loss, seed=cfg.seed)
     relay_addr = await loop.run_in_executor(None, relay.wait_ready)
     if runtime is None:
         raise ValueError(f"model {cfg.model!r}: the demo needs a real model (it asks a question)")
@@ -136,21 +169,32 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
     handoff = daemon.submit(spec)
     await handoff.done.wait()
     await daemon.close()
-    report = handoff.view()
-    _log("timing a local prefill of the same prompt (the receiver's alternative) ...")
-    local = await loop.run_in_executor(None, local_prefill_ttft, runtime, spec.inputs)
+    return runtime, example, spec.inputs, handoff.view(), relay
+
+
+def _result(cfg: DemoConfig, example: QAExample, report: dict[str, Any], local: dict[str, Any],
+            whole: dict[str, Any], cpus: NodeCpus) -> dict[str, Any]:
+    """The demo's JSON: ``local`` is the receiver's local prefill on its CPUs, ``whole`` the sender's on
+    the whole machine."""
     gold = list(example.answers)
     ttft = report.get("ttft_s")
-    out = {
+    return {
         "inputs": {**asdict(cfg), "question": example.question, "gold_answers": gold,
                    "needle_kind": example.meta.get("kind"), "depth": example.meta.get("depth")},
+        "cpus": cpus.to_json(),
         "recovered_utility": report.get("recovered_utility"),
         "precision_utility": report.get("precision_utility"),
         "ttft_s": ttft,
         "local_prefill_ttft_s": local["ttft_s"],
         "local_prefill_runs_s": local["runs_s"],
-        "load_average_1m": local["load_average_1m"],  # before and after the local prefill (shared cores)
+        "load_average_1m": local["load_average_1m"],  # before and after the receiver's local prefill
+        "local_prefill_whole_machine_ttft_s": whole["ttft_s"],
+        "local_prefill_whole_machine_runs_s": whole["runs_s"],
         "ttft_vs_local": round(ttft / local["ttft_s"], 4) if ttft else None,
+        # where each was timed, as the timing thread saw it: its CPUs and torch threads
+        "local_prefill_measured_on": {
+            "receiver": {k: local.get(k) for k in ("cpus", "torch_threads")},
+            "whole_machine": {k: whole.get(k) for k in ("cpus", "torch_threads")}},
         "start": report.get("start"),
         "precision": report.get("precision"),
         "precision_mix": report.get("precision_mix"),
@@ -178,9 +222,7 @@ async def _sender_side(cfg: DemoConfig, receiver: Child, started: float) -> dict
         "repair_sent": report.get("repair_sent"),
         "diagnostics": _diagnostics(cfg, report),
         "report": report,
-        "_relay": relay,
     }
-    return out
 
 
 def _diagnostics(cfg: DemoConfig, report: dict[str, Any]) -> dict[str, Any]:
@@ -231,6 +273,11 @@ def _num(value: object, fmt: str) -> str:
     return "-" if not isinstance(value, int | float) else format(value, fmt)
 
 
+def _format_cpus(cpus: dict[str, Any]) -> str:
+    where = f"receiver on CPUs {cpus.get('receiver')}, sender and relay on {cpus.get('sender')}"
+    return f"nodes: {where}" if cpus.get("pinned") else f"nodes: not pinned ({cpus.get('why')})"
+
+
 def format_demo(result: dict[str, Any]) -> str:
     inp = result["inputs"]
     lines = [
@@ -251,7 +298,10 @@ def format_demo(result: dict[str, Any]) -> str:
         f"{_num(result.get('predicted_local_ttft_s'), '.3f')} s; meeting point planned "
         f"{result.get('meeting_token_planned')}, computed here {result.get('computed_tokens')} tokens",
         f"TTFT {_num(result.get('ttft_s'), '.3f')} s (started at the {result.get('start')}) vs local prefill "
-        f"{_num(result.get('local_prefill_ttft_s'), '.3f')} s: {_num(result.get('ttft_vs_local'), '.2f')}x",
+        f"on the receiver's CPUs {_num(result.get('local_prefill_ttft_s'), '.3f')} s: "
+        f"{_num(result.get('ttft_vs_local'), '.2f')}x (local prefill on the whole machine, in the sender: "
+        f"{_num(result.get('local_prefill_whole_machine_ttft_s'), '.3f')} s)",
+        _format_cpus(result.get("cpus") or {}),
     ]
     sim = result.get("sim")
     if sim and "recovered_utility_mean" in sim:

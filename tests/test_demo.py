@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -32,7 +34,7 @@ def test_demo_json_with_the_default_model() -> None:
     out = json.loads(res.stdout)
     for key in ("recovered_utility", "ttft_s", "deadline_s", "answer", "full_kv_answer", "source_sent",
                 "repair_sent", "bytes_sent", "native_bytes", "precision_mix", "planner_choice",
-                "local_prefill_ttft_s"):
+                "local_prefill_ttft_s", "local_prefill_whole_machine_ttft_s", "cpus", "ttft_vs_local"):
         assert key in out, key
     report = out["report"]
     assert report["outcome"] == "done", report
@@ -48,7 +50,28 @@ def test_demo_json_with_the_default_model() -> None:
     if out["precision"] != "native":
         assert out["stream_bytes"] < out["native_bytes"], out
     assert out["local_prefill_ttft_s"] > 0 and len(out["local_prefill_runs_s"]) == 2, out
+    assert out["local_prefill_whole_machine_ttft_s"] > 0, out
+    assert len(out["local_prefill_whole_machine_runs_s"]) == 2, out
+    assert out["ttft_vs_local"] == round(out["ttft_s"] / out["local_prefill_ttft_s"], 4), out
+    # the receiver timed its local prefill on its own CPUs; the sender, with them restored, on all of them
+    where = out["local_prefill_measured_on"]
+    _check_cpus(out["cpus"], where["receiver"])
+    every = sorted(os.sched_getaffinity(0))
+    assert where["whole_machine"] == {"cpus": every, "torch_threads": len(every)}, where
     assert report["deadline_late_ms"] < 100, report
+
+
+def _check_cpus(cpus: dict[str, Any], timed_on: dict[str, Any]) -> None:
+    """The nodes' CPU sets as stated (disjoint where 2+ CPUs exist) and where local prefill was timed."""
+    every = sorted(os.sched_getaffinity(0))
+    if len(every) < 2:
+        assert cpus["pinned"] is False and cpus["why"], cpus
+        assert timed_on["cpus"] == every, timed_on
+        return
+    assert cpus["pinned"] is True and cpus["relay"] == cpus["sender"], cpus
+    assert not set(cpus["receiver"]) & set(cpus["sender"]), cpus
+    assert sorted(cpus["receiver"] + cpus["sender"]) == every, cpus
+    assert timed_on == {"cpus": cpus["receiver"], "torch_threads": len(cpus["receiver"])}, timed_on
 
 
 def test_demo_rejects_a_bad_value_with_exit_2() -> None:
