@@ -51,7 +51,7 @@ from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput
 
-__all__ = ["DemoConfig", "format_demo", "local_prefill_ttft", "run_demo", "start_receiver"]
+__all__ = ["DemoConfig", "format_demo", "run_demo", "start_receiver"]
 
 
 def _log(message: str) -> None:

@@ -95,6 +95,7 @@ def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Pa
     assert auto["bytes_sent"] < native["bytes_sent"], (auto, native)  # int8/int4 travels fewer bytes
     assert split["computed_tokens"] >= split["meeting_token_planned"], split
     assert out["local"]["200"]["ttft_s"] > 0 and out["local"]["200"]["context_tokens"] >= 200
+    _check_cpus(out["cpus"], {k: out["local"]["200"][k] for k in ("cpus", "torch_threads")})
     assert set(out["crossovers"]["200"]) == {label for label, _, _ in MODES}
     for name in ("breakeven.json", "breakeven.md", "breakeven.png"):
         assert (tmp_path / name).stat().st_size > 0, name

@@ -5,7 +5,8 @@ through the daemons over the loopback link emulator, as `pfec demo` runs one: a 
 the UDP relay process (rate, delay) and the sender daemon in this process. Three modes per cell: a
 handoff at the model's native precision, a handoff at the planner's precision mix (``--precision auto``:
 the int8/int4 floor) and a split (the receiver prefills the front while the back streams). Local prefill
-of the same prompt (the receiver's alternative) is timed on the same model in the same run.
+of the same prompt (the receiver's alternative) is timed by the receiver's process, with its loaded model
+on its own CPUs, between the handoffs of the same run.
 
 The link is loss-free and the deadline loose (a minute, the nodes' limit), so a handoff's TTFT is when
 everything planned has arrived or been computed (the receiver starts when ready): the question here is
@@ -13,8 +14,10 @@ bytes against compute, not loss (the evaluation's precision stage covers loss). 
 the sender's planner predicted for that mode and which mode it would have chosen, so the chart overlays
 the choice.
 
-Caveat, stated in the output: both nodes and the emulator share this machine's cores, so a split's
-receiver prefill competes with the relay and the decoder for CPU, which two edge servers would not.
+Two nodes on one machine: the receiver runs on its own CPU set, this process (the sender) and the relays
+on the other (``processes.node_cpu_sets``; ``cpus`` in the output). Caveat, stated in the output: the two
+sets still share the machine's memory bandwidth and caches; where fewer than 2 CPUs can be used, nothing
+is pinned and a split's receiver prefill competes with the relay and the sender for CPU.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from pfec.common.plan.breakeven import (
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.lab.bench.breakeven_report import plot_measured
-from pfec.lab.demo import local_prefill_ttft, start_receiver
+from pfec.lab.demo import start_receiver
 from pfec.lab.kv.workloads import needle_qa
-from pfec.lab.processes import LOOPBACK_PSK, Child
+from pfec.lab.processes import LOOPBACK_PSK, Child, NodeCpus, node_cpu_sets, pinned
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, prompt_ids
@@ -94,10 +97,12 @@ def _log(message: str) -> None:
 def run_breakeven_bench(cfg: BreakevenConfig, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """Measure every (length, rate, mode) cell and local prefill per length; the JSON-ready result."""
     started = time.perf_counter()
-    receiver = start_receiver(cfg.model, log)
+    cpus = node_cpu_sets()
+    receiver = start_receiver(cfg.model, log, cpus.pin("receiver"))
     relays: dict[float, Child] = {}
     try:
-        result = run_event_loop(_measure(cfg, receiver, relays, log))
+        with pinned(cpus.pin("sender")):
+            result = run_event_loop(_measure(cfg, receiver, relays, cpus, log))
     finally:
         receiver_stats = receiver.stop()
         link = {f"{rate:g}": relay.stop() for rate, relay in relays.items()}
@@ -108,7 +113,7 @@ def run_breakeven_bench(cfg: BreakevenConfig, log: Callable[[str], None] = _log)
     return result
 
 
-async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Child],
+async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Child], cpus: NodeCpus,
                    log: Callable[[str], None]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     warm_up()
@@ -117,8 +122,8 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
         raise ValueError(f"model {cfg.model!r}: the break-even bench needs a real model")
     rx_addr = tuple(await loop.run_in_executor(None, receiver.wait_ready))
     for rate in cfg.rates_mbps:
-        relays[rate] = Child("relay", forward_to=rx_addr, rate_bps=rate * 1e6, owd_s=cfg.rtt_ms / 2000,
-                             loss="none", seed=cfg.seed)
+        relays[rate] = Child("relay", cpus=cpus.pin("relay"), forward_to=rx_addr, rate_bps=rate * 1e6,
+                             owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
@@ -134,8 +139,9 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                        "split", "auto")
         for n in cfg.lengths:
             inputs = prompts[n]
-            log(f"{n} tokens: timing local prefill ({cfg.local_runs} run(s)) ...")
-            local[str(n)] = await loop.run_in_executor(None, _local, runtime, inputs, cfg.local_runs)
+            log(f"{n} tokens: timing local prefill on the receiver's CPUs ({cfg.local_runs} run(s)) ...")
+            local[str(n)] = await loop.run_in_executor(None, _local, receiver, runtime, inputs,
+                                                       cfg.local_runs)
             for rate in cfg.rates_mbps:
                 for label, mode, precision in MODES:
                     report = await _handoff(daemon, inputs, addresses[rate], rate, mode, precision)
@@ -149,9 +155,16 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                         f"({time.strftime('%H:%M:%S')})")
     finally:
         await daemon.close()
-    return {"config": asdict(cfg), "deadline_ms": LOOSE_DEADLINE_MS, "local": local, "runs": runs,
-            "caveat": "both nodes and the link emulator share this machine's cores: a split's receiver "
-                      "prefill competes with the relay and the decoder for CPU"}
+    return {"config": asdict(cfg), "deadline_ms": LOOSE_DEADLINE_MS, "cpus": cpus.to_json(), "local": local,
+            "runs": runs, "caveat": _caveat(cpus)}
+
+
+def _caveat(cpus: NodeCpus) -> str:
+    if cpus.pinned:
+        return (f"both nodes share this machine: the receiver runs on CPUs {list(cpus.receiver)}, the sender "
+                f"and the link emulator on {list(cpus.sender)}; they still share memory bandwidth and caches")
+    return (f"not pinned ({cpus.why}): both nodes and the link emulator share this machine's cores, so a "
+            "split's receiver prefill competes with the relay and the sender for CPU")
 
 
 def _prompt(runtime: llm.ModelRuntime, n_tokens: int, seed: int) -> ContextInput:
@@ -167,10 +180,11 @@ def _prompt(runtime: llm.ModelRuntime, n_tokens: int, seed: int) -> ContextInput
     return inputs
 
 
-def _local(runtime: llm.ModelRuntime, inputs: ContextInput, runs: int) -> dict[str, Any]:
-    """Local prefill's TTFT (``demo.local_prefill_ttft``) and the prompt's length in tokens."""
+def _local(receiver: Child, runtime: llm.ModelRuntime, inputs: ContextInput, runs: int) -> dict[str, Any]:
+    """Local prefill's TTFT, timed by the receiver on its CPUs (``processes.local_prefill_ttft``), and the
+    prompt's length in tokens."""
     context_ids, question_ids = prompt_ids(runtime, inputs)
-    return {**local_prefill_ttft(runtime, inputs, runs), "context_tokens": len(context_ids),
+    return {**receiver.local_prefill(inputs, runs), "context_tokens": len(context_ids),
             "question_tokens": len(question_ids)}
 
 
@@ -259,8 +273,8 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, Python {m.get('python', '?')}. Model "
         f"{cfg['model']}; loss-free emulated link, RTT {cfg['rtt_ms']:g} ms, deadline "
         f"{result['deadline_ms'] / 1000:g} s, the nodes' limit (TTFT is when everything planned arrived or "
-        "was computed, except where marked (deadline)). One handoff per cell; local "
-        f"prefill is the fastest of {cfg['local_runs']} run(s) on the same model in the same run. "
+        "was computed, except where marked (deadline)). One handoff per cell; local prefill is the "
+        f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. "
         f"Caveat: {result['caveat']}. Wall time {result['wall_s']:.0f} s.",
         "",
         f"![measured TTFT by context length and link rate]({figure})",
@@ -282,7 +296,8 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
         lines.append(f"| {n} | {rate:g} | {result['local'][str(n)]['ttft_s']:.2f} | {' | '.join(cells)} "
                      f"| {achieved if achieved is not None else '-'} | {choice} | {predicted} |")
     lines += ["", "The native handoff's link Mbit/s is its bytes over its TTFT: where it falls far below the "
-              "rate, this machine's CPUs (receiver, relay and sender on two cores), not the link, bound it. "
+              "rate, this machine's CPUs (the receiver's set, or the sender's and relay's), not the link, "
+              "bound it. "
               "(deadline): the receiver started at the deadline, not ready: datagrams were lost where the "
               "receive path could not keep up (socket buffers), more than the repair budget recovered.",
               "", "Measured crossovers: the shortest context from which the mode beat local prefill at that "
