@@ -51,7 +51,7 @@ from pfec.lab.emulator.netns import (
     teardown_namespaces,
 )
 from pfec.lab.emulator.relay import UdpRelay
-from pfec.lab.processes import Child
+from pfec.lab.processes import Child, node_cpu_sets, pinned
 from pfec.lab.sim.channel import Bernoulli
 from pfec.receiver.control import session_views
 from pfec.receiver.daemon import ReceiverDaemon
@@ -197,8 +197,10 @@ def test_pacing_holds_the_link_rate() -> None:
 
 
 def test_receiver_killed_mid_stream_sender_reports_and_recovers() -> None:
+    """The receiver node in a child process on its own CPUs (2+ CPUs), the sender here on the others."""
     identity = synthetic_identity(SMALL)
-    child = Child("receiver", model="synthetic", psk=PSK, geometry=SMALL)
+    cpus = node_cpu_sets()
+    child = Child("receiver", cpus=cpus.pin("receiver"), model="synthetic", psk=PSK, geometry=SMALL)
 
     async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         address = tuple(await asyncio.get_running_loop().run_in_executor(None, child.wait_ready))
@@ -221,7 +223,8 @@ def test_receiver_killed_mid_stream_sender_reports_and_recovers() -> None:
         return failed, ok, health
 
     try:
-        failed, ok, health = run(main())
+        with pinned(cpus.pin("sender")):
+            failed, ok, health = run(main())
     finally:
         child.kill()
     assert failed["outcome"] == "failed", failed
