@@ -28,7 +28,14 @@ from pfec.common.plan.deadline import (
     repair_fraction,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, PLANNER_MODES, check_mix, choose_mix, choose_mode
+from pfec.common.plan.stream import (
+    AUTO,
+    PLANNER_MODES,
+    check_mix,
+    choose_mix,
+    choose_mode,
+    handoff_deadline_s,
+)
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
 from pfec.lab.emulator.emulate import emulate
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss
@@ -102,15 +109,18 @@ def sim_cmd(
     meeting: int | None = None
     try:
         receiver = DEFAULT_RECEIVER if prefill_speed is None else load_receiver_model(prefill_speed)
+        rho_given = None if deadline_ms is not None else (rho or DEFAULT_RHO)
+        deadline_s = handoff_deadline_s(tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6, rtt_ms / 2000, rho_given,
+                                        deadline_ms)
         if mode == "handoff":
             precision = precision or "native"
             if precision == AUTO:
                 precision, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6,
-                                                rtt_ms / 1000, receiver)
+                                                rtt_ms / 1000, receiver, deadline_s)
             check_mix(precision)
         else:  # the simulator models no CPU contention: auto may pick any of the planner's modes
             choice = choose_mode(mode, precision or AUTO, tokens, DEFAULT_GEOMETRY, rate_mbps * 1e6,
-                                 rtt_ms / 1000, receiver, auto_modes=PLANNER_MODES)
+                                 rtt_ms / 1000, receiver, auto_modes=PLANNER_MODES, deadline_s=deadline_s)
             mode, precision, meeting = choice.mode, choice.mix or "native", choice.meeting_token
             planner = choice.view
     except ValueError as exc:

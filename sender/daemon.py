@@ -285,7 +285,8 @@ class SenderDaemon:
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
         precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, 2 * self.owd_s,
-                                     spec.handoff_mode)
+                                     spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
+                                     spec.deadline_ms)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity
-from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan
+from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, KVGeometry
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
@@ -31,6 +31,7 @@ from pfec.common.plan.stream import (
     choose_mode,
     fidelity_name_for,
     fidelity_named,
+    handoff_deadline_s,
     mix_summary,
     plan_digest,
     stream_plan,
@@ -63,6 +64,14 @@ class PrecisionRequest:
     rate_bps: float = 100e6
     rtt_s: float = 0.02
     mode: str = "handoff"  # auto, handoff (whole cache), split (compute the front, stream the back), local
+    # The handoff's deadline, as its spec gives it (rho of the native KV's serialisation, or ms): auto
+    # picks the most faithful option that starts generating by it (None: no deadline to meet).
+    rho: float | None = None
+    deadline_ms: float | None = None
+
+    def deadline_s(self, n_tokens: int, geometry: KVGeometry) -> float | None:
+        owd_s = self.rtt_s / 2
+        return handoff_deadline_s(n_tokens, geometry, self.rate_bps, owd_s, self.rho, self.deadline_ms)
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,9 @@ def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest,
              ) -> tuple[str, dict[str, Any] | None]:
     if request.precision == NATIVE:
         return NATIVE, None
-    return choose_mix(request.precision, n_tokens, identity.geometry, request.rate_bps, request.rtt_s)
+    geometry = identity.geometry
+    return choose_mix(request.precision, n_tokens, geometry, request.rate_bps, request.rtt_s,
+                      deadline_s=request.deadline_s(n_tokens, geometry))
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -188,7 +199,8 @@ def prepare_model(
     choice: ModeChoice | None = None
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
         choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
-                             request.rate_bps, request.rtt_s, block_tokens=BLOCK_TOKENS)
+                             request.rate_bps, request.rtt_s, block_tokens=BLOCK_TOKENS,
+                             deadline_s=request.deadline_s(plan.n_tokens, identity.geometry))
         if choice.mode != "handoff":
             return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,
                                   keep_cache, choice, identity)

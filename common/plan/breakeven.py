@@ -201,7 +201,14 @@ DEFAULT_PRECISION_LEVELS: Final[tuple[PrecisionLevel, ...]] = (
     PrecisionLevel("int4", 7_926 / BF16_PER_TOKEN, 0.0036, 0.976, REBUILD + 0.0037),
     PrecisionLevel("int2", 4_666 / BF16_PER_TOKEN, 0.304, 0.882, REBUILD + 0.0037),
 )
-DEFAULT_FLOOR: Final = "int8-int4"  # the issue's default fidelity floor: top-50% int8, rest int4
+# The default fidelity floor: int8. On the 32-prompt fidelity set (docs/RESULTS.md, "Precision fidelity",
+# where the whole stream arrives: rho 0.8 and 1) int8's answers equal the full-KV answer in 31 of 32
+# (96.9%); int8-int4 (top half int8, the rest int4) in 28 (87.5%), int4 in 29 (90.6%).
+DEFAULT_FLOOR: Final = "int8"
+# A stream must be predicted this share faster than local prefill to be chosen over it: the predictions
+# err by tens of percent (the default demo measured its handoff 32% slower than predicted), and local
+# prefill is exact.
+LOCAL_MARGIN: Final = 0.2
 
 
 def level_named(name: str, levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS) -> PrecisionLevel:
@@ -479,28 +486,48 @@ DEFAULT_TIE_TOLERANCE: Final = 0.02
 
 def plan_handoff(n_tokens: int, geometry: KVGeometry, link: LinkModel, receiver: ReceiverModel,
                  levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS, floor: str = DEFAULT_FLOOR,
-                 tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> Plan:
-    """Predict every option's TTFT for ``n_tokens`` and choose the fastest that keeps ``floor``.
+                 tie_tolerance: float = DEFAULT_TIE_TOLERANCE, deadline_s: float | None = None,
+                 local_margin: float = LOCAL_MARGIN, modes: Sequence[str] = MODES) -> Plan:
+    """Predict every option's TTFT for ``n_tokens`` and choose: fidelity first, then speed.
 
-    A level keeps the floor when its mean KL is at most the floor level's; local prefill is exact. Options
-    within ``tie_tolerance`` (a share) of the fastest eligible one tie; a tie goes to the simpler mode
-    (local, then handoff, then split), then to the more faithful level, then to the faster.
+    A level keeps the floor when its mean KL is at most the floor level's; local prefill is exact. A
+    stream (handoff or split) that keeps the floor is a candidate when it is predicted at least
+    ``local_margin`` faster than local prefill; none is: local. Of the candidates that start generating by
+    ``deadline_s`` (None: every candidate) the most faithful level wins, the fastest mode at that level;
+    when none fits the deadline, the fastest candidate. Options within ``tie_tolerance`` (a share) of the
+    fastest tie; a tie goes to the simpler mode (handoff, then split), then to the more faithful level.
+    Only streams of ``modes`` are candidates (every option is still predicted and reported).
     """
     _check_tokens(n_tokens)
     if not levels:
         raise ValueError("no precision levels given")
     if not (math.isfinite(tie_tolerance) and 0 <= tie_tolerance < 1):
         raise ValueError(f"tie tolerance must lie in [0, 1), got {tie_tolerance!r}")
+    if not (math.isfinite(local_margin) and 0 <= local_margin < 1):
+        raise ValueError(f"local margin must lie in [0, 1), got {local_margin!r}")
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"deadline must be a positive number of seconds, got {deadline_s!r}")
     floor_kl = level_named(floor, levels).mean_kl
     options = [local_option(int(n_tokens), link, receiver)]
     for make in (handoff_option, split_option):
         for level in levels:
             options.append(make(int(n_tokens), geometry, level, link, receiver, level.mean_kl <= floor_kl))
     fidelity = {level.name: level.mean_kl for level in levels} | {"exact": -1.0}
-    eligible = [o for o in options if o.keeps_floor]
-    fastest = min(o.ttft_s for o in eligible)
-    tied = [o for o in eligible if o.ttft_s <= fastest * (1 + tie_tolerance)]
-    choice = min(tied, key=lambda o: (MODES.index(o.mode), fidelity[o.precision], o.ttft_s))
+    local = options[0]
+    beating = [o for o in options[1:]
+               if o.keeps_floor and o.mode in modes and o.ttft_s < (1 - local_margin) * local.ttft_s]
+    fitting = [o for o in beating if deadline_s is None or o.ttft_s - receiver.decode_s <= deadline_s]
+    if fitting:  # the most faithful level that fits, then its fastest mode
+        best = min(fidelity[o.precision] for o in fitting)
+        pool = [o for o in fitting if fidelity[o.precision] == best]
+    else:
+        pool = beating or [local]
+
+    def key(o: Option) -> tuple[int, float, float]:
+        return MODES.index(o.mode), fidelity[o.precision], o.ttft_s
+
+    fastest = min(o.ttft_s for o in pool)
+    choice = min((o for o in pool if o.ttft_s <= fastest * (1 + tie_tolerance)), key=key)
     return Plan(int(n_tokens), floor, tuple(options), choice)
 
 
@@ -518,12 +545,14 @@ class Switch:
 
 def choice_switches(lengths: Sequence[int], geometry: KVGeometry, link: LinkModel, receiver: ReceiverModel,
                     levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS, floor: str = DEFAULT_FLOOR,
-                    tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> list[Switch]:
-    """Every change of the chosen option's label over increasing ``lengths``."""
+                    tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+                    local_margin: float = LOCAL_MARGIN) -> list[Switch]:
+    """Every change of the chosen option's label over increasing ``lengths`` (no deadline)."""
     switches: list[Switch] = []
     previous: str | None = None
     for n in sorted(lengths):
-        label = plan_handoff(n, geometry, link, receiver, levels, floor, tie_tolerance).choice.label
+        label = plan_handoff(n, geometry, link, receiver, levels, floor, tie_tolerance,
+                             local_margin=local_margin).choice.label
         if previous is not None and label != previous:
             switches.append(Switch(n, previous, label))
         previous = label

@@ -49,6 +49,7 @@ from pfec.common.plan.breakeven import (
     split_at,
     split_option,
 )
+from pfec.common.plan.deadline import budget_seconds, serialisation_s
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.plan.precision import (
     SCHEME,
@@ -355,23 +356,36 @@ def file_by_stream_index(plan: PiecePlan, ids: npt.NDArray[np.int64], payloads: 
 # --- Which mix ----------------------------------------------------------------------------------------------
 
 
+def handoff_deadline_s(n_tokens: int, geometry: KVGeometry, rate_bps: float, owd_s: float,
+                       rho: float | None = None, deadline_ms: float | None = None) -> float | None:
+    """The deadline D a handoff of ``n_tokens`` runs under (rho is relative to its native KV's
+    serialisation, as the daemons and the simulator count it); None when neither is given."""
+    if rho is None and deadline_ms is None:
+        return None
+    t_ser = serialisation_s(n_tokens * geometry.bytes_per_token, rate_bps)
+    return budget_seconds(t_ser, owd_s, rho, deadline_ms)
+
+
 def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
-               receiver: ReceiverModel | None = None) -> tuple[str, dict[str, Any]]:
+               receiver: ReceiverModel | None = None, deadline_s: float | None = None,
+               ) -> tuple[str, dict[str, Any]]:
     """(the mix to send, the planner's view) for ``requested`` (``auto`` or a mix).
 
-    ``auto`` takes the planner's choice (``breakeven.plan_handoff``: this handoff's tokens, the link's rate
-    and RTT, the receiver's prefill curve, by default the stored curve of the default model). The nodes
-    can only stream the whole cache today, so a ``local`` or ``split`` choice sends the fastest whole-cache
-    option that keeps the fidelity floor instead; the planner's own choice is reported next to it.
+    ``auto`` takes the planner's choice (``breakeven.plan_handoff``: fidelity first, then speed, for this
+    handoff's tokens and ``deadline_s``, the link's rate and RTT, the receiver's prefill curve, by default
+    the stored curve of the default model). A whole-cache stream at the level a ``split`` choice streams
+    its back; after a ``local`` choice, the fastest whole-cache option that keeps the fidelity floor. The
+    planner's own choice is reported next to it.
     """
     if requested != AUTO:
         check_mix(requested)
     recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
-    plan = plan_handoff(n_tokens, geometry, LinkModel(rate_bps, rtt_s), recv)
+    plan = plan_handoff(n_tokens, geometry, LinkModel(rate_bps, rtt_s), recv, deadline_s=deadline_s,
+                        modes=("local", "handoff"))
     handoffs = [o for o in plan.options if o.mode == "handoff"]
     if requested != AUTO:
         mix = requested
-    elif plan.choice.mode == "handoff":
+    elif plan.choice.mode != "local":
         mix = plan.choice.precision
     else:
         mix = min((o for o in handoffs if o.keeps_floor), key=lambda o: o.ttft_s).precision
@@ -388,14 +402,11 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
 
 HANDOFF_MODES: Final = (AUTO, "handoff", "split", "local")
 PLANNER_MODES: Final = ("handoff", "split", "local")
-#: The modes ``auto`` may pick (the fastest of them by the planner's prediction when its choice is another).
-#: Handoff and local: `pfec bench breakeven` (docs/benchmarks/breakeven.md) measured both where the planner
-#: predicts them (local prefill 1.5 s against 3.2 s for the int8-int4 handoff of 512 tokens at 20 Mbit/s;
-#: the handoff ahead from 100 Mbit/s on). Not split, though it works end to end (``--mode split``: same
-#: answer as the full cache): with sender, link emulator and receiver sharing two cores (the receiver's
-#: front prefill also shares its process with its event loop), the split measured slower than the
-#: whole-cache handoff at 100 Mbit/s and above and no faster than local prefill at 20 Mbit/s, where the
-#: planner, which models no CPU contention, predicts it fastest. Add it once measured on separate machines.
+#: The modes ``auto`` may pick (the planner's choice among them: fidelity first, then speed). Not split
+#: yet: it was measured 1.6-2.4x slower than predicted while sender, emulator and receiver shared two
+#: cores; the demo and `pfec bench breakeven` now give each node its own CPUs, but the planner still
+#: predicts the receiver's front from a stored prefill curve (the whole 2-core machine's), not from the
+#: receiver's own measured speed, so its meeting point is wrong for a one-core receiver.
 AUTO_MODES: Final = ("handoff", "local")
 
 
@@ -419,7 +430,7 @@ def aligned_meeting_token(m: float, n_tokens: int, block_tokens: int) -> int:
 
 def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
                 receiver: ReceiverModel | None = None, block_tokens: int = 16,
-                auto_modes: tuple[str, ...] = AUTO_MODES) -> ModeChoice:
+                auto_modes: tuple[str, ...] = AUTO_MODES, deadline_s: float | None = None) -> ModeChoice:
     """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
     or a mix), from the break-even planner (this handoff's tokens, the link's rate and RTT, the receiver's
     prefill curve, by default the stored curve of the default model). ValueError for an unknown mode or
@@ -430,7 +441,8 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
         check_mix(precision)
     recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
     link = LinkModel(rate_bps, rtt_s)
-    plan = plan_handoff(n_tokens, geometry, link, recv)
+    modes = ("local", *auto_modes) if mode == AUTO else ("local", mode)
+    plan = plan_handoff(n_tokens, geometry, link, recv, deadline_s=deadline_s, modes=modes)
     used_mode = mode
     keeping = [o for o in plan.options if o.keeps_floor]
     if mode == AUTO:
@@ -447,7 +459,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
     elif used_mode == "handoff":
         if precision != AUTO:
             mix = precision
-        elif plan.choice.mode == "handoff":
+        elif plan.choice.mode != "local":  # the level the planner chose (fidelity first)
             mix = plan.choice.precision
         else:
             mix = min((o for o in keeping if o.mode == "handoff"), key=lambda o: o.ttft_s).precision
@@ -457,7 +469,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
             raise ValueError("a split streams a quantised back: choose a precision other than native")
         if precision != AUTO:
             mix = precision
-        elif plan.choice.mode == "split":
+        elif plan.choice.mode != "local":
             mix = plan.choice.precision
         else:
             mix = min((o for o in keeping if o.mode == "split"), key=lambda o: o.ttft_s).precision

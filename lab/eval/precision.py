@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from pfec.common.model import llm
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
 from pfec.common.plan.precision import Level, PiecePlan
-from pfec.common.plan.stream import choose_mix, choose_mode
+from pfec.common.plan.stream import choose_mix, choose_mode, handoff_deadline_s
 from pfec.common.plan.utility import UtilityProfile
 from pfec.lab.eval.config import (
     NAMED_CONFIGS,
@@ -76,14 +76,18 @@ class Variant:
     meeting_token: int | None = None
 
 
-def resolve_variant(name: str, n_tokens: int, runtime: llm.ModelRuntime, cfg: EvalConfig) -> Variant:
-    """``auto`` and ``split`` from the break-even planner for this context and link; a mix as itself."""
+def resolve_variant(name: str, n_tokens: int, runtime: llm.ModelRuntime, cfg: EvalConfig,
+                    rho: float | None = None) -> Variant:
+    """``auto`` and ``split`` from the break-even planner for this context, link and deadline (``rho``:
+    fidelity first, the most faithful option that starts by it); a mix as itself."""
     rate_bps, rtt_s = cfg.rate_mbps * 1e6, cfg.rtt_ms / 1000
+    deadline_s = handoff_deadline_s(n_tokens, runtime.geometry, rate_bps, rtt_s / 2, rho)
     if name == "auto":
-        mix, _view = choose_mix("auto", n_tokens, runtime.geometry, rate_bps, rtt_s)
+        mix, _view = choose_mix("auto", n_tokens, runtime.geometry, rate_bps, rtt_s, deadline_s=deadline_s)
         return Variant(name, mix)
     if name == "split":
-        choice = choose_mode("split", "auto", n_tokens, runtime.geometry, rate_bps, rtt_s)
+        choice = choose_mode("split", "auto", n_tokens, runtime.geometry, rate_bps, rtt_s,
+                             deadline_s=deadline_s)
         assert choice.mix is not None and choice.meeting_token is not None
         return Variant(name, choice.mix, "split", choice.meeting_token)
     if name not in PRECISION_VARIANTS:
@@ -166,9 +170,12 @@ def _prompt_rows(job: _Job, item: tuple[int, QAExample]) -> _PromptDone:
     rows: list[dict[str, Any]] = []
     chosen: dict[str, tuple[str, str, int | None]] = {}
     for name in variants:
-        variant = resolve_variant(name, len(context_ids), runtime, cfg)
-        chosen[name] = (variant.mix, variant.mode, variant.meeting_token)
+        mixes: list[str] = []  # auto and split may choose per rho
         for rho in rhos:
+            variant = resolve_variant(name, len(context_ids), runtime, cfg, rho)
+            if variant.mix not in mixes:
+                mixes.append(variant.mix)
+            chosen[name] = ("/".join(mixes), variant.mode, variant.meeting_token)
             same = (replace(variant, name=""), rho)
             if same not in runs:
                 with timer("simulate"):

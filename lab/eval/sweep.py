@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, NATIVE, choose_mix
+from pfec.common.plan.stream import AUTO, NATIVE, choose_mix, handoff_deadline_s
 from pfec.common.plan.utility import UtilityProfile
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.baselines.reliable import run_reliable
@@ -243,7 +243,10 @@ def grid_cells(cfg: EvalConfig) -> list[dict[str, Any]]:
     for tokens in sorted(cfg.grid_tokens, reverse=True):
         for rtt in cfg.grid_rtts_ms:
             for rho in cfg.grid_rhos:
-                mix, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, cfg.rate_mbps * 1e6, rtt / 1000)
+                rate_bps = cfg.rate_mbps * 1e6
+                deadline_s = handoff_deadline_s(tokens, DEFAULT_GEOMETRY, rate_bps, rtt / 2000, rho)
+                mix, planner = choose_mix(AUTO, tokens, DEFAULT_GEOMETRY, rate_bps, rtt / 1000,
+                                          deadline_s=deadline_s)
                 cells.append({"rtt_ms": rtt, "tokens": tokens, "rho": rho, "auto_precision": mix,
                               "planner": planner})  # fmt: skip
     return cells
