@@ -18,7 +18,7 @@ from pfec.common.sched.policies import SCHEMES, get_scheme
 from pfec.lab.baselines.reliable import RELIABLE_SCHEMES
 from pfec.lab.sim.arq import ARQ_SCHEMES
 from pfec.lab.sim.channel import LossModel, parse_loss_spec
-from pfec.lab.sim.simulate import REFERENCE_SCHEMES, SimConfig
+from pfec.lab.sim.simulate import REFERENCE_SCHEMES, SimConfig, whole_deadline_base
 
 __all__ = [
     "SMALL",
@@ -57,6 +57,9 @@ ALL_SCHEMES = (
     "oracle",
     "priority-tcp",
     "priority-quic",
+    # The daemons' repair rule beside the paper's: the whole deadline as the repair budget (the sweep only).
+    "heuristic@deadline",
+    "priorityfec@deadline",
 )
 RELIABLE = tuple(RELIABLE_SCHEMES)  # real transport runs (lab/baselines/), not slot-simulator schemes
 CONGESTION_CONTROLS = ("cubic", "bbr")  # kernel TCP's, one row each (lab/baselines/reliable.py)
@@ -70,7 +73,8 @@ GRID_AUTO = "priorityfec@auto"  # the grid's extra row: priorityfec with --preci
 TASK_SCHEMES = ("udp", "priority", "heuristic", "priorityfec")
 ABLATION_SCHEMES = ("priority", "rl-fec", "priority-fixed", "priorityfec")
 ABLATION_RHOS = (0.8, 1.0)
-FALLBACK = {"priorityfec": "heuristic"}  # stands in (and says so) while the DDQN is absent
+# Stands in (and says so) while the DDQN is absent.
+FALLBACK = {"priorityfec": "heuristic", "priorityfec@deadline": "heuristic@deadline"}
 MODES = ("mask", "zero")
 RESULTS_BEGIN = "<!-- BEGIN pfec eval (generated: rerun `pfec eval` to replace this part) -->"
 RESULTS_END = "<!-- END pfec eval -->"
@@ -162,7 +166,7 @@ class EvalConfig:
                     *self.precision_rhos):
             if not rho > 0:
                 raise ValueError(f"rho {rho!r} must be positive (e.g. --rhos 0.6,0.8,1.0,1.2)")
-        known = {*ALL_SCHEMES, *SCHEMES, *REFERENCE_SCHEMES}
+        known = {*ALL_SCHEMES, *SCHEMES, *REFERENCE_SCHEMES, *(f"{s}@deadline" for s in SCHEMES)}
         unknown = [s for s in (*self.schemes, *self.task_schemes, *self.grid_schemes) if s not in known]
         if unknown:
             raise ValueError(f"unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(ALL_SCHEMES)}")
@@ -260,11 +264,12 @@ def scheme_status(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         if name in REFERENCE_SCHEMES or name in RELIABLE or name in ARQ_SCHEMES:
             available.append(name)
             continue
-        if name not in SCHEMES:
+        base = whole_deadline_base(name) or name  # <scheme>@deadline needs what its scheme needs
+        if base not in SCHEMES:
             missing[name] = "not registered in common/sched/policies.py SCHEMES"
             continue
         try:
-            get_scheme(name).make_policy()
+            get_scheme(base).make_policy()
         except Exception as exc:  # e.g. a DDQN whose weights are not trained yet
             missing[name] = f"cannot build its policy: {exc}"
             continue
@@ -277,7 +282,9 @@ def stand_in(name: str, available: Sequence[str]) -> str | None:
     if name in available:
         return name
     fallback = FALLBACK.get(name)
-    return fallback if fallback in SCHEMES else None
+    if fallback is None or (whole_deadline_base(fallback) or fallback) not in SCHEMES:
+        return None
+    return fallback
 
 
 def scheme_definitions(names: Sequence[str], congestion: Sequence[str] = CONGESTION_CONTROLS,
@@ -302,6 +309,11 @@ def scheme_definitions(names: Sequence[str], congestion: Sequence[str] = CONGEST
         elif name == "oracle":
             out.append({"scheme": name, "role": "bound", "paper_baseline": False,
                         "definition": REFERENCE_SCHEMES["oracle"]})  # fmt: skip
+        elif (base := whole_deadline_base(name)) is not None:
+            out.append({"scheme": name, "role": "ours (the daemons' repair rule)", "paper_baseline": False,
+                        "definition": f"{SCHEMES[base].description}; repair budget: the whole deadline "
+                        "(repairs while the receiver lacks symbols and one can still arrive; idle slots "
+                        "carry them), not the cell's fixed fraction"})  # fmt: skip
         elif name in SCHEMES:
             role = ("paper baseline" if name in PAPER_SESSION_BASELINES
                     else "paper ablation variant" if name in PAPER_ABLATION_VARIANTS
