@@ -260,6 +260,7 @@ async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = 
     runtime, identity = load_runtime(model, synthetic_geometry=geometry)
     daemon = ReceiverDaemon(identity, psk, runtime=runtime)
     await daemon.start(host, 0)
+    await daemon.measure_prefill_speed()  # before "ready": its ACCEPTs state it, no handoff competes
     cpu0, thread0 = time.process_time(), time.thread_time()
 
     def stats() -> dict[str, Any]:

@@ -40,6 +40,7 @@ from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExpo
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker
+from pfec.common.plan.breakeven import stated_fields
 from pfec.common.plan.handoff import ModelIdentity
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
@@ -51,6 +52,7 @@ from pfec.receiver.session import ReceiverConfig
 
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
+    from pfec.common.model.speed import PrefillSpeed
 
 log = logging.getLogger("pfec.receiver")
 # The sessions' clock: the loop's monotonic clock at full resolution (uvloop's loop.time() has the same
@@ -61,6 +63,7 @@ READ_BATCH = 32  # recvmsg calls per readable event before timers get their turn
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
 _RECV_SIZE = 65535
 REAP_EVERY_S = 0.5  # the reaper's sweep period (sessions past their deadline plus grace)
+SPEED_STALE_S = 600.0  # a stated prefill speed older than this is measured again, once no session runs
 _JUNK = 256  # slot of the receive counters for junk (unparseable or unauthentic datagrams)
 _RX_LABELS = (*MSG_TYPE_LABELS.items(), (_JUNK, "junk"))
 
@@ -120,6 +123,9 @@ class ReceiverDaemon:
             service=self._service,
         )
         self._reaper: asyncio.TimerHandle | None = None
+        self.prefill_speed: PrefillSpeed | None = None  # what its ACCEPTs state (measure_prefill_speed)
+        self.speed_measured_at: float | None = None
+        self._measuring: asyncio.Task[PrefillSpeed | None] | None = None
         self._live_seen: tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,13 +303,46 @@ class ReceiverDaemon:
         return admit(offer, self.limits, self._max_plan, self.max_tokens)
 
     def _reap(self) -> None:
-        """Every ``REAP_EVERY_S``: end the sessions past their deadline plus grace (``Handoffs.reap``)."""
+        """Every ``REAP_EVERY_S``: end the sessions past their deadline plus grace (``Handoffs.reap``), and
+        measure the prefill speed again when the stated one is stale and no session runs."""
         loop = self._loop
         assert loop is not None
         self._reaper = loop.call_later(REAP_EVERY_S, self._reap)
         now = clock()
         if self.handoffs.reap(now, REAP_EVERY_S):
             self._service(now)
+        stale = self.speed_measured_at is not None and now - self.speed_measured_at > SPEED_STALE_S
+        if stale and self._measuring is None and not self.endpoint.sessions:
+            self._measuring = loop.create_task(self.measure_prefill_speed())
+
+    # ------------------------------------------------------------------ the prefill speed its ACCEPTs state
+    async def measure_prefill_speed(self) -> PrefillSpeed | None:
+        """Time this node's prefill (in the model worker: after the jobs queued, never inside one) and
+        state it in every ACCEPT from now on (``breakeven.stated_fields``); None without a model."""
+        runtime = self.runtime
+        if runtime is None:
+            return None
+        from pfec.common.model.runtime import usable_cpus
+        from pfec.common.model.speed import DEFAULT_LENGTHS, measure_prefill_speed  # deferred: torch
+
+        try:
+            # The lengths the model's context holds; torch keeps its thread count per thread: the
+            # worker's set to this node's CPUs.
+            cap = runtime.max_context // 2
+            lengths = [n for n in DEFAULT_LENGTHS if n <= cap]
+            if len(lengths) < 2:
+                lengths = [cap // 4, cap // 2, cap]
+            speed = await self.worker.submit(measure_prefill_speed, runtime, lengths, usable_cpus(),
+                                             force=True)
+        except ValueError:  # the model's context is shorter than the lengths timed
+            return None
+        finally:
+            self._measuring = None
+        self.endpoint.prefill_statement = stated_fields(speed.curve, speed.decode_s)
+        self.prefill_speed = speed
+        self.speed_measured_at = clock()
+        self.metrics.prefill_speed(speed.tokens_per_second())
+        return speed
 
     # ------------------------------------------------------------------ control API (receiver/control.py)
     @property

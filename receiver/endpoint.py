@@ -182,6 +182,9 @@ class ReceiverEndpoint:
         self.sessions: dict[int, ReceiverSession] = {}
         self.drops: dict[str, int] = {}
         self.bytes_received = 0  # every datagram given to receive_datagram
+        # This node's prefill speed as its ACCEPTs state it (the ACCEPT's units: a us, b ns/token,
+        # c ps/token^2, decode us; all 0: not stated). The daemon sets it from its measurements.
+        self.prefill_statement: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._handshakes: OrderedDict[int, _Pending] = OrderedDict()  # by creation, so by expiry
         self._early: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()  # before any OFFER
         self._closed: OrderedDict[int, None] = OrderedDict()
@@ -355,7 +358,7 @@ class ReceiverEndpoint:
         span = grant_span(offer, cfg)
         session_cfg = cfg if span == cfg.decoder_span else replace(cfg, decoder_span=span)
         r_r = self.random_bytes(RANDOM_SIZE)
-        accept = Accept(decoder_span(offer, session_cfg), offer.n_source, r_r)
+        accept = Accept(decoder_span(offer, session_cfg), offer.n_source, r_r, *self.prefill_statement)
         reply = seal_handshake(self.keyring, Role.RECEIVER, accept, sid, 1, self.random_bytes(NONCE_SIZE),
                                offer.sender_random)
         pending = _Pending(offer, header.packet_number, session_cfg, now, now + cfg.handshake_timeout_s, r_r,

@@ -41,4 +41,5 @@ async def serve(config: ReceiverDaemonConfig, psk: bytes, token: str | None = No
             ready(daemon)
 
     await measure_node_speed(runtime, daemon.metrics)  # pfec_prefill_tokens_per_second, short lengths
+    await daemon.measure_prefill_speed()  # the curve its ACCEPTs state (the sender's planner uses it)
     await run_node(daemon, receiver_routes(daemon), config, token, announce, stop)

@@ -45,6 +45,7 @@ from pfec.sender.handoffs import (
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
+from pfec.sender.peers import PeerMemory, PeerNumbers
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
 from pfec.sender.transport.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
@@ -130,6 +131,7 @@ class SenderDaemon:
         self.sndbuf = sndbuf
         self.result_wait_s = result_wait_s
         self.path_loss = PathLossPriors(loss_prior)  # loss priors of the receivers handed off to before
+        self.peers = PeerMemory()  # their stated prefill speeds and measured RTTs, for the planner
         self.metrics = metrics or SenderMetrics(process_metrics=False)
         self.handoffs: dict[str, Handoff] = {}
         self.default_profile = default_profile_name(identity)
@@ -242,11 +244,12 @@ class SenderDaemon:
         profile = spec.profile or self.default_profile
         self._check_bounds(spec)
         destination = await self.destination(spec)
-        prepared = await self._prepare(handoff, scheme, profile)
+        prepared = await self._prepare(handoff, scheme, profile, destination.address)
         handoff.prepared = prepared
         transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
         await self._stream(handoff, transfer, destination)
         self.path_loss.record(destination.address, *transfer.session.measured_loss)
+        self.peers.record(destination.address, handoff.stated_receiver, transfer.session.view.rtt_estimate)
         utility = self._report_transfer(handoff, transfer, prepared)
         if spec.full_kv_answer and self.runtime is not None and prepared.cache is not None:
             handoff.report["full_kv_answer"] = await self.worker.submit(
@@ -265,14 +268,20 @@ class SenderDaemon:
             raise ValueError(f"deadline_ms: {spec.deadline_ms:g} is outside (0, {limits.max_budget_ms:g}] "
                              "(limits.max_budget_ms)")
 
-    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str) -> Prepared:
+    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str, address: str) -> Prepared:
         """Prefill the context (or draw synthetic KV) in the worker thread; the loop keeps streaming."""
         spec = handoff.spec
         if spec.inputs.synthetic_tokens is None and self.runtime is None:
             raise ValueError("this sender runs without a model: give synthetic_tokens")
         self._waiting.discard(handoff.id)  # its slot in the queue passes to the job
+        peer = self.peers.get(address)
+        handoff.report["planner_inputs"] = {  # what the planner predicts from: measured, or a prior
+            "receiver_speed": "stated by the receiver" if peer.receiver else "stored curve",
+            "rtt_ms": round(1000 * (peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s), 3),
+            "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
+        }
         prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
-                                            secrets.randbits(32), force=True)
+                                            secrets.randbits(32), peer, force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
         if prepared.planner is not None:
@@ -280,13 +289,16 @@ class SenderDaemon:
         self.metrics.handoff_mode(prepared.handoff_mode)
         return prepared
 
-    def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int) -> Prepared:
-        """Worker thread: the profile by name (this node's profile directory), then the KV."""
+    def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int,
+                     peer: PeerNumbers) -> Prepared:
+        """Worker thread: the profile by name (this node's profile directory), then the KV. The planner
+        predicts with what past handoffs to this receiver measured (``peer``), priors where none did."""
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
-        precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, 2 * self.owd_s,
+        rtt_s = peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s
+        precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, rtt_s,
                                      spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
-                                     spec.deadline_ms)
+                                     spec.deadline_ms, peer.receiver)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

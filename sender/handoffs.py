@@ -11,6 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pfec.common.node.udp import Destination
+from pfec.common.plan.breakeven import ReceiverModel
 from pfec.common.plan.deadline import DEFAULT_RHO, RepairBudget
 from pfec.common.plan.handoff import ResultApp, recovered_utility, unpack_bits
 from pfec.common.plan.precision import PieceKind
@@ -52,6 +53,7 @@ class Handoff:
     report: dict[str, Any] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     prepared: Prepared | None = None
+    stated_receiver: ReceiverModel | None = None  # the prefill speed the receiver's ACCEPT stated
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "state": self.state, **self.report}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from pfec.common.plan.breakeven import ReceiverModel
 from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, KVGeometry
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
@@ -68,6 +69,8 @@ class PrecisionRequest:
     # picks the most faithful option that starts generating by it (None: no deadline to meet).
     rho: float | None = None
     deadline_ms: float | None = None
+    # The receiver's speed as it stated it after an earlier handoff (None: the stored curve).
+    receiver: ReceiverModel | None = None
 
     def deadline_s(self, n_tokens: int, geometry: KVGeometry) -> float | None:
         owd_s = self.rtt_s / 2
@@ -160,7 +163,7 @@ def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest,
         return NATIVE, None
     geometry = identity.geometry
     return choose_mix(request.precision, n_tokens, geometry, request.rate_bps, request.rtt_s,
-                      deadline_s=request.deadline_s(n_tokens, geometry))
+                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry))
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -199,7 +202,7 @@ def prepare_model(
     choice: ModeChoice | None = None
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
         choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
-                             request.rate_bps, request.rtt_s, block_tokens=BLOCK_TOKENS,
+                             request.rate_bps, request.rtt_s, request.receiver, block_tokens=BLOCK_TOKENS,
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry))
         if choice.mode != "handoff":
             return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,

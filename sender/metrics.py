@@ -35,6 +35,7 @@ SENDER_DROP_REASONS: Final = (
     "unexpected_type",  # a valid datagram of a type the session does not expect in its state
     "bad_result_part",  # RESULT part out of order / inconsistent
     "bad_ack_computed",  # an ACK's computed_tokens past the context (or non-zero outside a split)
+    "bad_prefill_speed",  # an ACCEPT stating an implausible prefill speed (the ACCEPT applies without it)
     "unknown_session",  # session id of no active handoff
     "send_failed",  # sendto raised (ENOBUFS, EPERM by a firewall, ...)
     "junk_header",  # no valid header

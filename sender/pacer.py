@@ -285,6 +285,10 @@ class PacedTransfer:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, Accepted):
             self.handoff.report["accepted"] = True
+            self.handoff.stated_receiver = event.receiver
+            stated = event.receiver
+            self.handoff.report["receiver_stated_prefill"] = (
+                None if stated is None else {**stated.prefill.to_dict(), "decode_s": stated.decode_s})
         elif isinstance(event, SendingStopped):
             self.stopped_at = clock()
             self.handoff.state = "draining"

@@ -361,3 +361,23 @@ def test_fidelity_first_the_most_faithful_stream_that_fits_then_local_unless_bea
             plan_handoff(100, DEFAULT_GEOMETRY, link, receiver, local_margin=bad)
     with pytest.raises(ValueError, match="deadline"):
         plan_handoff(100, DEFAULT_GEOMETRY, link, receiver, deadline_s=0.0)
+
+
+def test_a_stated_speed_travels_in_integer_units_and_the_implausible_is_refused() -> None:
+    from pfec.common.plan.breakeven import stated_fields, stated_receiver
+
+    measured = PrefillCurve(0.2193, 7.337e-4, 6.525e-7)
+    fields = stated_fields(measured, 0.081)
+    assert fields == (219300, 733700, 652500, 81000)
+    model = stated_receiver(*fields)
+    assert model is not None
+    assert model.prefill.seconds(1500) == pytest.approx(measured.seconds(1500))
+    assert model.decode_s == pytest.approx(0.081)
+    assert stated_receiver(0, 0, 0, 0) is None  # a receiver that measured nothing states nothing
+    with pytest.raises(ValueError, match="per-token cost"):
+        stated_receiver(1000, 0, 0, 1000)
+    with pytest.raises(ValueError, match="not a working node"):
+        stated_receiver(0, 0xFFFF_FFFF, 0, 1000)  # 4.3 s per token
+    with pytest.raises(ValueError, match="not a working node"):
+        stated_receiver(0, 1000, 0, 0xFFFF_FFFF)  # an hour per decode step
+    assert stated_fields(PrefillCurve(1e9, 0.0, 0.0), 1e9)[0] == 0xFFFF_FFFF  # clamped, then refused

@@ -33,9 +33,11 @@ from pfec.cli.app import app
 from pfec.common.codec import fec
 from pfec.common.model import llm
 from pfec.common.model.runtime import runtime_identity
+from pfec.common.model.speed import PrefillSpeed
 from pfec.common.node.control import ControlClient, ControlServer
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
+from pfec.common.plan.breakeven import PrefillCurve, stated_fields
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.plan.utility import synthetic_profile
@@ -106,6 +108,45 @@ async def _wait(handoff: Handoff, timeout: float = 60.0) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- handoffs
+
+
+def test_the_next_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rtt(
+        tiny: llm.ModelRuntime) -> None:
+    """The receiver measures its prefill speed and states it in its ACCEPTs; after one handoff the sender
+    keeps it (and the path's measured RTT) for that receiver, and the next handoff's planner uses them."""
+    identity = runtime_identity(tiny)
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], Any]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        measured = await rx.measure_prefill_speed()
+        assert measured is not None
+        assert rx.endpoint.prefill_statement == stated_fields(measured.curve, measured.decode_s)
+        # The tiny model's per-token cost is in the timing noise (a fit may state none, which the sender
+        # refuses): state a known curve for the planner's side of the test.
+        speed = PrefillSpeed(PrefillCurve(0.01, 2e-4, 1e-8), (), 0.005, 1, "cpu", "tiny")
+        rx.endpoint.prefill_statement = stated_fields(speed.curve, speed.decode_s)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=5)
+        reports = []
+        for _ in range(2):
+            h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                      rx.address, rho=4.0, max_new_tokens=2, precision="auto"))
+            reports.append(await _wait(h))
+        await tx.close()
+        await rx.close()
+        return reports[0], reports[1], speed
+
+    first, second, speed = run(main())
+    assert first["outcome"] == second["outcome"] == "done", (first, second)
+    assert first["planner_inputs"]["receiver_speed"] == "stored curve"
+    assert first["planner_inputs"]["rtt_from"] == "configured owd_ms"
+    stated = first["receiver_stated_prefill"]
+    assert stated["b"] == pytest.approx(speed.curve.b, rel=1e-3, abs=1e-9), (stated, speed)
+    assert second["planner_inputs"]["receiver_speed"] == "stated by the receiver"
+    assert second["planner_inputs"]["rtt_from"] == "measured" and second["planner_inputs"]["rtt_ms"] > 0
+    owd_s = second["planner_inputs"]["rtt_ms"] / 2000
+    local = owd_s + speed.curve.seconds(first["n_tokens"]) + speed.decode_s
+    assert second["predicted_local_ttft_s"] == pytest.approx(local, rel=0.05), second
 
 
 def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRuntime) -> None:
@@ -702,6 +743,9 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
             ({"receiver": target, "synthetic_tokens": 64, "precision": "int3"}, "precision"),
             ({"receiver": target, "synthetic_tokens": 64, "colour": 1}, "colour"),
             ({"receiver": target, "context": "x"}, "question"),
+            ({"receiver": target, "synthetic_tokens": 64, "repair_budget": "all"}, "repair_budget"),
+            ({"receiver": target, "synthetic_tokens": 64, "repair_budget": -0.5}, "repair_budget"),
+            ({"receiver": target, "synthetic_tokens": 64, "repair_budget": 11}, "repair_budget"),
         ]
         for body, field in bad:
             status, data = lt.call(client.request("POST", "/handoffs", body))
@@ -722,8 +766,15 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
         assert status == 202
         status, report = lt.call(client.request("GET", f"/handoffs/{created['id']}?wait=1"))
         assert report["outcome"] == "done" and report["recovered_utility"] == pytest.approx(1.0)
+        assert report["repair_budget"] == "deadline" and report["start"] in ("ready", "sender-done"), report
+        status, capped = lt.call(client.request("POST", "/handoffs",
+                                                {"receiver": target, "synthetic_tokens": 64, "rho": 4.0,
+                                                 "generate": False, "repair_budget": 0.1}))
+        assert status == 202
+        status, report = lt.call(client.request("GET", f"/handoffs/{capped['id']}?wait=1"))
+        assert report["repair_budget"] == 0.1 and report["repair_cap"] == round(0.1 * report["n_source"])
         status, listing = lt.call(client.request("GET", "/handoffs"))
-        assert [h["id"] for h in listing["handoffs"]] == [created["id"]]
+        assert [h["id"] for h in listing["handoffs"]] == [capped["id"], created["id"]]
         res = CliRunner().invoke(app, ["handoff", "--receiver", target, "--context", "abc", "--question", "q",
                                        "--socket", str(sock), "--rho", "-2"])
         assert res.exit_code == 2 and "rho" in res.output, res.output

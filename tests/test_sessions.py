@@ -897,3 +897,21 @@ def test_a_replayed_or_foreign_or_early_done_is_dropped_and_never_starts_the_rec
     fresh, _ = make_pair(n=200, budget_s=0.3)
     with pytest.raises(ValueError, match="never sends DONE in phase EARLY"):
         fresh.sender.protector.seal(Done(0, 0, 0, DoneReason.NO_REPAIR))
+
+
+def test_the_accept_states_the_receivers_prefill_speed_and_an_implausible_one_is_dropped() -> None:
+    from pfec.sender.transport.session import Accepted
+
+    h, _ = make_pair(n=64, budget_s=0.2)
+    h.endpoint.prefill_statement = (219300, 733700, 652500, 81000)
+    h.run()
+    accepted = [e for e in h.sender_events if isinstance(e, Accepted)]
+    assert accepted and accepted[0].receiver is not None
+    assert accepted[0].receiver.prefill.b == pytest.approx(7.337e-4)
+    absurd, _ = make_pair(n=64, budget_s=0.2)
+    absurd.endpoint.prefill_statement = (1000, 0, 0, 1000)  # no per-token cost
+    absurd.run()
+    accepted = [e for e in absurd.sender_events if isinstance(e, Accepted)]
+    assert accepted and accepted[0].receiver is None
+    assert absurd.sender.drops.get("bad_prefill_speed") == 1
+    assert absurd.sender.state is SenderState.DONE  # the ACCEPT applies without the statement

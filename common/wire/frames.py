@@ -39,9 +39,11 @@ Bodies (type: layout -- body size in bytes)::
                u16 part_count | 16 B sender_random (R_s) |
                u16 span (the decoder span asked for; 0: the receiver's
                choice) | app bytes (rest)
-    ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r)   22
-               (window_cap: the decoder span the receiver granted, >= the
-               OFFER's window_cap)
+    ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r) | 38
+               u32 prefill_a_us | u32 prefill_b_ns | u32 prefill_c_ps |
+               u32 decode_us (window_cap: the decoder span the receiver
+               granted, >= the OFFER's window_cap; the four speeds: its
+               prefill curve as measured, all 0 when not stated)
     REFUSE  6  u8 RefuseCode | UTF-8 text (rest, <= 512 B)                 1 + text
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
@@ -63,7 +65,7 @@ Per-datagram overhead (on top of UDP/IP: +28 B IPv4, +48 B IPv6)::
     SOURCE  30 + 4 = 34 B  -> 1396 B datagram with the default 1362 B symbol
     REPAIR  30 + 8 = 38 B  -> 1400 B datagram (= MAX_DATAGRAM) with the default symbol
     OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1292 / 1362 B per datagram
-    ACCEPT 30 + 12 + 22 = 64 B, answering an OFFER of at least 30 + 12 + 66 = 108 B
+    ACCEPT 30 + 12 + 38 = 80 B, answering an OFFER of at least 30 + 12 + 66 = 108 B
 
 No datagram may exceed MAX_DATAGRAM = 1400 B (1428 B on IPv4, 1448 B on IPv6 < 1500 MTU).
 
@@ -129,7 +131,7 @@ _U32 = struct.Struct(">I")
 _REPAIR_ID = struct.Struct(">HHI")
 _ACK = struct.Struct(">IIIHHIIIIIIH")
 _OFFER = struct.Struct(">HHII32sHH16sH")
-_ACCEPT = struct.Struct(">HI16s")
+_ACCEPT = struct.Struct(">HI16sIIII")
 _RESULT = struct.Struct(">IHH")
 _DONE = struct.Struct(">IIIB")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
@@ -288,7 +290,8 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
         return _enc_offer(msg)
     if isinstance(msg, Accept):
         _check_random(msg.receiver_random, "ACCEPT: receiver_random")
-        return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source, bytes(msg.receiver_random))
+        return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source, bytes(msg.receiver_random),
+                     msg.prefill_a_us, msg.prefill_b_ns, msg.prefill_c_ps, msg.decode_us)
     if isinstance(msg, Result):
         return _enc_result(msg)
     if isinstance(msg, (Refuse, Close)):
@@ -380,8 +383,7 @@ def _dec_offer(body: _Body) -> Offer:
 
 
 def _dec_accept(body: _Body) -> Accept:
-    wc, ns, r_r = _ACCEPT.unpack_from(body)
-    return Accept(wc, ns, r_r)
+    return Accept(*_ACCEPT.unpack_from(body))
 
 
 def _dec_text(body: _Body, what: str) -> str:

@@ -14,7 +14,8 @@ from typing import ClassVar, Final, Literal, TypeAlias
 
 # Wire versions: 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span;
 # 4: the ACK's computed_tokens (how far the receiver's own prefill has got: compute front, stream back);
-# 5: the sender's DONE (the completion signal: it will send nothing more the receiver could use)
+# 5: the sender's DONE (the completion signal: it will send nothing more the receiver could use) and the
+# ACCEPT's statement of the receiver's prefill speed
 WIRE_VERSION: Final = 5
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
@@ -28,7 +29,7 @@ MAX_HOLE_BITS: Final = 4096
 RANDOM_SIZE: Final = 16  # each side's fresh handshake value (R_s in the OFFER, R_r in the ACCEPT)
 NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram, right after the header
 OFFER_FIXED_SIZE: Final = 50 + RANDOM_SIZE
-ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE
+ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE + 16
 RESULT_FIXED_SIZE: Final = 8
 DONE_BODY_SIZE: Final = 13
 FINGERPRINT_SIZE: Final = 32
@@ -258,6 +259,13 @@ class Accept:
     window_cap: int
     n_source: int
     receiver_random: bytes = b""  # R_r: RANDOM_SIZE fresh bytes per ACCEPT (the sender's R_s is its AAD)
+    # The receiver's prefill speed as it measured it (t(N) = a + bN + cN^2, one decode step), in integer
+    # units: a in us, b in ns per token, c in ps per token^2, decode in us; all 0: not stated. The sender
+    # checks them (common/plan/breakeven.py ``stated_receiver``) before its planner uses them.
+    prefill_a_us: int = 0
+    prefill_b_ns: int = 0
+    prefill_c_ps: int = 0
+    decode_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)

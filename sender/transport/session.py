@@ -36,15 +36,12 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - A split handoff (``SplitInfo``: the receiver prefills the front of the context itself while this session
   streams the back): an ACK's ``computed_tokens`` (beyond the context: dropped, ``bad_ack_computed``) moves
   the unsent symbols that hold only computed blocks behind the others, never to be sent (``split``).
-- A closed-loop sender that waits on feedback which does not come (its last repairs lost, or the ACK
-  that answered them) probes, as QUIC does (RFC 9002 section 6.2; :mod:`.probe`): while the receiver has
-  not decoded everything, something is unacknowledged and repairs are left, a probe timer runs from the
-  newest data datagram; on expiry the next repairs go to what the receiver lacks most, whatever the
-  deficit estimate says, and the ACK they elicit says what is still missing.
-- When it will send nothing more the receiver could use while every source is sent (the ACKs say all
-  is decoded, its repair cap is spent, or its scheme sends no closed-loop repairs), it stops sending data
-  (DRAINING) and sends a DONE (the completion signal, :mod:`.completion`), repeated a round trip apart
-  unless the RESULT comes first; the receiver starts generating on it rather than at its deadline.
+- Waiting on feedback that does not come (its last repairs lost, or the ACK that answered them), a
+  closed-loop sender probes as QUIC does (RFC 9002 6.2, :mod:`.probe`): repairs where the receiver lacks
+  most, whatever the deficit estimate says; the ACK they elicit says what is still missing.
+- Once it will send nothing more the receiver could use (every source out, and all decoded, its repair
+  cap spent, or no closed-loop repair in its scheme) it stops (DRAINING) and sends a DONE (the completion
+  signal, :mod:`.completion`), on which the receiver starts generating rather than at its deadline.
 - When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
   receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
   fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
@@ -77,6 +74,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
+from pfec.common.plan.breakeven import stated_receiver
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
@@ -117,20 +115,8 @@ from pfec.sender.transport.session_types import (
 from pfec.sender.transport.split import SplitBookkeeping
 
 # The session's inputs and outputs live in session_types; callers import them from here too.
-__all__ = [
-    "MAX_SPAN",
-    "Accepted",
-    "Failed",
-    "Refused",
-    "ResultReceived",
-    "SenderConfig",
-    "SenderEvent",
-    "SenderSession",
-    "SenderState",
-    "SendingStopped",
-    "SourceInfo",
-    "SplitInfo",
-]
+__all__ = ["MAX_SPAN", "Accepted", "Failed", "Refused", "ResultReceived", "SenderConfig", "SenderEvent",
+           "SenderSession", "SenderState", "SendingStopped", "SourceInfo", "SplitInfo"]
 
 
 class SenderSession:
@@ -502,7 +488,13 @@ class SenderSession:
         self._control.append(self.offer.part(len(self.offer.parts) - 1, self._deadline, now))
         self.datagrams_sent["control"] += 1
         self.send_path.on_accept(accept.window_cap)  # ACCEPT carries the receiver's decoder span
-        self._events.append(Accepted(accept.window_cap))
+        try:  # and the receiver's stated prefill speed, checked before a planner may use it
+            stated = stated_receiver(accept.prefill_a_us, accept.prefill_b_ns, accept.prefill_c_ps,
+                                     accept.decode_us)
+        except ValueError:
+            self.drops["bad_prefill_speed"] = self.drops.get("bad_prefill_speed", 0) + 1
+            stated = None
+        self._events.append(Accepted(accept.window_cap, stated))
 
     def _on_ack(self, ack: Ack, now: float) -> None:
         if self.state not in (SenderState.STREAMING, SenderState.DRAINING):

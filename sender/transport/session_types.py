@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import DEFAULT_WINDOW
 from pfec.common.events import DatagramDropped, Event
+from pfec.common.plan.breakeven import ReceiverModel
 from pfec.common.sched.actions import SchedulerView
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 
@@ -95,6 +96,7 @@ class SenderState(Enum):
 @dataclass(frozen=True, slots=True)
 class Accepted(Event):
     window_cap: int
+    receiver: ReceiverModel | None = None  # its stated prefill speed (None: none stated, or implausible)
 
 
 @dataclass(frozen=True, slots=True)
