@@ -39,3 +39,21 @@ def test_bad_bench_options_are_refused_with_the_option_named() -> None:
     assert res.exit_code == 2 and "--rates" in res.output, res.output
     with pytest.raises(ValueError, match="--local-runs"):
         BreakevenConfig(local_runs=0)
+
+
+def test_prediction_errors_per_cell_and_their_median() -> None:
+    from pfec.lab.bench.breakeven import prediction_errors
+
+    local = {"512": {"ttft_s": 2.0}}
+    runs = [
+        {"n_tokens": 512, "rate_mbps": 100, "mode": "handoff:native", "ttft_s": 1.0, "predicted_ttft_s": 1.1,
+         "predicted_local_ttft_s": 1.5, "state": "done", "start": "ready"},
+        {"n_tokens": 512, "rate_mbps": 100, "mode": "handoff:auto", "ttft_s": 2.0, "predicted_ttft_s": 1.0,
+         "predicted_local_ttft_s": 1.5, "state": "done", "start": "ready"},
+        {"n_tokens": 512, "rate_mbps": 100, "mode": "split:auto", "ttft_s": 3.0, "predicted_ttft_s": 1.0,
+         "predicted_local_ttft_s": 1.5, "state": "done", "start": "deadline"},  # hit the deadline: no error
+    ]
+    out = prediction_errors(runs, local)
+    assert [c["error"] for c in out["cells"]] == [0.1, -0.5, None]
+    assert out["median_abs_error"] == pytest.approx(0.3)
+    assert out["median_abs_local_error"] == pytest.approx(0.25) and out["cells"][0]["local_error"] == -0.25

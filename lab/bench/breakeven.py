@@ -109,6 +109,7 @@ def run_breakeven_bench(cfg: BreakevenConfig, log: Callable[[str], None] = _log)
     result["receiver_drops"] = receiver_stats.get("drops")
     result["link"] = {rate: {k: stats.get(k) for k in ("forward", "reverse")} for rate, stats in link.items()}
     result["crossovers"] = measured_crossovers(result["runs"], result["local"])
+    result["prediction_error"] = prediction_errors(result["runs"], result["local"])
     result["wall_s"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -256,6 +257,38 @@ def measured_crossovers(runs: Sequence[dict[str, Any]], local: dict[str, Any]) -
     return out
 
 
+def _relative_error(predicted: object, measured: object) -> float | None:
+    if not isinstance(predicted, int | float) or not isinstance(measured, int | float) or measured <= 0:
+        return None
+    return round((predicted - measured) / measured, 4)
+
+
+def prediction_errors(runs: Sequence[dict[str, Any]], local: dict[str, Any]) -> dict[str, Any]:
+    """Per cell and mode, the planner's TTFT prediction against the measured TTFT ((predicted -
+    measured) / measured), local prefill's too, and the median absolute error over every cell (the
+    goal: at most 15%). A run that failed or hit the deadline has no error."""
+    cells = []
+    for row in runs:
+        timed = row.get("start") != "deadline" and row.get("state") == "done"
+        cells.append({
+            "n_tokens": row["n_tokens"], "rate_mbps": row["rate_mbps"], "mode": row["mode"],
+            "error": _relative_error(row.get("predicted_ttft_s"), row.get("ttft_s")) if timed else None,
+            "local_error": _relative_error(row.get("predicted_local_ttft_s"),
+                                           local[str(row["n_tokens"])]["ttft_s"]),
+        })
+    errors = sorted(abs(c["error"]) for c in cells if c["error"] is not None)
+    local_errors = sorted(abs(c["local_error"]) for c in cells if c["local_error"] is not None)
+
+    def median(values: list[float]) -> float | None:
+        if not values:
+            return None
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    return {"cells": cells, "median_abs_error": median(errors),
+            "median_abs_local_error": median(local_errors)}
+
+
 def write_breakeven_bench(result: dict[str, Any], out_dir: Path) -> None:
     """breakeven.json, breakeven.md (tables) and the chart next to the planner's prediction."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -306,6 +339,24 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
               "|---|" + "---|" * len(MODES)]
     for rate, per_mode in result["crossovers"].items():
         lines.append(f"| {rate} | " + " | ".join(str(per_mode[label] or "-") for label, _, _ in MODES) + " |")
+    errors = result.get("prediction_error")
+    if errors:
+        def pct(value: object) -> str:
+            return f"{value:+.0%}" if isinstance(value, int | float) else "-"
+
+        lines += ["", "Prediction error, (predicted - measured) / measured, per cell (native / auto / split) "
+                  "and local prefill's; median absolute: "
+                  f"{pct(errors['median_abs_error'])} for the handoffs, "
+                  f"{pct(errors['median_abs_local_error'])} for local prefill (the goal: at most 15%).", "",
+                  "| tokens | Mbit/s | native | auto | split | local |", "|---|---|---|---|---|---|"]
+        by_cell_error: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
+        for cell in errors["cells"]:
+            by_cell_error.setdefault((cell["n_tokens"], cell["rate_mbps"]), {})[cell["mode"]] = cell
+        for (n, rate), modes in sorted(by_cell_error.items()):
+            local_error = next((m["local_error"] for m in modes.values()), None)
+            lines.append(f"| {n} | {rate:g} | "
+                         + " | ".join(pct(modes.get(label, {}).get("error")) for label, _, _ in MODES)
+                         + f" | {pct(local_error)} |")
     failed = [r for r in result["runs"] if not isinstance(r["ttft_s"], int | float)]
     if failed:
         lines += ["", f"{len(failed)} handoff(s) gave no TTFT: " + "; ".join(
