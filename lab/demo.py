@@ -249,6 +249,8 @@ def _sim_compare(cfg: DemoConfig, result: dict[str, Any]) -> dict[str, Any]:
     n_tokens = report.get("n_tokens")
     if not n_tokens:
         return {"error": "the handoff did not get far enough to compare"}
+    if report.get("handoff_mode") == "local":  # the planner chose local prefill: nothing crossed the link
+        return {"skipped": "the receiver prefilled locally (the planner's choice): no stream to simulate"}
     profile_name = report.get("profile", "synthetic")
     profile = None if profile_name == "synthetic" else load_profile(synthetic_identity(DEFAULT_GEOMETRY),
                                                                     profile_name)
