@@ -35,13 +35,14 @@ import numpy as np
 
 from pfec.common.codec import fec
 from pfec.common.events import CpuMeter
+from pfec.common.model.runtime import usable_cpus
 from pfec.common.node.config import LimitsConfig
 from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExporter
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker
-from pfec.common.plan.breakeven import stated_fields
 from pfec.common.plan.handoff import ModelIdentity
+from pfec.common.plan.receiver_speed import stated_fields
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
 from pfec.receiver.admission import admit
@@ -322,7 +323,6 @@ class ReceiverDaemon:
         runtime = self.runtime
         if runtime is None:
             return None
-        from pfec.common.model.runtime import usable_cpus
         from pfec.common.model.speed import DEFAULT_LENGTHS, measure_prefill_speed  # deferred: torch
 
         try:

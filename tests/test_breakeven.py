@@ -364,7 +364,7 @@ def test_fidelity_first_the_most_faithful_stream_that_fits_then_local_unless_bea
 
 
 def test_a_stated_speed_travels_in_integer_units_and_the_implausible_is_refused() -> None:
-    from pfec.common.plan.breakeven import stated_fields, stated_receiver
+    from pfec.common.plan.receiver_speed import stated_fields, stated_receiver
 
     measured = PrefillCurve(0.2193, 7.337e-4, 6.525e-7)
     fields = stated_fields(measured, 0.081)

@@ -37,9 +37,10 @@ from pfec.common.model.speed import PrefillSpeed
 from pfec.common.node.control import ControlClient, ControlServer
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
-from pfec.common.plan.breakeven import PrefillCurve, stated_fields
+from pfec.common.plan.breakeven import PrefillCurve
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
+from pfec.common.plan.receiver_speed import stated_fields
 from pfec.common.plan.utility import synthetic_profile
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import Role, Source
@@ -774,7 +775,7 @@ def test_control_api_validation_names_the_field_and_cli_handoff(tmp_path: Path) 
         status, report = lt.call(client.request("GET", f"/handoffs/{capped['id']}?wait=1"))
         assert report["repair_budget"] == 0.1 and report["repair_cap"] == round(0.1 * report["n_source"])
         status, listing = lt.call(client.request("GET", "/handoffs"))
-        assert [h["id"] for h in listing["handoffs"]] == [capped["id"], created["id"]]
+        assert [h["id"] for h in listing["handoffs"]] == [created["id"], capped["id"]]
         res = CliRunner().invoke(app, ["handoff", "--receiver", target, "--context", "abc", "--question", "q",
                                        "--socket", str(sock), "--rho", "-2"])
         assert res.exit_code == 2 and "rho" in res.output, res.output

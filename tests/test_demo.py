@@ -92,7 +92,12 @@ def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Pa
         assert row["state"] == "done" and row["start"] == "ready", row
         assert row["ttft_s"] > 0 and row["predicted_ttft_s"] > 0 and row["answer"], row
     native, auto, split = out["runs"]
-    assert auto["bytes_sent"] < native["bytes_sent"], (auto, native)  # int8/int4 travels fewer bytes
+    # auto: fidelity first; under the loose deadline the most faithful level that beats local prefill by
+    # the margin (native or the int8 floor); a quantised stream travels fewer bytes.
+    assert auto["precision"] in ("native", "int8"), auto
+    if auto["precision"] != "native":
+        assert auto["bytes_sent"] < native["bytes_sent"], (auto, native)
+    assert "prediction_error" in out and len(out["prediction_error"]["cells"]) == len(MODES)
     assert split["computed_tokens"] >= split["meeting_token_planned"], split
     assert out["local"]["200"]["ttft_s"] > 0 and out["local"]["200"]["context_tokens"] >= 200
     _check_cpus(out["cpus"], {k: out["local"]["200"][k] for k in ("cpus", "torch_threads")})

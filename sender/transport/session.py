@@ -74,7 +74,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
-from pfec.common.plan.breakeven import stated_receiver
+from pfec.common.plan.receiver_speed import stated_receiver
 from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy

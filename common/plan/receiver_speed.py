@@ -1,0 +1,41 @@
+"""A receiver's statement of its own prefill speed, as its ACCEPT carries it (sans-IO, pure arithmetic).
+
+The receiver measures its prefill curve (``common/model/speed.py``) and states it in integer units, four
+u32 fields of the ACCEPT (:mod:`pfec.common.wire.messages`); the sender believes a statement only if it
+describes a working node, and its planner (:mod:`.breakeven`) then predicts with it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pfec.common.plan.breakeven import PrefillCurve, ReceiverModel
+
+# What a stated curve may claim: no per-token cost (b = c = 0) or a first token later than this at 1k tokens
+# is not a measurement of a working node.
+MAX_STATED_PREFILL_S: Final = 600.0
+MAX_STATED_DECODE_S: Final = 10.0
+
+
+def stated_fields(curve: PrefillCurve, decode_s: float) -> tuple[int, int, int, int]:
+    """A measured curve in the ACCEPT's integer units: (a us, b ns/token, c ps/token^2, decode us), each
+    clamped to a u32 (a slower node states the largest value, which ``stated_receiver`` refuses)."""
+    def u32(x: float) -> int:
+        return min(0xFFFF_FFFF, max(0, round(x)))
+
+    return u32(curve.a * 1e6), u32(curve.b * 1e9), u32(curve.c * 1e12), u32(decode_s * 1e6)
+
+
+def stated_receiver(a_us: int, b_ns: int, c_ps: int, decode_us: int) -> ReceiverModel | None:
+    """The receiver model an ACCEPT states, or None when it states none (all 0); ValueError when what it
+    states is not a plausible measurement (no per-token cost, or absurdly slow)."""
+    if a_us == b_ns == c_ps == decode_us == 0:
+        return None
+    curve = PrefillCurve(a_us * 1e-6, b_ns * 1e-9, c_ps * 1e-12)
+    decode_s = decode_us * 1e-6
+    if curve.b == 0 and curve.c == 0:
+        raise ValueError("a stated prefill curve without a per-token cost")
+    if curve.seconds(1024) > MAX_STATED_PREFILL_S or decode_s > MAX_STATED_DECODE_S:
+        raise ValueError(f"a stated prefill of {curve.seconds(1024):.0f} s for 1024 tokens, decode "
+                         f"{decode_s:.1f} s: not a working node")
+    return ReceiverModel(curve, decode_s)
