@@ -132,7 +132,7 @@ def wire_report(session: SenderSession, bytes_sent: int, socket_errors: int) -> 
         "repair_sent": sent["repair"],
         "control_sent": sent["control"],
         "repair_cap": session.config.repair_budget,  # repairs it could have sent (budget or deadline)
-        "probes_sent": session.probes_sent,  # repairs sent on a probe timeout (transport/probe.py)
+        "probes_sent": session.probe.sent,  # repairs sent on a probe timeout (transport/probe.py)
         "bytes_sent": bytes_sent,
         "socket_errors": socket_errors,
         "drops": dict(session.drops),

@@ -735,7 +735,7 @@ def test_a_lost_round_of_repairs_is_probed_not_waited_out() -> None:
     ev = h.deadline_event()
     assert ev.ready and np.array_equal(ev.store, symbols), ev
     assert ev.at < 0.1 < ev.stats.deadline_at, ev.at
-    assert h.sender.probes_sent >= 1
+    assert h.sender.probe.sent >= 1
 
 
 def test_a_lost_ack_is_probed_too() -> None:
@@ -748,7 +748,7 @@ def test_a_lost_ack_is_probed_too() -> None:
     ev = h.deadline_event()
     assert ev.ready and np.array_equal(ev.store, symbols), ev
     assert ev.at < 0.2, ev.at
-    assert h.sender.probes_sent >= 1
+    assert h.sender.probe.sent >= 1
 
 
 def test_lost_last_sources_are_repaired_though_the_receiver_never_saw_them() -> None:
@@ -769,7 +769,7 @@ def test_open_loop_and_source_only_schemes_never_probe() -> None:
         h, _ = make_pair(n=200, budget_s=0.3, policy=policy)
         h.drop_forward = _drop_repairs_and({60, 61, 120, 198, 199}, first_repairs=3)
         h.run()
-        assert h.sender.probes_sent == 0, policy
+        assert h.sender.probe.sent == 0, policy
 
 
 def test_probe_timeout_follows_the_rtt_and_backs_off() -> None:
@@ -782,6 +782,7 @@ def test_probe_timeout_follows_the_rtt_and_backs_off() -> None:
     assert timer.deadline(0.010, 0.002) == pytest.approx(1.0 + 0.010 + 0.008 + 0.005)
     timer.expire()
     assert timer.take() and timer.take() and not timer.take()  # two probes per expiry
+    assert timer.sent == 2
     assert timer.timeout(0.010, 0.002) == pytest.approx(2 * 0.023)
     timer.expire()
     assert timer.timeout(0.010, 0.002) == pytest.approx(4 * 0.023)
@@ -802,13 +803,13 @@ def test_with_the_whole_deadline_as_budget_idle_slots_carry_repairs() -> None:
     filled.run()
     at_probed, at_filled = probed.deadline_event(), filled.deadline_event()
     assert at_filled.ready and np.array_equal(at_filled.store, symbols)
-    assert filled.sender.repairs_filled > 0 == probed.sender.repairs_filled
+    assert filled.sender.send_path.repairs_filled > 0 == probed.sender.send_path.repairs_filled
     assert at_filled.at < at_probed.at, (at_filled.at, at_probed.at)
     for policy in (SourceOnly(), FixedRate(0.1)):  # no repairs, or open loop: nothing to fill
         h, _ = make_pair(n=200, budget_s=0.3, policy=policy, fill_idle=True)
         h.drop_forward = _drop_repairs_and(drops, first_repairs=3)
         h.run()
-        assert h.sender.repairs_filled == 0, policy
+        assert h.sender.send_path.repairs_filled == 0, policy
 
 
 # ------------------------------------------------------------------------------- the completion signal

@@ -27,7 +27,7 @@ MAX_BACKOFF = 6  # expiries doubling the timer at most (64x): it stays within a 
 class ProbeTimer:
     """When to probe: the newest data send plus the probe timeout, backed off per expiry."""
 
-    __slots__ = ("expiries", "last_sent", "max_ack_delay_s", "owed", "rtt_prior_s")
+    __slots__ = ("expiries", "last_sent", "max_ack_delay_s", "owed", "rtt_prior_s", "sent")
 
     def __init__(self, max_ack_delay_s: float, rtt_prior_s: float) -> None:
         self.max_ack_delay_s = max_ack_delay_s
@@ -35,6 +35,7 @@ class ProbeTimer:
         self.last_sent = 0.0  # the newest data datagram's send time
         self.expiries = 0  # consecutive expiries without an ACK: the backoff exponent
         self.owed = 0  # probe repairs still to send
+        self.sent = 0  # probe repairs taken (sent) in all
 
     def timeout(self, srtt: float, rttvar: float) -> float:
         """The probe timeout for the RTT estimates, backed off."""
@@ -74,4 +75,5 @@ class ProbeTimer:
         if self.owed <= 0:
             return False
         self.owed -= 1
+        self.sent += 1
         return True

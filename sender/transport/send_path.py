@@ -53,6 +53,7 @@ class SendPath:
         "probe_burst",
         "protector",
         "rate",
+        "repairs_filled",
         "repairs_skipped",
         "span",
         "stalled",
@@ -108,6 +109,7 @@ class SendPath:
         self._repair_buf = np.empty(encoder.symbol_size, dtype=np.uint8)
         self.datagrams_sent = {"source": 0, "repair": 0, "control": 0}
         self.repairs_skipped = 0  # repairs a burst could not make (its window emptied under it)
+        self.repairs_filled = 0  # fill bursts taken: repairs in slots that would have idled
 
     # ------------------------------------------------------------ decision epochs
     def plan_epoch(self, next_esi: int, loss: float, rtt: float, time_left: float,
@@ -151,6 +153,7 @@ class SendPath:
         it in expectation, or over the newest window when no region is open."""
         self.fill_burst = True
         self.tail_burst = self.probe_burst = False
+        self.repairs_filled += 1
 
     # ------------------------------------------------------------------- sending
     def source(self, now: float) -> bytes:

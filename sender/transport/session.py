@@ -172,8 +172,6 @@ class SenderSession:
         self.planner = self.send_path.planner
         self.probe = ProbeTimer(config.max_ack_delay_s, 2 * config.owd_s)
         self.offer = OfferParts(config, self.encoder, protector)
-        self.probes_sent = 0  # repairs sent because the probe timer expired
-        self.repairs_filled = 0  # repairs sent in slots that would have idled (``config.fill_idle``)
         self.completion = Completion()  # the DONE: why, how many, the next repeat
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
         self._utility_features = None if source_info is None else UtilityFeatures(source_info)
@@ -378,7 +376,6 @@ class SenderSession:
         # receiver lacks most, over the newest window). The policy decides the rest.
         if view.repairs_left > 0 and self.probe.take():
             send_path.take_probe()
-            self.probes_sent += 1
             return self._one_repair()
         if send_path.take_tail_repair():
             return self._one_repair()
@@ -411,7 +408,6 @@ class SenderSession:
         if not self._may_fill():
             return False
         self.send_path.take_fill()
-        self.repairs_filled += 1
         return self._one_repair()
 
     def _refresh_view(self, now: float) -> None:
