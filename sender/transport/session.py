@@ -343,14 +343,17 @@ class SenderSession:
 
     def _may_fill(self) -> bool:
         """Whether a slot that would idle carries a repair: the whole deadline is the budget, the policy
-        repairs closed loop, and the ACKs say the receiver still lacks symbols."""
+        repairs closed loop, and the newest ACK names symbols the receiver lacks (hole regions). Not on
+        sources merely unacknowledged yet: on a clean link that filled the last round trip with repairs
+        (measured, pfec bench transport: sender CPU per packet +30%, receiver lateness p99 0.2 -> 11 ms);
+        a lost tail is the probe timeout's."""
         view = self.view
         return (
             self.config.fill_idle
             and self._accepted
             and not view.open_loop
             and view.repairs_left > 0
-            and self.encoder.ack_prefix < view.n_source
+            and self.planner.regions > 0
         )
 
     def _slots_left(self, now: float) -> int:
