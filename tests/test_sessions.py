@@ -751,6 +751,35 @@ def test_a_lost_ack_is_probed_too() -> None:
     assert h.sender.probe.sent >= 1
 
 
+def test_a_probe_with_nothing_left_to_repair_gives_its_slot_back_to_the_sources() -> None:
+    """Seen in CI (three handoffs at once on a loaded 2-core machine): the probe timer expired while the
+    receiver's ACK was late, the ACK then acknowledged every source sent, and both probes found nothing to
+    repair. The sender returned no datagram, armed no timer and idled to its deadline with most of its
+    sources unsent (one handoff sent 272 of 1024). A probe that finds nothing to repair is dropped and the
+    slot goes to the policy: the next source."""
+    h, symbols = make_pair(n=2000, budget_s=0.5)
+    h.run(until=0.03)
+    sender = h.sender
+    assert sender.accepted and 0 < sender.encoder.next_esi < 2000, sender.encoder.next_esi
+    while sender._burst_left:  # the source burst under way goes out first
+        h.in_transit.append((h.now + 1.0, True, sender.next_datagram(h.now)))  # after those in transit
+    sender.probe.expire()  # the timer fires first, then everything in transit arrives and is ACKed
+    for _t, to_receiver, d in sorted(h.in_transit, key=lambda x: x[0]):
+        if to_receiver:
+            h.endpoint.receive_datagram(d, h.now)
+    h.endpoint.handle_timer(h.now + 0.01)
+    for _sid, d in h.endpoint.datagrams_to_send():
+        sender.receive_datagram(d, h.now)
+    h.in_transit = []
+    assert sender.inflight.acked_source_end == sender.encoder.next_esi  # nothing unacknowledged
+    datagram = sender.next_datagram(h.now)
+    assert datagram is not None and peek_header(datagram).type is MsgType.SOURCE
+    assert sender.probe.sent == 0  # no probe was sent: none is counted
+    h.run()
+    ev = h.deadline_event()
+    assert ev.ready and np.array_equal(ev.store, symbols), ev
+
+
 def test_lost_last_sources_are_repaired_though_the_receiver_never_saw_them() -> None:
     """The last sources lost: the receiver's seen end stops before them, its map shows no hole and its
     deficit is 0, yet it ACKs the repairs sent after them. The sender counts sources past the seen end,
@@ -778,11 +807,13 @@ def test_probe_timeout_follows_the_rtt_and_backs_off() -> None:
     timer = ProbeTimer(max_ack_delay_s=0.005, rtt_prior_s=0.02)
     assert timer.timeout(0.0, 0.0) == pytest.approx(0.02 + 4 * 0.01 + 0.005)
     assert timer.timeout(0.010, 0.0001) == pytest.approx(0.010 + 0.001 + 0.005)
-    timer.on_sent(1.0)
+    timer.on_sent(1.0, False)
     assert timer.deadline(0.010, 0.002) == pytest.approx(1.0 + 0.010 + 0.008 + 0.005)
     timer.expire()
     assert timer.take() and timer.take() and not timer.take()  # two probes per expiry
-    assert timer.sent == 2
+    timer.on_sent(1.001, True)
+    timer.on_sent(1.002, True)
+    assert timer.sent == 2  # counted when sent, not when taken
     assert timer.timeout(0.010, 0.002) == pytest.approx(2 * 0.023)
     timer.expire()
     assert timer.timeout(0.010, 0.002) == pytest.approx(4 * 0.023)

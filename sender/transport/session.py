@@ -218,6 +218,8 @@ class SenderSession:
         datagram = self._send_burst(now)
         if datagram is None:  # its window emptied under the burst (an ACK moved it): decide again
             self._burst_left = 0
+            if self.send_path.probe_burst:
+                self.probe.nothing_to_probe()
             if not self._decide(now):
                 return None
             datagram = self._send_burst(now)
@@ -230,7 +232,7 @@ class SenderSession:
         else:
             datagram = self.send_path.repair(now)
         if datagram is not None:
-            self.probe.on_sent(now)
+            self.probe.on_sent(now, self.send_path.probe_burst)
             self.completion.last_data_pn = self.protector.packets_sealed
         return datagram
 
