@@ -77,10 +77,15 @@ class PathLossPriors:
         self._rates: OrderedDict[str, float] = OrderedDict()
 
     def prior(self, address: str) -> float:
+        rate = self.measured(address)
+        return self.default if rate is None else rate
+
+    def measured(self, address: str) -> float | None:
+        """The loss past handoffs to ``address`` measured (None: none did): the planner's, unlike the
+        open-loop tail's prior, stays 0 until a handoff measures it."""
         rate = self._rates.get(address)
-        if rate is None:
-            return self.default
-        self._rates.move_to_end(address)
+        if rate is not None:
+            self._rates.move_to_end(address)
         return rate
 
     def record(self, address: str, lost: int, seen: int) -> None:
@@ -275,13 +280,16 @@ class SenderDaemon:
             raise ValueError("this sender runs without a model: give synthetic_tokens")
         self._waiting.discard(handoff.id)  # its slot in the queue passes to the job
         peer = self.peers.get(address)
+        loss = self.path_loss.measured(address)
         handoff.report["planner_inputs"] = {  # what the planner predicts from: measured, or a prior
             "receiver_speed": "stated by the receiver" if peer.receiver else "stored curve",
             "rtt_ms": round(1000 * (peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s), 3),
             "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
+            "loss": round(loss or 0.0, 5),
+            "loss_from": "measured" if loss is not None else "none measured yet",
         }
         prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
-                                            secrets.randbits(32), peer, force=True)
+                                            secrets.randbits(32), peer, loss or 0.0, force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
         if prepared.planner is not None:
@@ -290,15 +298,16 @@ class SenderDaemon:
         return prepared
 
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int,
-                     peer: PeerNumbers) -> Prepared:
+                     peer: PeerNumbers, loss: float) -> Prepared:
         """Worker thread: the profile by name (this node's profile directory), then the KV. The planner
-        predicts with what past handoffs to this receiver measured (``peer``), priors where none did."""
+        predicts with what past handoffs to this receiver measured (``peer``, ``loss``), priors where none
+        did."""
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
         rtt_s = peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s
         precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, rtt_s,
                                      spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
-                                     spec.deadline_ms, peer.receiver)
+                                     spec.deadline_ms, peer.receiver, loss)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

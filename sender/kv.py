@@ -25,6 +25,8 @@ from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
     AUTO,
+    AUTO_MODES,
+    AUTO_MODES_UNSTATED,
     NATIVE,
     ModeChoice,
     PrecisionOffer,
@@ -71,6 +73,8 @@ class PrecisionRequest:
     deadline_ms: float | None = None
     # The receiver's speed as it stated it after an earlier handoff (None: the stored curve).
     receiver: ReceiverModel | None = None
+    # The path's loss as earlier handoffs to this receiver measured it (0: none measured yet).
+    loss: float = 0.0
 
     def deadline_s(self, n_tokens: int, geometry: KVGeometry) -> float | None:
         owd_s = self.rtt_s / 2
@@ -163,7 +167,7 @@ def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest,
         return NATIVE, None
     geometry = identity.geometry
     return choose_mix(request.precision, n_tokens, geometry, request.rate_bps, request.rtt_s,
-                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry))
+                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss)
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -201,9 +205,12 @@ def prepare_model(
     utilities = profile.block_utilities(plan)
     choice: ModeChoice | None = None
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
+        auto_modes = AUTO_MODES if request.receiver is not None else AUTO_MODES_UNSTATED
         choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
                              request.rate_bps, request.rtt_s, request.receiver, block_tokens=BLOCK_TOKENS,
-                             deadline_s=request.deadline_s(plan.n_tokens, identity.geometry))
+                             auto_modes=auto_modes,
+                             deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
+                             loss=request.loss)
         if choice.mode != "handoff":
             return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,
                                   keep_cache, choice, identity)

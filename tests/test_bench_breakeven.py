@@ -26,7 +26,7 @@ def test_crossovers_need_every_longer_context_to_beat_local() -> None:
         _run(2048, 100, "split:auto", None),  # a failed run never beats local
     ]
     assert measured_crossovers(runs, local) == {
-        "100": {"handoff:native": 1024, "handoff:auto": 2048, "split:auto": None}}
+        "100": {"handoff:native": 1024, "handoff:auto": 2048, "split:auto": None, "auto": None}}
 
 
 def test_bad_bench_options_are_refused_with_the_option_named() -> None:
@@ -57,3 +57,26 @@ def test_prediction_errors_per_cell_and_their_median() -> None:
     assert [c["error"] for c in out["cells"]] == [0.1, -0.5, None]
     assert out["median_abs_error"] == pytest.approx(0.3)
     assert out["median_abs_local_error"] == pytest.approx(0.25) and out["cells"][0]["local_error"] == -0.25
+
+
+def test_auto_is_held_against_the_measured_fastest_of_its_cell() -> None:
+    """Auto's TTFT over the cell's fastest measured alternative (local prefill included); a run that hit
+    the deadline or failed is no alternative."""
+    from pfec.lab.bench.breakeven import auto_against_fastest
+
+    def row(n: int, mode: str, ttft: float | None, start: str = "ready", **extra: Any) -> dict[str, Any]:
+        return {**_run(n, 100, mode, ttft), "state": "done" if ttft else "failed", "start": start, **extra}
+
+    local = {"512": {"ttft_s": 2.0}, "1024": {"ttft_s": 4.0}}
+    runs = [
+        row(512, "handoff:native", 1.0), row(512, "split:auto", 0.5, start="deadline"),
+        row(512, "auto", 1.04, handoff_mode="handoff", precision="native", planner_choice="handoff:native"),
+        row(1024, "handoff:native", 3.0), row(1024, "split:auto", 1.5),
+        row(1024, "auto", 3.0, handoff_mode="handoff", precision="native", planner_choice="handoff:native"),
+    ]
+    out = auto_against_fastest(runs, local)
+    first, second = out["cells"]
+    assert first["fastest"] == "handoff:native" and first["ratio"] == 1.04 and first["within"]
+    assert first["ran"] == "handoff:native"
+    assert second["fastest"] == "split:auto" and second["ratio"] == 2.0 and not second["within"]
+    assert (out["within"], out["of"]) == (1, 2)

@@ -29,7 +29,8 @@ _OK, _WHY = _default_model_available()
 
 @pytest.mark.skipif(not _OK, reason=f"default model unavailable: {_WHY}")
 def test_demo_json_with_the_default_model() -> None:
-    res = CliRunner().invoke(app, ["demo", "--json", "--tokens", "600", "--no-compare-sim"])
+    # A whole-cache handoff (at 600 tokens auto's planner may choose local prefill: nothing would stream).
+    res = CliRunner().invoke(app, ["demo", "--json", "--tokens", "600", "--no-compare-sim", "--mode", "handoff"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     for key in ("recovered_utility", "ttft_s", "deadline_s", "answer", "full_kv_answer", "source_sent",
@@ -45,7 +46,8 @@ def test_demo_json_with_the_default_model() -> None:
     assert out["start"] in ("ready", "sender-done", "deadline") and out["ttft_s"] > 0, out
     if out["start"] == "deadline":
         assert out["ttft_s"] > 0.5 * out["deadline_s"], out
-    # auto: the planner's mix for this link; the default model's quantised stream is smaller than its cache
+    # precision auto: the planner's mix for this link; the default model's quantised stream is smaller than
+    # its cache
     assert out["precision"] in ("native", "int8", "int8-int4") and out["planner_choice"], out
     if out["precision"] != "native":
         assert out["stream_bytes"] < out["native_bytes"], out
@@ -91,7 +93,7 @@ def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Pa
     for row in out["runs"]:
         assert row["state"] == "done" and row["start"] == "ready", row
         assert row["ttft_s"] > 0 and row["predicted_ttft_s"] > 0 and row["answer"], row
-    native, auto, split = out["runs"]
+    native, auto, split, auto_mode = out["runs"]
     # auto: fidelity first; under the loose deadline the most faithful level that beats local prefill by
     # the margin (native or the int8 floor); a quantised stream travels fewer bytes.
     assert auto["precision"] in ("native", "int8"), auto
@@ -99,6 +101,11 @@ def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Pa
         assert auto["bytes_sent"] < native["bytes_sent"], (auto, native)
     assert "prediction_error" in out and len(out["prediction_error"]["cells"]) == len(MODES)
     assert split["computed_tokens"] >= split["meeting_token_planned"], split
+    # auto mode (local, handoff or split: the warm-up split stated the receiver's speed, so split may win)
+    # is held against the cell's fastest measured option.
+    versus = out["auto_vs_fastest"]
+    assert versus["of"] == 1 and versus["cells"][0]["ran"].split(":")[0] in ("local", "handoff", "split")
+    assert versus["cells"][0]["ttft_s"] == auto_mode["ttft_s"], (versus, auto_mode)
     assert out["local"]["200"]["ttft_s"] > 0 and out["local"]["200"]["context_tokens"] >= 200
     _check_cpus(out["cpus"], {k: out["local"]["200"][k] for k in ("cpus", "torch_threads")})
     assert set(out["crossovers"]["200"]) == {label for label, _, _ in MODES}

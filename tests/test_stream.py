@@ -25,7 +25,7 @@ from pfec.common.plan.precision import (
     value_order,
 )
 from pfec.common.plan.stream import (
-    PLANNER_MODES,
+    AUTO_MODES_UNSTATED,
     PrecisionOffer,
     aligned_meeting_token,
     check_offer,
@@ -224,17 +224,18 @@ def test_result_split_fields_are_checked() -> None:
 
 
 def test_the_planner_picks_the_mode_and_a_block_aligned_meeting_point() -> None:
-    # No split in AUTO_MODES; fidelity first: the most faithful whole-cache level that beats local prefill
-    # by the margin (native does not: 42 MB at 100 Mbit/s), the floor int8.
-    held = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)
+    # No split before the receiver stated its speed (AUTO_MODES_UNSTATED); fidelity first: the most faithful
+    # whole-cache level that beats local prefill by the margin (native does not: 42 MB at 100 Mbit/s), the
+    # floor int8.
+    held = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02, auto_modes=AUTO_MODES_UNSTATED)
     assert held.mode == "handoff" and held.mix == "int8" and held.view["choice"] == "handoff:int8", held
     # On a slow link no whole-cache stream beats local prefill by the margin.
-    slow = choose_mode("auto", "auto", 512, DEFAULT_GEOMETRY, 20e6, 0.02)
+    slow = choose_mode("auto", "auto", 512, DEFAULT_GEOMETRY, 20e6, 0.02, auto_modes=AUTO_MODES_UNSTATED)
     assert slow.view["choice"] == "local" and slow.mode == "local" and slow.mix is None, slow
     assert slow.meeting_token == 512 and slow.view["predicted_ttft_s"] == slow.view["local_ttft_s"]
     # With the split allowed and no deadline: its most faithful level (native, which a split streams as
     # int8: the same answers at half the bytes).
-    auto = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02, auto_modes=PLANNER_MODES)
+    auto = choose_mode("auto", "auto", 1800, DEFAULT_GEOMETRY, 100e6, 0.02)  # AUTO_MODES: split allowed
     assert auto.mode == "split" and auto.mix == "int8" and auto.view["choice"] == "split:native"
     assert auto.meeting_token is not None and auto.meeting_token % 16 == 0 and 0 < auto.meeting_token < 1800
     assert auto.view["predicted_ttft_s"] < 0.5 * auto.view["local_ttft_s"]

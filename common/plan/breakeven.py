@@ -29,6 +29,7 @@ from typing import Final, Literal
 import numpy as np
 
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, FRAGMENT_ID_SIZE, KVGeometry
+from pfec.common.plan.pieces import PieceLayout, mix_bytes_per_token
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
 
 Mode = Literal["local", "handoff", "split"]
@@ -185,21 +186,31 @@ class PrecisionLevel:
 NATIVE_REBUILD_S_PER_MB: Final = 0.0022
 
 # DEFAULTS from issue 13's measurements on the default model (SmolLM2-135M, 12 needle-QA prompts at ~1.8k
-# tokens, quantise -> dequantise of the whole cache, greedy 24 tokens vs the full-KV answer). Bytes per
-# token there: native 23,040; int8 11,880; top-50% int8 rest int4 9,910; int4 per 16-token block 7,926
-# (KIVI int4 7,494); int2 KIVI 4,666. Rebuild adds the measured whole-cache quantise+dequantise time per
-# bf16 MB on one thread (int8 2.3 ms, int4 3.7 ms; the int8/int4 half-and-half mix their mean; int2 assumed
-# as int4): an upper bound for dequantising alone. Until common/plan/precision.py names the real levels,
-# these are the planner's table.
+# tokens, quantise -> dequantise of the whole cache, greedy 24 tokens vs the full-KV answer): mean KL and
+# agreement. Rebuild adds the measured whole-cache quantise+dequantise time per bf16 MB on one thread (int8
+# 2.3 ms, int4 3.7 ms; the int8/int4 half-and-half mix their mean; int2 assumed as int4): an upper bound
+# for dequantising alone. Bytes per token are the stream's own (``pieces.mix_bytes_per_token``: each
+# block's ladder from its int2 base up, minima and steps included): int8 13,690, int8-int4 10,810, int4
+# 7,930, int2 5,050 at the default geometry, native 23,040. The table issue 13 measured on plain quantised
+# caches (int8 11,880, int8-int4 9,910) under-predicted int8 streams by 15% (pfec bench breakeven: 17.3 MB
+# sent for 1,223 tokens where 15.0 MB were predicted).
 DEFAULT_BF16_BYTES_PER_TOKEN: Final = 23_040
 BF16_PER_TOKEN: Final = DEFAULT_BF16_BYTES_PER_TOKEN
 REBUILD: Final = NATIVE_REBUILD_S_PER_MB
+_RATIO_LAYOUT: Final = PieceLayout(DEFAULT_GEOMETRY, 4096)  # the ratio moves < 0.1% from 512 to 8k tokens
+
+
+def _stream_ratio(mix: str) -> float:
+    """A quantised mix's stream bytes per token over bf16's (it scales with the geometry's KV size)."""
+    return mix_bytes_per_token(_RATIO_LAYOUT, mix) / _RATIO_LAYOUT.geometry.bytes_per_token
+
+
 DEFAULT_PRECISION_LEVELS: Final[tuple[PrecisionLevel, ...]] = (
     PrecisionLevel("native", None, 0.0, 1.0, REBUILD),
-    PrecisionLevel("int8", 11_880 / BF16_PER_TOKEN, 0.0001, 1.0, REBUILD + 0.0023),
-    PrecisionLevel("int8-int4", 9_910 / BF16_PER_TOKEN, 0.0004, 1.0, REBUILD + 0.0030),
-    PrecisionLevel("int4", 7_926 / BF16_PER_TOKEN, 0.0036, 0.976, REBUILD + 0.0037),
-    PrecisionLevel("int2", 4_666 / BF16_PER_TOKEN, 0.304, 0.882, REBUILD + 0.0037),
+    PrecisionLevel("int8", _stream_ratio("int8"), 0.0001, 1.0, REBUILD + 0.0023),
+    PrecisionLevel("int8-int4", _stream_ratio("int8-int4"), 0.0004, 1.0, REBUILD + 0.0030),
+    PrecisionLevel("int4", _stream_ratio("int4"), 0.0036, 0.976, REBUILD + 0.0037),
+    PrecisionLevel("int2", _stream_ratio("int2"), 0.304, 0.882, REBUILD + 0.0037),
 )
 # The default fidelity floor: int8. On the 32-prompt fidelity set (docs/RESULTS.md, "Precision fidelity",
 # where the whole stream arrives: rho 0.8 and 1) int8's answers equal the full-KV answer in 31 of 32

@@ -17,12 +17,14 @@ import numpy.typing as npt
 from pfec.common.plan.kvlayout import KVGeometry
 
 __all__ = [
+    "BASE_LEVEL",
     "BASE_OF_LEVEL",
     "CODE_BITS",
     "DEFAULT_BLOCK_TOKENS",
     "DEFAULT_VALUE_GROUP",
     "LEVEL_NAMES",
     "META_BYTES",
+    "MIX_TOPS",
     "N_KINDS",
     "QUANTISED_LEVELS",
     "REFINE_TO",
@@ -32,6 +34,7 @@ __all__ = [
     "PieceLayout",
     "default_value_group",
     "ladder",
+    "mix_bytes_per_token",
     "parse_level",
 ]
 
@@ -140,6 +143,16 @@ def ladder(base: Level, top: Level) -> tuple[PieceKind, ...]:
     return tuple(kinds)
 
 
+# Quantised mixes: (lowest top, highest top, share of blocks by utility that reach the highest top).
+MIX_TOPS: Final[dict[str, tuple[Level, Level, float]]] = {
+    "int8": (Level.INT8, Level.INT8, 1.0),
+    "int8-int4": (Level.INT4, Level.INT8, 0.5),
+    "int4": (Level.INT4, Level.INT4, 1.0),
+    "int2": (Level.INT2, Level.INT2, 1.0),
+}
+BASE_LEVEL: Final = Level.INT2  # every quantised mix starts its blocks at int2
+
+
 def default_value_group(head_dim: int) -> int:
     """KIVI's 32 channels when they tile the head; otherwise the whole head row of a token."""
     return DEFAULT_VALUE_GROUP if head_dim % DEFAULT_VALUE_GROUP == 0 else head_dim
@@ -240,3 +253,13 @@ class PieceLayout:
         """Mean bytes per context token when every block carries ``kinds``."""
         table = self.size_table()
         return float(table[:, [int(k) for k in kinds]].sum()) / self.n_tokens
+
+
+def mix_bytes_per_token(layout: PieceLayout, mix: str) -> float:
+    """Mean bytes per context token of a quantised mix's stream: each block's ladder of pieces from
+    ``BASE_LEVEL`` to its top (an int8 block carries its int2 base, minima and steps included, and two
+    refinements: more than a plain int8 cache)."""
+    low, high, share = MIX_TOPS[mix]
+    low_bytes = layout.bytes_per_token(ladder(BASE_LEVEL, low))
+    high_bytes = layout.bytes_per_token(ladder(BASE_LEVEL, high))
+    return (1.0 - share) * low_bytes + share * high_bytes

@@ -51,6 +51,7 @@ from pfec.common.plan.breakeven import (
 )
 from pfec.common.plan.deadline import budget_seconds, serialisation_s
 from pfec.common.plan.kvlayout import KVGeometry
+from pfec.common.plan.pieces import BASE_LEVEL, MIX_TOPS
 from pfec.common.plan.precision import (
     SCHEME,
     FidelityTable,
@@ -67,14 +68,6 @@ NATIVE: Final = "native"
 AUTO: Final = "auto"
 MIXES: Final = ("native", "int8", "int8-int4", "int4", "int2")
 PRECISION_CHOICES: Final = (AUTO, *MIXES)
-# Quantised mixes: (lowest top, highest top, share of blocks by utility that reach the highest top).
-_QUANTISED: Final[dict[str, tuple[Level, Level, float]]] = {
-    "int8": (Level.INT8, Level.INT8, 1.0),
-    "int8-int4": (Level.INT4, Level.INT8, 0.5),
-    "int4": (Level.INT4, Level.INT4, 1.0),
-    "int2": (Level.INT2, Level.INT2, 1.0),
-}
-BASE_LEVEL: Final = Level.INT2  # every quantised mix starts its blocks at int2
 DIGEST_CHARS: Final = 16
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 MAX_SCHEME_CHARS: Final = 64
@@ -154,7 +147,7 @@ def block_tops(mix: str, block_utility: npt.ArrayLike) -> npt.NDArray[np.int64]:
     check_mix(mix)
     if mix == NATIVE:
         raise ValueError("the native mix has no quantised pieces: it sends today's fragments")
-    low, high, share = _QUANTISED[mix]
+    low, high, share = MIX_TOPS[mix]
     util = np.asarray(block_utility, dtype=np.float64)
     tops = np.full(util.size, int(low), dtype=np.int64)
     if high != low:
@@ -367,20 +360,20 @@ def handoff_deadline_s(n_tokens: int, geometry: KVGeometry, rate_bps: float, owd
 
 
 def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
-               receiver: ReceiverModel | None = None, deadline_s: float | None = None,
+               receiver: ReceiverModel | None = None, deadline_s: float | None = None, loss: float = 0.0,
                ) -> tuple[str, dict[str, Any]]:
     """(the mix to send, the planner's view) for ``requested`` (``auto`` or a mix).
 
     ``auto`` takes the planner's choice (``breakeven.plan_handoff``: fidelity first, then speed, for this
-    handoff's tokens and ``deadline_s``, the link's rate and RTT, the receiver's prefill curve, by default
-    the stored curve of the default model). A whole-cache stream at the level a ``split`` choice streams
-    its back; after a ``local`` choice, the fastest whole-cache option that keeps the fidelity floor. The
-    planner's own choice is reported next to it.
+    handoff's tokens and ``deadline_s``, the link's rate, RTT and loss, the receiver's prefill curve, by
+    default the stored curve of the default model). A whole-cache stream at the level a ``split`` choice
+    streams its back; after a ``local`` choice, the fastest whole-cache option that keeps the fidelity
+    floor. The planner's own choice is reported next to it.
     """
     if requested != AUTO:
         check_mix(requested)
     recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
-    plan = plan_handoff(n_tokens, geometry, LinkModel(rate_bps, rtt_s), recv, deadline_s=deadline_s,
+    plan = plan_handoff(n_tokens, geometry, LinkModel(rate_bps, rtt_s, loss), recv, deadline_s=deadline_s,
                         modes=("local", "handoff"))
     handoffs = [o for o in plan.options if o.mode == "handoff"]
     if requested != AUTO:
@@ -402,12 +395,13 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
 
 HANDOFF_MODES: Final = (AUTO, "handoff", "split", "local")
 PLANNER_MODES: Final = ("handoff", "split", "local")
-#: The modes ``auto`` may pick (the planner's choice among them: fidelity first, then speed). Not split
-#: yet: it was measured 1.6-2.4x slower than predicted while sender, emulator and receiver shared two
-#: cores; the demo and `pfec bench breakeven` now give each node its own CPUs, but the planner still
-#: predicts the receiver's front from a stored prefill curve (the whole 2-core machine's), not from the
-#: receiver's own measured speed, so its meeting point is wrong for a one-core receiver.
-AUTO_MODES: Final = ("handoff", "local")
+#: The modes ``auto`` may pick (the planner's choice among them: fidelity first, then speed) once the
+#: receiver has stated its prefill speed (its ACCEPT of an earlier handoff): a split's front runs at the
+#: receiver's speed, and the stored curve (the whole 2-core machine's) put a one-core receiver's meeting
+#: point far off (measured 1.6-2.4x slower than predicted).
+AUTO_MODES: Final = PLANNER_MODES
+#: ``auto``'s modes while the receiver's speed is only the stored curve: no split.
+AUTO_MODES_UNSTATED: Final = ("handoff", "local")
 
 
 @dataclass(frozen=True)
@@ -430,17 +424,18 @@ def aligned_meeting_token(m: float, n_tokens: int, block_tokens: int) -> int:
 
 def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
                 receiver: ReceiverModel | None = None, block_tokens: int = 16,
-                auto_modes: tuple[str, ...] = AUTO_MODES, deadline_s: float | None = None) -> ModeChoice:
+                auto_modes: tuple[str, ...] = AUTO_MODES, deadline_s: float | None = None,
+                loss: float = 0.0) -> ModeChoice:
     """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
-    or a mix), from the break-even planner (this handoff's tokens, the link's rate and RTT, the receiver's
-    prefill curve, by default the stored curve of the default model). ValueError for an unknown mode or
-    mix, or a split at native precision (a split streams a quantised back)."""
+    or a mix), from the break-even planner (this handoff's tokens, the link's rate, RTT and loss, the
+    receiver's prefill curve, by default the stored curve of the default model). ValueError for an unknown
+    mode or mix, or a split at native precision (a split streams a quantised back)."""
     if mode not in HANDOFF_MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(HANDOFF_MODES)}")
     if precision != AUTO:
         check_mix(precision)
     recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
-    link = LinkModel(rate_bps, rtt_s)
+    link = LinkModel(rate_bps, rtt_s, loss)
     modes = ("local", *auto_modes) if mode == AUTO else ("local", mode)
     plan = plan_handoff(n_tokens, geometry, link, recv, deadline_s=deadline_s, modes=modes)
     used_mode = mode

@@ -135,7 +135,7 @@ def plot(rtt_ms: float, loss: float, path: Path) -> Path:
 
 
 _MEASURED_STYLES: Final = {"local": ("k", "o"), "handoff:native": ("C3", "s"), "handoff:auto": ("C0", "^"),
-                            "split:auto": ("C2", "D")}
+                            "split:auto": ("C2", "D"), "auto": ("C1", "x")}
 
 
 def _measured_label(choice: str) -> str:
