@@ -161,13 +161,14 @@ def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt
     return Stream(mix, plan, offer, plan.blocks[first_piece].astype(np.int64))
 
 
-def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest,
+def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest, question_tokens: int,
              ) -> tuple[str, dict[str, Any] | None]:
     if request.precision == NATIVE:
         return NATIVE, None
     geometry = identity.geometry
     return choose_mix(request.precision, n_tokens, geometry, request.rate_bps, request.rtt_s,
-                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss)
+                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss,
+                      question_tokens=question_tokens)
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -210,7 +211,7 @@ def prepare_model(
                              request.rate_bps, request.rtt_s, request.receiver, block_tokens=BLOCK_TOKENS,
                              auto_modes=auto_modes,
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
-                             loss=request.loss)
+                             loss=request.loss, question_tokens=len(question_ids))
         if choice.mode != "handoff":
             return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,
                                   keep_cache, choice, identity)
@@ -221,7 +222,7 @@ def prepare_model(
     if choice is not None and choice.mix is not None:
         mix, planner = choice.mix, choice.view
     else:
-        mix, planner = _mix_for(identity, plan.n_tokens, request)
+        mix, planner = _mix_for(identity, plan.n_tokens, request, len(question_ids))
     if mix == NATIVE:
         queue = _order(plan, utilities, order)
         symbols = llm.serialise_symbols(runtime, cache, plan, queue)

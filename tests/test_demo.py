@@ -30,7 +30,8 @@ _OK, _WHY = _default_model_available()
 @pytest.mark.skipif(not _OK, reason=f"default model unavailable: {_WHY}")
 def test_demo_json_with_the_default_model() -> None:
     # A whole-cache handoff (at 600 tokens auto's planner may choose local prefill: nothing would stream).
-    res = CliRunner().invoke(app, ["demo", "--json", "--tokens", "600", "--no-compare-sim", "--mode", "handoff"])
+    res = CliRunner().invoke(app, ["demo", "--json", "--tokens", "600", "--no-compare-sim",
+                                   "--mode", "handoff"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     for key in ("recovered_utility", "ttft_s", "deadline_s", "answer", "full_kv_answer", "source_sent",

@@ -287,18 +287,37 @@ class ReceiverModel:
     """The receiver's compute: prefill curve, one decode step, fixed cost of joining front and back.
 
     ``rebuild_scale`` multiplies the levels' rebuild times, which were measured on this 2-core CPU (1.0);
-    a GPU receiver rebuilds far faster (see the 7B preset).
+    a GPU receiver rebuilds far faster (see the 7B preset). ``question_tokens``: what the receiver
+    prefills after the context before its first token (the handoff's question; one more forward call
+    over the whole cache, whichever way the context's KV got there).
     """
 
     prefill: PrefillCurve
     decode_s: float
     join_s: float = 0.0
     rebuild_scale: float = 1.0
+    question_tokens: int = 0
 
     def __post_init__(self) -> None:
         _finite_nonneg("decode_s", self.decode_s)
         _finite_nonneg("join_s", self.join_s)
         _finite_nonneg("rebuild_scale", self.rebuild_scale)
+        if not isinstance(self.question_tokens, int) or self.question_tokens < 0:
+            raise ValueError(f"question_tokens must be an int >= 0, got {self.question_tokens!r}")
+
+    def question_s(self, n_tokens: int) -> float:
+        """The question's forward call over a cache of ``n_tokens`` (0 without a question)."""
+        return self.prefill.chunk_seconds(n_tokens, n_tokens + self.question_tokens)
+
+    def front_s(self, m: int) -> float:
+        """A split's front [0, m) as the receiver computes it: chunks of ``FRONT_CHUNK_TOKENS``, each a
+        forward call of its own (``front_chunk_end``)."""
+        seconds, done = 0.0, 0
+        while done < m:
+            end = front_chunk_end(done, m, m)
+            seconds += self.prefill.chunk_seconds(done, end)
+            done = end
+        return seconds
 
 
 # --- Presets ----------------------------------------------------------------------------------------------
@@ -406,19 +425,22 @@ def _check_tokens(n_tokens: int) -> None:
 
 
 def local_option(n_tokens: int, link: LinkModel, receiver: ReceiverModel) -> Option:
-    """The receiver prefills everything itself once told to (one-way delay)."""
-    prefill = receiver.prefill.seconds(n_tokens)
+    """The receiver prefills everything itself once told to (one-way delay): the context and the
+    question in one pass."""
+    prefill = receiver.prefill.seconds(n_tokens + receiver.question_tokens)
     parts = {"owd_s": link.owd_s, "prefill_s": prefill, "decode_s": receiver.decode_s}
     return Option("local", "exact", sum(parts.values()), 0, 0, True, None, parts)
 
 
 def handoff_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
                    receiver: ReceiverModel, keeps_floor: bool) -> Option:
-    """The whole cache streams at ``level``: handshake + one-way delay + serialisation + rebuild."""
+    """The whole cache streams at ``level``: handshake + one-way delay + serialisation + rebuild, then
+    the question's forward call and a decode step."""
     kv = n_tokens * level.bytes_per_token(geometry)
     parts = {
         "handshake_s": link.handshake_s, "owd_s": link.owd_s, "serialisation_s": link.serialisation_s(kv),
-        "rebuild_s": _rebuild_s(n_tokens, geometry, level, receiver), "decode_s": receiver.decode_s,
+        "rebuild_s": _rebuild_s(n_tokens, geometry, level, receiver),
+        "question_s": receiver.question_s(n_tokens), "decode_s": receiver.decode_s,
     }
     return Option("handoff", level.name, sum(parts.values()), kv, math.ceil(link.wire_bytes(kv)),
                   keeps_floor, None, parts)
@@ -434,30 +456,35 @@ def _rebuild_s(n_tokens: float, geometry: KVGeometry, level: PrecisionLevel,
 
 def meeting_point(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
                   receiver: ReceiverModel) -> float:
-    """The real m in [0, N] where the receiver's front prefill ends when the back is ready to join.
+    """The real m in [0, N] where the receiver's front ends when the back has arrived.
 
-    front(m) = owd + a + b m + c m^2 (m > 0) and back(m) = handshake + owd + s (N - m), with s the link
-    plus rebuild seconds per token at ``level``. front - back increases with m, so the root is unique:
-    the quadratic's non-negative root, clamped to [0, N] (0: even the first token is cheaper to ship;
-    N: local prefill is never slower than the link).
+    front(m) = owd + the front's chunks (``ReceiverModel.front_s``) and back(m) = handshake + owd +
+    s (N - m), with s the link seconds per token at ``level``. The back's rebuild runs after both (the
+    model worker computes the front until then) and shrinks as m grows, but by less per token than the
+    front grows, so TTFT is least where front and back cross. front - back increases with m, so the
+    crossing is unique: found by bisection over whole tokens, then interpolated between the two
+    around it; 0 when even the first token is cheaper to ship, N when local prefill is never slower
+    than the link.
     """
     _check_tokens(n_tokens)
-    curve = receiver.prefill
-    s = _back_s_per_token(geometry, level, link, receiver)
-    const = curve.a - link.handshake_s - s * n_tokens  # c m^2 + (b + s) m + const = 0
-    if const >= 0:
+    s = link.serialisation_s(level.bytes_per_token(geometry))
+
+    def gap(m: int) -> float:  # front - back
+        return receiver.front_s(m) - link.handshake_s - s * (n_tokens - m)
+
+    if gap(1) >= 0:  # the first call alone outlasts the whole back
         return 0.0
-    lin = curve.b + s
-    if curve.c == 0:
-        root = -const / lin if lin > 0 else math.inf
-    else:  # the cancellation-free form of the positive root of c m^2 + lin m + const
-        root = 2 * -const / (lin + math.sqrt(lin * lin - 4 * curve.c * const))
-    return min(float(n_tokens), root)
-
-
-def _back_s_per_token(geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
-                      receiver: ReceiverModel) -> float:
-    return link.serialisation_s(level.bytes_per_token(geometry)) + _rebuild_s(1, geometry, level, receiver)
+    if gap(n_tokens) <= 0:
+        return float(n_tokens)
+    lo, hi = 1, n_tokens  # gap(lo) < 0 < gap(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gap(mid) < 0:
+            lo = mid
+        else:
+            hi = mid
+    below, above = gap(lo), gap(hi)
+    return lo + -below / (above - below)
 
 
 def split_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, link: LinkModel,
@@ -473,8 +500,10 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
              receiver: ReceiverModel, keeps_floor: bool = True) -> Option:
     """The split with the receiver computing [0, m) and the link carrying [m, N) at ``level``.
 
-    The back is ready when its last byte has landed and been rebuilt; the receiver joins both halves and
-    decodes: TTFT = max(front, back) + join + one decode step.
+    The front is computed in chunks (``ReceiverModel.front_s``); the back has arrived when its last byte
+    has landed. The receiver's model worker then rebuilds the back (it was busy with the front until
+    then), joins both halves, runs the question and decodes: TTFT = max(front, back) + rebuild + join +
+    question + one decode step.
     """
     _check_tokens(n_tokens)
     if not 0 <= m <= n_tokens:
@@ -482,11 +511,11 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     back_tokens = n_tokens - m
     kv = back_tokens * level.bytes_per_token(geometry)
     rebuild = _rebuild_s(back_tokens, geometry, level, receiver)
-    front = link.owd_s + receiver.prefill.seconds(m)
-    back = link.handshake_s + link.owd_s + link.serialisation_s(kv) + rebuild if back_tokens else 0.0
+    front = link.owd_s + receiver.front_s(m)
+    back = link.handshake_s + link.owd_s + link.serialisation_s(kv) if back_tokens else 0.0
     parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
-             "decode_s": receiver.decode_s}
-    ttft = max(front, back) + receiver.join_s + receiver.decode_s
+             "question_s": receiver.question_s(n_tokens), "decode_s": receiver.decode_s}
+    ttft = max(front, back) + rebuild + receiver.join_s + parts["question_s"] + receiver.decode_s
     return Option("split", level.name, ttft, kv, math.ceil(link.wire_bytes(kv)), keeps_floor, m, parts)
 
 

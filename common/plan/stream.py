@@ -32,7 +32,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -359,20 +359,28 @@ def handoff_deadline_s(n_tokens: int, geometry: KVGeometry, rate_bps: float, owd
     return budget_seconds(t_ser, owd_s, rho, deadline_ms)
 
 
+def _receiver(stated: ReceiverModel | None, question_tokens: int) -> ReceiverModel:
+    """The receiver the planner predicts for: its stated speed, else the default model's stored curve,
+    with this handoff's question."""
+    model = stated or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
+    return replace(model, question_tokens=question_tokens)
+
+
 def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
                receiver: ReceiverModel | None = None, deadline_s: float | None = None, loss: float = 0.0,
-               ) -> tuple[str, dict[str, Any]]:
+               question_tokens: int = 0) -> tuple[str, dict[str, Any]]:
     """(the mix to send, the planner's view) for ``requested`` (``auto`` or a mix).
 
     ``auto`` takes the planner's choice (``breakeven.plan_handoff``: fidelity first, then speed, for this
     handoff's tokens and ``deadline_s``, the link's rate, RTT and loss, the receiver's prefill curve, by
     default the stored curve of the default model). A whole-cache stream at the level a ``split`` choice
     streams its back; after a ``local`` choice, the fastest whole-cache option that keeps the fidelity
-    floor. The planner's own choice is reported next to it.
+    floor. The planner's own choice is reported next to it. ``question_tokens``: the question the receiver
+    runs once the context's KV is whole.
     """
     if requested != AUTO:
         check_mix(requested)
-    recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
+    recv = _receiver(receiver, question_tokens)
     plan = plan_handoff(n_tokens, geometry, LinkModel(rate_bps, rtt_s, loss), recv, deadline_s=deadline_s,
                         modes=("local", "handoff"))
     handoffs = [o for o in plan.options if o.mode == "handoff"]
@@ -425,7 +433,7 @@ def aligned_meeting_token(m: float, n_tokens: int, block_tokens: int) -> int:
 def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
                 receiver: ReceiverModel | None = None, block_tokens: int = 16,
                 auto_modes: tuple[str, ...] = AUTO_MODES, deadline_s: float | None = None,
-                loss: float = 0.0) -> ModeChoice:
+                loss: float = 0.0, question_tokens: int = 0) -> ModeChoice:
     """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
     or a mix), from the break-even planner (this handoff's tokens, the link's rate, RTT and loss, the
     receiver's prefill curve, by default the stored curve of the default model). ValueError for an unknown
@@ -434,7 +442,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
         raise ValueError(f"mode {mode!r} is not one of {', '.join(HANDOFF_MODES)}")
     if precision != AUTO:
         check_mix(precision)
-    recv = receiver or ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
+    recv = _receiver(receiver, question_tokens)
     link = LinkModel(rate_bps, rtt_s, loss)
     modes = ("local", *auto_modes) if mode == AUTO else ("local", mode)
     plan = plan_handoff(n_tokens, geometry, link, recv, deadline_s=deadline_s, modes=modes)
