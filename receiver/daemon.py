@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker
 from pfec.common.plan.handoff import ModelIdentity
-from pfec.common.plan.receiver_speed import stated_fields
+from pfec.common.plan.receiver_speed import RecentPrefills
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
 from pfec.receiver.admission import admit
@@ -121,10 +122,11 @@ class ReceiverDaemon:
             self.endpoint, identity, runtime, worker=self.worker, metrics=self.metrics, limits=self.limits,
             profiles=profiles or ProfileStore(DEFAULT_PROFILE_DIR), max_tokens=self.max_tokens,
             default_mode=default_mode, peers=self._peers, late_s=self.stats.deadline_late_s, clock=clock,
-            service=self._service,
+            service=self._service, prefill_timed=self._on_prefill_timed,
         )
         self._reaper: asyncio.TimerHandle | None = None
         self.prefill_speed: PrefillSpeed | None = None  # what its ACCEPTs state (measure_prefill_speed)
+        self.prefill_load: RecentPrefills | None = None  # that speed refitted over its recent prefills
         self.speed_measured_at: float | None = None
         self._measuring: asyncio.Task[PrefillSpeed | None] | None = None
         self._live_seen: tuple[int, int] = (-1, -1)
@@ -319,7 +321,8 @@ class ReceiverDaemon:
     # ------------------------------------------------------------------ the prefill speed its ACCEPTs state
     async def measure_prefill_speed(self) -> PrefillSpeed | None:
         """Time this node's prefill (in the model worker: after the jobs queued, never inside one) and
-        state it in every ACCEPT from now on (``breakeven.stated_fields``); None without a model."""
+        state it in every ACCEPT from now on (``receiver_speed.stated_fields``, refitted over recent prefills
+        by ``RecentPrefills``); None without a model."""
         runtime = self.runtime
         if runtime is None:
             return None
@@ -338,11 +341,22 @@ class ReceiverDaemon:
             return None
         finally:
             self._measuring = None
-        self.endpoint.prefill_statement = stated_fields(speed.curve, speed.decode_s)
+        self.prefill_load = RecentPrefills(speed.curve, speed.decode_s, speed.points)  # a new measurement
+        self.endpoint.prefill_statement = self.prefill_load.stated()
         self.prefill_speed = speed
         self.speed_measured_at = clock()
         self.metrics.prefill_speed(speed.tokens_per_second())
         return speed
+
+    def _on_prefill_timed(self, timed: Sequence[tuple[int, int, float]]) -> None:
+        """A front's chunks, timed as they ran (beside the stream they met): the stated speed from now on
+        is refitted over them and the measurement (``RecentPrefills``)."""
+        load = self.prefill_load
+        if load is None:
+            return
+        if sum(load.observe(start, stop, seconds) for start, stop, seconds in timed):
+            self.endpoint.prefill_statement = load.stated()
+            self.metrics.prefill_speed(load.curve.tokens_per_second(1024))
 
     # ------------------------------------------------------------------ control API (receiver/control.py)
     @property

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -123,6 +123,7 @@ class Handoffs:
         late_s: deque[float],
         clock: Callable[[], float],
         service: Callable[[float], None],
+        prefill_timed: Callable[[Sequence[tuple[int, int, float]]], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
@@ -137,6 +138,7 @@ class Handoffs:
         self.late_s = late_s  # each deadline's start lateness (the daemon's stats)
         self.clock = clock
         self.service = service
+        self.prefill_timed = prefill_timed  # told each front's timed chunks (the daemon's stated speed)
         self.sessions: dict[int, SessionInfo] = {}
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
         self.jobs: set[asyncio.Future[Reconstructed]] = set()
@@ -210,6 +212,9 @@ class Handoffs:
         info.front = front
         self._front_jobs.add(job)
         job.add_done_callback(self._front_jobs.discard)
+        if self.prefill_timed is not None:
+            told = self.prefill_timed
+            job.add_done_callback(lambda _job: told(front.timed))
         return True
 
     def _on_front_progress(self, sid: int, tokens: int) -> None:

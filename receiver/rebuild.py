@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.breakeven import FRONT_CHUNK_TOKENS, front_chunk_end
 from pfec.common.plan.handoff import (
     BLOCK_TOKENS,
     ModelIdentity,
@@ -30,6 +29,7 @@ from pfec.common.plan.handoff import (
 )
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, decode_fragment_ids
 from pfec.common.plan.precision import FidelityTable, Level, PiecePlan
+from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, front_chunk_end
 from pfec.common.plan.stream import NATIVE, file_by_stream_index, score_stream
 from pfec.common.plan.utility import UtilityProfile
 from pfec.receiver.session import DeadlineReached, ReceiverStats
@@ -64,6 +64,8 @@ class Front:
     tokens: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     compute_s: float = 0.0
+    # Every chunk computed whole: (first token, end, seconds), the receiver's prefill under its present load.
+    timed: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -79,10 +81,12 @@ def compute_front(runtime: ModelRuntime, front: Front, progress: Callable[[int],
     started = time.perf_counter()
     while front.tokens < len(ids) and not front.stop.is_set():
         end = front_chunk_end(front.tokens, front.meeting_token, len(ids), front.chunk_tokens)
+        chunk_started = time.perf_counter()
         try:
             front.cache = llm.prefill_chunk(runtime, front.cache, ids[front.tokens : end], stop=front.stop)
         except llm.ChunkStopped:  # the session started mid-chunk: the cache still holds [0, tokens)
             break
+        front.timed.append((front.tokens, end, time.perf_counter() - chunk_started))
         front.tokens = end
         progress(end)
     front.compute_s += time.perf_counter() - started

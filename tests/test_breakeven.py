@@ -16,18 +16,17 @@ from pfec.common.plan.breakeven import (
     PRESETS,
     LinkModel,
     PrecisionLevel,
-    PrefillCurve,
     ReceiverModel,
     Switch,
     beats_local_from,
     choice_switches,
-    fit_prefill_curve,
     level_named,
     meeting_point,
     plan_handoff,
     split_at,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
+from pfec.common.plan.prefill import PrefillCurve, fit_prefill_curve
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
 
 NATIVE = level_named("native")
@@ -339,7 +338,7 @@ def test_plan_command_refuses_bad_input_with_exit_2(args: list[str], reason: str
 def test_front_chunks_end_on_the_meeting_token_and_never_past_the_context() -> None:
     """The receiver's front: fixed chunks, but the one crossing the meeting token stops on it (the session
     may start there), and chunks past it continue only while the stream is late."""
-    from pfec.common.plan.breakeven import front_chunk_end
+    from pfec.common.plan.prefill import front_chunk_end
 
     def chunks(meeting: int, n: int, size: int = 256) -> list[int]:
         ends, done = [], 0
@@ -379,6 +378,43 @@ def test_fidelity_first_the_most_faithful_stream_that_fits_then_local_unless_bea
             plan_handoff(100, DEFAULT_GEOMETRY, link, receiver, local_margin=bad)
     with pytest.raises(ValueError, match="deadline"):
         plan_handoff(100, DEFAULT_GEOMETRY, link, receiver, deadline_s=0.0)
+
+
+def test_the_stated_speed_is_refitted_over_the_recent_prefill_calls() -> None:
+    """A receiver that measured (128, 512, 1024 tokens, from empty) a nearly linear curve, then timed a
+    long split front in 256-token chunks whose cost grows with the cache before them (attention), states
+    a curve with that quadratic term: its prediction for 4k tokens follows the chunks, not the
+    extrapolated measurement. Implausible timings are ignored."""
+    from pfec.common.plan.receiver_speed import RecentPrefills, stated_fields
+
+    true = PrefillCurve(0.1, 3e-3, 5e-7)
+    points = [(n, true.a + 3.2e-3 * n) for n in (128, 512, 1024)]  # the quadratic hidden at short lengths
+    measured = fit_prefill_curve(points)
+    recent = RecentPrefills(measured, 0.08, points)
+    assert recent.stated() == stated_fields(measured, 0.08)  # nothing timed yet: the measurement
+    assert not recent.observe(10, 10, 1.0) and not recent.observe(0, 256, float("nan"))
+    assert not recent.observe(0, 256, 0.0) and not recent.observe(0, 256, 1e6) and recent.timed == 0
+    for start in range(0, 4096, 256):
+        assert recent.observe(start, start + 256, true.chunk_seconds(start, start + 256))
+    assert recent.timed == 16 and recent.curve.c > 0
+    err_before = abs(measured.seconds(4096) - true.seconds(4096)) / true.seconds(4096)
+    err_after = abs(recent.curve.seconds(4096) - true.seconds(4096)) / true.seconds(4096)
+    assert err_before > 0.3 and err_after < 0.1, (err_before, err_after)  # measured: 36% -> 7%
+    assert recent.stated() == stated_fields(recent.curve, 0.08)
+
+
+def test_timed_calls_fit_the_curve_they_were_drawn_from() -> None:
+    from pfec.common.plan.prefill import fit_prefill_calls
+
+    true = PrefillCurve(0.12, 2.5e-3, 4e-7)
+    calls = [(0, 300, true.seconds(300)), (300, 700, true.chunk_seconds(300, 700)),
+             (700, 2000, true.chunk_seconds(700, 2000)), (0, 1500, true.seconds(1500))]
+    fit = fit_prefill_calls(calls)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((true.a, true.b, true.c), rel=1e-6)
+    with pytest.raises(ValueError, match="0 <= start < stop"):
+        fit_prefill_calls([(5, 5, 1.0)])
+    with pytest.raises(ValueError, match="no timed"):
+        fit_prefill_calls([])
 
 
 def test_a_stated_speed_travels_in_integer_units_and_the_implausible_is_refused() -> None:

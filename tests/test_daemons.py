@@ -37,10 +37,10 @@ from pfec.common.model.speed import PrefillSpeed
 from pfec.common.node.control import ControlClient, ControlServer
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
-from pfec.common.plan.breakeven import PrefillCurve
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
-from pfec.common.plan.receiver_speed import stated_fields
+from pfec.common.plan.prefill import PrefillCurve
+from pfec.common.plan.receiver_speed import RecentPrefills, stated_fields
 from pfec.common.plan.utility import synthetic_profile
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import Role, Source
@@ -58,6 +58,7 @@ from pfec.lab.processes import Child, node_cpu_sets, pinned
 from pfec.lab.sim.channel import Bernoulli
 from pfec.receiver.control import session_views
 from pfec.receiver.daemon import ReceiverDaemon
+from pfec.receiver.rebuild import Front, compute_front
 from pfec.receiver.session import ReceiverConfig
 from pfec.sender.control import sender_routes
 from pfec.sender.daemon import SenderDaemon
@@ -598,6 +599,23 @@ def test_split_and_local_handoffs_compute_the_front_and_match_full_kv(tiny: llm.
         assert report["source_sent"] == 1 and report["precision"] == "none", report
     assert results[-1]["handoff_mode"] == mode
     assert f'pfec_sender_handoff_modes_total{{mode="{mode}"}} 1.0'.encode() in metrics
+
+
+def test_a_front_times_its_chunks_and_the_receiver_states_the_refitted_speed(tiny: llm.ModelRuntime) -> None:
+    """The front's chunks are timed as they run (each a forward call over the cache before it), and the
+    receiver's statement from then on is its curve refitted over them (``RecentPrefills``)."""
+    ids = tuple(int(x) for x in np.random.default_rng(5).integers(3, VOCAB, size=200))
+    front = Front(ids, meeting_token=200, chunk_tokens=64)  # the tiny model holds 256 tokens
+    assert compute_front(tiny, front, lambda _tokens: None) == 200
+    assert [(start, stop) for start, stop, _ in front.timed] == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert all(seconds > 0 for _, _, seconds in front.timed)
+    identity = runtime_identity(tiny)
+    rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+    slow = PrefillCurve(1.0, 1e-3, 0.0)  # far slower than the tiny model: the timed chunks refit it
+    rx.prefill_load = RecentPrefills(slow, 0.05, [(128, slow.seconds(128)), (512, slow.seconds(512))])
+    rx._on_prefill_timed(front.timed)
+    assert rx.prefill_load.timed == 4 and rx.prefill_load.curve.seconds(200) < slow.seconds(200)
+    assert rx.endpoint.prefill_statement == rx.prefill_load.stated()
 
 
 def test_rebuild_from_a_partial_stream_masks_the_blocks_with_no_level(tiny: llm.ModelRuntime) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pfec.common.plan.breakeven import PrefillCurve, ReceiverModel
+from pfec.common.plan.breakeven import ReceiverModel
+from pfec.common.plan.prefill import PrefillCurve
 from pfec.sender.peers import PeerMemory, PeerNumbers
 
 

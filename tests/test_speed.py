@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pfec.common.model import llm, speed
-from pfec.common.plan.breakeven import PrefillCurve
+from pfec.common.plan.prefill import PrefillCurve
 
 LENGTHS = (16, 48, 96)
 

@@ -22,7 +22,8 @@ import torch
 
 from pfec.common.model.kvcache import prefill
 from pfec.common.model.loading import ModelRuntime, check_length
-from pfec.common.plan.breakeven import PrefillCurve, ReceiverModel, fit_prefill_curve
+from pfec.common.plan.breakeven import ReceiverModel
+from pfec.common.plan.prefill import PrefillCurve, fit_prefill_curve
 
 DEFAULT_LENGTHS: Final = (128, 512, 1024)
 WARM_UP_TOKENS: Final = 64

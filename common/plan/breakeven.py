@@ -14,9 +14,10 @@ that keeps a fidelity floor:
 Every option ends with the receiver's first decode step. The clock starts when the sender decides, so
 every option pays the one-way delay of telling the receiver (the token ids are small next to KV).
 
-Times come from plain numbers: the receiver's prefill curve t(N) = a + bN + cN^2 (measured by
-``common/model/speed.py`` on the node, or a preset here), its per-token decode time, the link's rate, RTT
-and expected loss. Sans-IO: no torch, no clock; the presets below say where each number comes from.
+Times come from plain numbers: the receiver's prefill curve t(N) = a + bN + cN^2 (:mod:`.prefill`;
+measured by ``common/model/speed.py`` on the node, or a preset here), its per-token decode time, the
+link's rate, RTT and expected loss. Sans-IO: no torch, no clock; the presets below say where each
+number comes from.
 """
 
 from __future__ import annotations
@@ -30,120 +31,12 @@ import numpy as np
 
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, FRAGMENT_ID_SIZE, KVGeometry
 from pfec.common.plan.pieces import PieceLayout, mix_bytes_per_token
+from pfec.common.plan.prefill import PrefillCurve, finite_nonneg, front_chunk_end
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
 
 Mode = Literal["local", "handoff", "split"]
 MODES: Final[tuple[Mode, ...]] = ("local", "handoff", "split")  # tie-break order: simplest first
 MB: Final = 1_000_000
-
-
-def _finite_nonneg(name: str, value: float) -> float:
-    """``value`` as a float, refused unless finite and >= 0."""
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return number
-
-
-# --- Prefill speed ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillCurve:
-    """Seconds to prefill N tokens: t(N) = a + b N + c N^2 (t(0) = 0: nothing to compute)."""
-
-    a: float  # fixed cost per prefill call, s
-    b: float  # s per token (weights: linear in N)
-    c: float  # s per token^2 (attention: quadratic in N)
-
-    def __post_init__(self) -> None:
-        for name in ("a", "b", "c"):
-            _finite_nonneg(f"PrefillCurve.{name}", getattr(self, name))
-
-    def seconds(self, n_tokens: float) -> float:
-        """Predicted seconds to prefill ``n_tokens`` from an empty cache."""
-        if n_tokens < 0 or not math.isfinite(n_tokens):
-            raise ValueError(f"token count must be finite and >= 0, got {n_tokens!r}")
-        if n_tokens == 0:
-            return 0.0
-        return self.a + self.b * n_tokens + self.c * n_tokens * n_tokens
-
-    def chunk_seconds(self, start: float, stop: float) -> float:
-        """Predicted seconds to compute tokens [start, stop) given the cache of [0, start).
-
-        The work is t(stop) - t(start) (b per token, attention c (j^2 - i^2)); the fixed cost ``a`` comes
-        once per forward call, so a chunk [i, j) with i > 0 costs a + t(j) - t(i), and [0, j) costs t(j).
-        """
-        if not 0 <= start <= stop:
-            raise ValueError(f"chunk [{start}, {stop}) must satisfy 0 <= start <= stop")
-        if start == stop:
-            return 0.0
-        extra = self.a if start > 0 else 0.0
-        return extra + self.seconds(stop) - self.seconds(start)
-
-    def tokens_per_second(self, n_tokens: int) -> float:
-        """Average prefill throughput over a context of ``n_tokens``."""
-        if n_tokens <= 0:
-            raise ValueError(f"token count must be positive, got {n_tokens!r}")
-        seconds = self.seconds(n_tokens)
-        return math.inf if seconds == 0 else n_tokens / seconds
-
-    def to_dict(self) -> dict[str, float]:
-        return {"a": self.a, "b": self.b, "c": self.c}
-
-
-#: Tokens per forward call of a split's front prefill (the receiver daemon's, and the simulator's model of
-#: it), each chunk's end reported to the sender (small: finer progress, more per-call overhead). Measured
-#: here (default model, 2 threads, 688 tokens, load 1.2): one pass 1.10 s, chunks of 128 tokens 1.55 s, of
-#: 256 tokens 1.33 s.
-FRONT_CHUNK_TOKENS: Final = 256
-
-
-def front_chunk_end(done: int, meeting_token: int, n_tokens: int, chunk_tokens: int = FRONT_CHUNK_TOKENS,
-                    ) -> int:
-    """Where the front's next chunk from token ``done`` ends: ``chunk_tokens`` on, except that the chunk
-    that crosses the meeting token ends on it (the session can start there once the back has arrived, so
-    tokens past it are computed only while the stream is late), and never past the context."""
-    if not 0 <= done < n_tokens or chunk_tokens < 1:
-        raise ValueError(f"front chunk from token {done!r} of {n_tokens!r} in chunks of {chunk_tokens!r}")
-    end = min(n_tokens, done + chunk_tokens)
-    return meeting_token if done < meeting_token < end else end
-
-
-def fit_prefill_curve(points: Sequence[tuple[int, float]]) -> PrefillCurve:
-    """Least-squares t(N) = a + bN + cN^2 with a, b, c >= 0 through measured (N, seconds) points.
-
-    Non-negative least squares by trying every set of free coefficients (3 unknowns: 7 sets) and keeping
-    the feasible fit with the smallest residual; a negative c (noise on a nearly linear curve) becomes 0.
-    Needs at least two distinct token counts; timings must be finite and positive.
-    """
-    if len(points) < 2:
-        raise ValueError(f"need at least 2 (tokens, seconds) points to fit prefill speed, got {len(points)}")
-    for n, t in points:
-        if not isinstance(n, int | np.integer) or n <= 0:
-            raise ValueError(f"prefill point token count must be a positive integer, got {n!r}")
-        if not math.isfinite(t) or t <= 0:
-            raise ValueError(f"prefill point time must be finite and > 0 s, got {t!r} for {n} tokens")
-    ns = np.array([float(n) for n, _ in points])
-    if len(set(ns.tolist())) < 2:
-        raise ValueError("prefill points need at least 2 distinct token counts")
-    ts = np.array([float(t) for _, t in points])
-    design = np.stack([np.ones_like(ns), ns, ns * ns], axis=1)
-    scale = np.abs(design).max(axis=0)  # condition the columns (N^2 ~ 1e6)
-    best: tuple[float, np.ndarray] | None = None
-    for mask in range(1, 8):
-        cols = [i for i in range(3) if mask >> i & 1]
-        sol, *_ = np.linalg.lstsq(design[:, cols] / scale[cols], ts, rcond=None)
-        coef = np.zeros(3)
-        coef[cols] = sol / scale[cols]
-        if (coef < 0).any():
-            continue
-        residual = float(np.sum((design @ coef - ts) ** 2))
-        if best is None or residual < best[0] - 1e-18:
-            best = (residual, coef)
-    assert best is not None  # mask 1 (a alone = mean of positive times) is always feasible
-    a, b, c = (float(x) for x in best[1])
-    return PrefillCurve(a, b, c)
 
 
 # --- Precision levels -------------------------------------------------------------------------------------
@@ -167,8 +60,8 @@ class PrecisionLevel:
     def __post_init__(self) -> None:
         if self.bf16_ratio is not None and not (math.isfinite(self.bf16_ratio) and self.bf16_ratio > 0):
             raise ValueError(f"precision {self.name!r}: bf16_ratio must be finite and > 0")
-        _finite_nonneg(f"precision {self.name!r} mean_kl", self.mean_kl)
-        _finite_nonneg(f"precision {self.name!r} rebuild_s_per_mb", self.rebuild_s_per_mb)
+        finite_nonneg(f"precision {self.name!r} mean_kl", self.mean_kl)
+        finite_nonneg(f"precision {self.name!r} rebuild_s_per_mb", self.rebuild_s_per_mb)
         if not 0 <= self.agreement <= 1:
             raise ValueError(f"precision {self.name!r}: agreement must lie in [0, 1]")
 
@@ -252,10 +145,10 @@ class LinkModel:
     def __post_init__(self) -> None:
         if math.isnan(self.rate_bps) or self.rate_bps <= 0:
             raise ValueError(f"link rate must be > 0 bit/s, got {self.rate_bps!r}")
-        _finite_nonneg("RTT", self.rtt_s)
+        finite_nonneg("RTT", self.rtt_s)
         if not (math.isfinite(self.loss) and 0 <= self.loss < 1):
             raise ValueError(f"loss must lie in [0, 1), got {self.loss!r}")
-        _finite_nonneg("handshake_rtts", self.handshake_rtts)
+        finite_nonneg("handshake_rtts", self.handshake_rtts)
         if not isinstance(self.symbol_size, int) or self.symbol_size <= FRAGMENT_ID_SIZE:
             raise ValueError(f"symbol size must be an int > {FRAGMENT_ID_SIZE}, got {self.symbol_size!r}")
 
@@ -299,9 +192,9 @@ class ReceiverModel:
     question_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _finite_nonneg("decode_s", self.decode_s)
-        _finite_nonneg("join_s", self.join_s)
-        _finite_nonneg("rebuild_scale", self.rebuild_scale)
+        finite_nonneg("decode_s", self.decode_s)
+        finite_nonneg("join_s", self.join_s)
+        finite_nonneg("rebuild_scale", self.rebuild_scale)
         if not isinstance(self.question_tokens, int) or self.question_tokens < 0:
             raise ValueError(f"question_tokens must be an int >= 0, got {self.question_tokens!r}")
 

@@ -2,14 +2,21 @@
 
 The receiver measures its prefill curve (``common/model/speed.py``) and states it in integer units, four
 u32 fields of the ACCEPT (:mod:`pfec.common.wire.messages`); the sender believes a statement only if it
-describes a working node, and its planner (:mod:`.breakeven`) then predicts with it.
+describes a working node, and its planner (:mod:`.breakeven`) then predicts with it. Between
+measurements, ``RecentPrefills`` refits the curve over the measurement and the receiver's recent prefill
+calls (a split's front chunks, a local prefill's), timed as they ran: its speed under its present load,
+stated from then on.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Sequence
 from typing import Final
 
-from pfec.common.plan.breakeven import PrefillCurve, ReceiverModel
+from pfec.common.plan.breakeven import ReceiverModel
+from pfec.common.plan.prefill import PrefillCurve, fit_prefill_calls
 
 # What a stated curve may claim: no per-token cost (b = c = 0) or a first token later than this at 1k tokens
 # is not a measurement of a working node.
@@ -39,3 +46,39 @@ def stated_receiver(a_us: int, b_ns: int, c_ps: int, decode_us: int) -> Receiver
         raise ValueError(f"a stated prefill of {curve.seconds(1024):.0f} s for 1024 tokens, decode "
                          f"{decode_s:.1f} s: not a working node")
     return ReceiverModel(curve, decode_s)
+
+
+RECENT_CALLS: Final = 64  # timed forward calls kept beside the start-up measurement
+MAX_CALL_S: Final = 600.0  # a call timed longer than this says more about the timer than about the node
+
+
+class RecentPrefills:
+    """The curve this node states: refitted over its start-up measurement and its recent prefill calls
+    (a split's front chunks, a local prefill's), timed as they ran, beside whatever stream or job shared
+    the node with them: its speed under its present load (``fit_prefill_calls``). The start-up points
+    (prefills from empty at a few lengths) keep the fit anchored; the recent calls, at the lengths and
+    positions real handoffs need, correct it, attention's quadratic cost at long contexts included."""
+
+    def __init__(self, curve: PrefillCurve, decode_s: float,
+                 points: Sequence[tuple[int, float]] = ()) -> None:
+        self.curve = curve
+        self.decode_s = decode_s
+        self._measured = [(0, int(n), float(t)) for n, t in points]
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_CALLS)
+        self.timed = 0  # calls folded in
+
+    def observe(self, start: int, stop: int, seconds: float) -> bool:
+        """A call computed tokens [start, stop) over a cache of [0, start) in ``seconds``; False (ignored)
+        when that is not a plausible timing."""
+        if not 0 <= start < stop or not (math.isfinite(seconds) and 0 < seconds <= MAX_CALL_S):
+            return False
+        self._recent.append((int(start), int(stop), float(seconds)))
+        self.timed += 1
+        calls = [*self._measured, *self._recent]
+        if len({(s, e) for s, e, _ in calls}) >= 2:  # two distinct calls pin a line at least
+            self.curve = fit_prefill_calls(calls)
+        return True
+
+    def stated(self) -> tuple[int, int, int, int]:
+        """The ACCEPT's fields for the curve as refitted and the measured decode step."""
+        return stated_fields(self.curve, self.decode_s)

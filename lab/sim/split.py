@@ -30,15 +30,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.breakeven import (
-    DEFAULT_MODEL_DECODE_S,
-    DEFAULT_MODEL_PREFILL,
-    FRONT_CHUNK_TOKENS,
-    PrefillCurve,
-    ReceiverModel,
-    front_chunk_end,
-)
+from pfec.common.plan.breakeven import DEFAULT_MODEL_DECODE_S, DEFAULT_MODEL_PREFILL, ReceiverModel
 from pfec.common.plan.precision import FidelityTable, PiecePlan
+from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, PrefillCurve, front_chunk_end
 from pfec.common.plan.stream import score_stream
 from pfec.lab.reporting.stats import mean_ci95_fields
 from pfec.receiver.endpoint import ReceiverEndpoint
