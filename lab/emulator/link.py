@@ -5,7 +5,11 @@ Per direction (forward = towards the receiver, reverse = back) a datagram goes t
 1. **Queue admission** (drop-tail): at most ``queue_packets`` datagrams may be in the link at once
    (waiting or being serialised); the rest are dropped and counted as ``queue_dropped``.
 2. **Serialisation** at ``rate_bps`` in virtual time: ``finish = max(now, next_free) + 8 L / C``. A rate of
-   0 means unlimited (no serialisation time, no queue).
+   0 means unlimited (no serialisation time, no queue). With a ``rate_trace`` (Mahimahi format,
+   :mod:`pfec.lab.sim.rate_trace`) steps 1-2 are the trace's drop-tail bottleneck instead, sized in
+   bytes (``queue_bytes``, else ``DEFAULT_QUEUE_MS`` at the trace's mean rate), its clock starting with
+   the direction's first datagram. Either way each datagram's time from arrival to leaving the
+   bottleneck is sampled for the queueing-delay percentiles (``queue_delay_ms_p50/p95/p99``).
 3. **Loss** on the wire: the k-th datagram serialised in this direction is lost when ``lost[k]`` of the
    direction's loss realization is True (``pfec.lab.sim.channel`` models; generator
    ``realization_rng(seed, realization, "forward" | "reverse")``, the streams the simulator uses, so a
@@ -37,6 +41,7 @@ from typing import Any, Final, Self
 import numpy as np
 
 from pfec.lab.sim.channel import LossModel, parse_loss_spec, realization_rng
+from pfec.lab.sim.rate_trace import RateTrace, TraceQueue, queue_limit_bytes
 
 __all__ = [
     "LOSS_CHUNK",
@@ -66,6 +71,8 @@ class DirectionSpec:
     owd_s: float = 0.010
     loss: LossModel | None = None  # None: lossless
     queue_packets: int = 1000
+    rate_trace: RateTrace | None = None  # the rate follows this trace (rate_bps and queue_packets unused)
+    queue_bytes: int | None = None  # the trace's bottleneck depth (None: DEFAULT_QUEUE_MS at its mean rate)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.rate_bps) and self.rate_bps >= 0):
@@ -80,6 +87,8 @@ class DirectionSpec:
             raise ValueError(f"queue_packets must be an int >= 1, got {self.queue_packets!r}")
         if self.loss is not None and not isinstance(self.loss, LossModel):
             raise ValueError(f"loss must be a pfec.lab.sim.channel loss model or None, got {self.loss!r}")
+        if self.queue_bytes is not None and (not isinstance(self.queue_bytes, int) or self.queue_bytes < 1):
+            raise ValueError(f"queue_bytes must be an int >= 1 or None, got {self.queue_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,12 @@ class DirectionStats:
     bytes_in: int = 0
     bytes_out: int = 0
     max_queue: int = 0  # most datagrams in the link at once
+    queue_delay_ms_p50: float | None = None  # arrival -> leaving the bottleneck (``LinkDirection.snapshot``)
+    queue_delay_ms_p95: float | None = None
+    queue_delay_ms_p99: float | None = None
+
+
+DELAY_SAMPLES: Final = 1 << 18  # queueing delays kept per direction (then a uniform reservoir)
 
 
 class LinkDirection:
@@ -119,8 +134,15 @@ class LinkDirection:
         self.spec = spec
         self.stats = DirectionStats()
         self._rng = rng
-        self._s_per_byte = 8.0 / spec.rate_bps if spec.rate_bps > 0 else 0.0
-        rate = spec.rate_bps if spec.rate_bps > 0 else 1e9
+        trace = spec.rate_trace
+        self._trace = None if trace is None else TraceQueue(trace, queue_limit_bytes(trace, None,
+                                                                                      spec.queue_bytes))
+        self._trace_origin: float | None = None  # the first datagram's arrival: the trace's time 0
+        self._delays = np.empty(DELAY_SAMPLES, dtype=np.float32)  # s, arrival -> leaving the bottleneck
+        self._delays_seen = 0
+        self._reservoir = np.random.default_rng(0)  # not the loss stream: seeded runs drop the same indices
+        self._s_per_byte = 8.0 / spec.rate_bps if spec.rate_bps > 0 and trace is None else 0.0
+        rate = trace.mean_rate_bps if trace is not None else spec.rate_bps if spec.rate_bps > 0 else 1e9
         self._slot_s = NOMINAL_DATAGRAM * 8.0 / rate
         self._next_free = -math.inf
         self._in_link: deque[float] = deque()  # finish times of datagrams admitted and not yet serialised
@@ -141,7 +163,17 @@ class LinkDirection:
         st.received += 1
         st.bytes_in += size
         in_link = self._in_link
-        if self._s_per_byte:
+        if self._trace is not None:
+            origin = self._trace_origin
+            if origin is None:
+                origin = self._trace_origin = now
+            left = self._trace.send(now - origin, size)
+            if left is None:
+                st.queue_dropped += 1
+                return None
+            finish = origin + left
+            self._sample_delay(finish - now)
+        elif self._s_per_byte:
             while in_link and in_link[0] <= now:
                 in_link.popleft()
             if len(in_link) >= self.spec.queue_packets:
@@ -153,6 +185,7 @@ class LinkDirection:
             in_link.append(finish)
             if len(in_link) > st.max_queue:
                 st.max_queue = len(in_link)
+            self._sample_delay(finish - now)
         else:
             finish = now
         k = self._index
@@ -166,6 +199,27 @@ class LinkDirection:
                 st.lost += 1
                 return None
         return finish + self.spec.owd_s
+
+    def _sample_delay(self, delay_s: float) -> None:
+        """Keep a queueing delay: every one until ``DELAY_SAMPLES``, then a uniform reservoir."""
+        seen = self._delays_seen
+        self._delays_seen = seen + 1
+        if seen < DELAY_SAMPLES:
+            self._delays[seen] = delay_s
+        else:
+            slot = int(self._reservoir.integers(seen + 1))
+            if slot < DELAY_SAMPLES:
+                self._delays[slot] = delay_s
+
+    def snapshot(self) -> DirectionStats:
+        """The counters, with the queueing-delay percentiles so far (None before any datagram)."""
+        st = self.stats
+        kept = self._delays[: min(self._delays_seen, DELAY_SAMPLES)]
+        if kept.size:
+            p50, p95, p99 = np.percentile(kept, (50, 95, 99)) * 1000
+            st.queue_delay_ms_p50, st.queue_delay_ms_p95, st.queue_delay_ms_p99 = (
+                round(float(p50), 3), round(float(p95), 3), round(float(p99), 3))
+        return st
 
 
 def link_directions(config: EmulatorConfig) -> tuple[LinkDirection, LinkDirection]:
@@ -247,4 +301,4 @@ class LinkFront:
         await self.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"forward": asdict(self.forward.stats), "reverse": asdict(self.reverse.stats)}
+        return {"forward": asdict(self.forward.snapshot()), "reverse": asdict(self.reverse.snapshot())}

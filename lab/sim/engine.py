@@ -2,10 +2,12 @@
 simulated time (nothing sleeps).
 
 A link serialises one datagram at a time (L bytes hold it for 8L/C seconds) and delivers it ``owd_s``
-later unless its pre-drawn loss realization erases it. ``SimRun.drive`` advances ``now`` to the next thing
-that happens (the link frees up for the sender, a datagram arrives, a session timer fires) and lets both
-sides react in a fixed order, so every run is reproducible. What the handoff means (its payload, its
-score at the deadline) is the caller's: ``lab/sim/simulate.py``.
+later unless its pre-drawn loss realization erases it. With a ``bottleneck`` (a trace-driven link,
+:mod:`.rate_trace`), C is the sender's pacing rate and the datagram then waits in the trace's drop-tail
+queue: it arrives ``owd_s`` after leaving it, or is dropped when the queue is full. ``SimRun.drive``
+advances ``now`` to the next thing that happens (the link frees up for the sender, a datagram arrives, a
+session timer fires) and lets both sides react in a fixed order, so every run is reproducible. What the
+handoff means (its payload, its score at the deadline) is the caller's: ``lab/sim/simulate.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.wire.messages import TYPE_MASK
+from pfec.lab.sim.rate_trace import TraceQueue
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverStats
 from pfec.sender.transport.session import Failed, SenderSession
@@ -31,18 +34,27 @@ _DATA_TYPES = (1, 2)  # wire type (the type byte's low six bits) of SOURCE and R
 class SimLink:
     """One direction: serialisation queue + delay + loss from a pre-drawn realization."""
 
-    def __init__(self, rate_bps: float, owd_s: float, lost: npt.NDArray[np.bool_] | None) -> None:
+    def __init__(self, rate_bps: float, owd_s: float, lost: npt.NDArray[np.bool_] | None,
+                 bottleneck: TraceQueue | None = None) -> None:
         self.rate_bps = rate_bps
         self.owd_s = owd_s
         self.lost = lost
+        self.bottleneck = bottleneck  # shared by the directions that share the physical link
         self.index = 0
         self.free_at = 0.0
         self.dropped = 0
 
     def transmit(self, size: int, now: float) -> tuple[float, float | None]:
-        """Return (time the link is free again, arrival time or None when erased)."""
+        """Return (time the link is free again, arrival time or None when erased or queue-dropped)."""
         start = max(now, self.free_at)
         self.free_at = start + size * 8 / self.rate_bps
+        left = self.free_at
+        if self.bottleneck is not None:
+            departure = self.bottleneck.send(self.free_at, size)
+            if departure is None:  # drop-tail: the loss realization meets only what the queue admits
+                self.dropped += 1
+                return self.free_at, None
+            left = departure
         lost = False
         if self.lost is not None:
             lost = bool(self.lost[self.index % len(self.lost)])
@@ -50,7 +62,7 @@ class SimLink:
         if lost:
             self.dropped += 1
             return self.free_at, None
-        return self.free_at, self.free_at + self.owd_s
+        return self.free_at, left + self.owd_s
 
 
 @dataclass

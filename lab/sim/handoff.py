@@ -36,6 +36,7 @@ from pfec.common.plan.utility import UtilityProfile, fifo_order, synthetic_profi
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE
 from pfec.lab.sim.channel import LossModel
+from pfec.lab.sim.rate_trace import RateTrace
 from pfec.lab.sim.split import DEFAULT_RECEIVER, check_mode
 from pfec.sender.transport.transfer import LinkBudget, SendQueue
 
@@ -71,6 +72,11 @@ class SimConfig:
     # measure the loss). None: the channel's long-run loss rate, as for a sender that has handed off over
     # this path before (the daemon keeps a per-receiver average of what past handoffs measured).
     loss_prior: float | None = None
+    # A trace-driven forward link (Mahimahi, lab/sim/rate_trace.py): the sender paces at ``rate_mbps`` (the
+    # rate it is told) into the trace's drop-tail bottleneck of ``queue_bytes`` (None: DEFAULT_QUEUE_MS at
+    # the trace's mean rate). None: the link is ``rate_mbps``.
+    rate_trace: RateTrace | None = None
+    queue_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if (self.rho is None) == (self.deadline_ms is None):
@@ -96,6 +102,8 @@ class SimConfig:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.meeting_token is not None and not 0 <= self.meeting_token < self.tokens:
             raise ValueError(f"meeting token {self.meeting_token!r} outside the context 0..{self.tokens - 1}")
+        if self.queue_bytes is not None and self.rate_trace is None:
+            raise ValueError("queue_bytes sizes a trace-driven link's bottleneck: give rate_trace too")
 
     @property
     def sender_loss_prior(self) -> float:

@@ -53,7 +53,8 @@ from pfec.lab.sim.arq import ARQ_SCHEMES, simulate_arq_scheme
 from pfec.lab.sim.channel import LossModel, realization_rng
 from pfec.lab.sim.engine import DeadlineScore, SimLink, SimLinks, SimRun
 from pfec.lab.sim.handoff import Handoff, SimConfig, complete_blocks, prepare
-from pfec.lab.sim.oracle import DataTiming, oracle_delivered
+from pfec.lab.sim.oracle import DataTiming, oracle_delivered, trace_data_slots
+from pfec.lab.sim.rate_trace import TraceQueue, queue_limit_bytes
 from pfec.lab.sim.split import FrontPrefill, local_start_s, split_credit, split_fields, split_inputs
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
@@ -113,9 +114,12 @@ def _links(handoff: Handoff, realization: int) -> SimLinks:
     cfg = handoff.config
     slot = handoff.slot_s
     ctl_lost = cfg.loss.realize(64, slot, realization_rng(cfg.seed, realization, "control"))
+    bottleneck = None  # one trace-driven queue for data and control: one physical link
+    if cfg.rate_trace is not None:
+        bottleneck = TraceQueue(cfg.rate_trace, queue_limit_bytes(cfg.rate_trace, None, cfg.queue_bytes))
     return SimLinks(
-        SimLink(cfg.rate_bps, cfg.owd_s, forward_losses(handoff, realization)),
-        SimLink(cfg.rate_bps, cfg.owd_s, ctl_lost),
+        SimLink(cfg.rate_bps, cfg.owd_s, forward_losses(handoff, realization), bottleneck),
+        SimLink(cfg.rate_bps, cfg.owd_s, ctl_lost, bottleneck),
         SimLink(cfg.rate_bps, cfg.owd_s, reverse_losses(handoff, realization)),
     )
 
@@ -247,11 +251,15 @@ def forward_losses(handoff: Handoff, realization: int) -> npt.NDArray[np.bool_]:
     return cfg.loss.realize(max_data, handoff.slot_s, realization_rng(cfg.seed, realization, "forward"))
 
 
+def _source_bytes(handoff: Handoff) -> int:
+    return HEADER_SIZE + SOURCE_ID_SIZE + handoff.plan.symbol_size + TAG_SIZE
+
+
 def data_timing(handoff: Handoff) -> DataTiming:
     """SOURCE datagram timing after the first OFFER (no app blob in the simulator), as the sessions send."""
     cfg = handoff.config
     offer_bytes = HEADER_SIZE + NONCE_SIZE + OFFER_FIXED_SIZE + TAG_SIZE
-    source_bytes = HEADER_SIZE + SOURCE_ID_SIZE + handoff.plan.symbol_size + TAG_SIZE
+    source_bytes = _source_bytes(handoff)
     return DataTiming(
         first_send_s=offer_bytes * 8 / cfg.rate_bps,
         datagram_s=source_bytes * 8 / cfg.rate_bps,
@@ -295,7 +303,10 @@ def run_oracle(handoff: Handoff, realization: int) -> RunResult:
     """The clairvoyant bound on this realization: erased slots stay idle, no repairs, utility order."""
     t0 = time.perf_counter_ns()
     queue = handoff.queue("utility")
-    delivered = oracle_delivered(forward_losses(handoff, realization), data_timing(handoff), len(queue))
+    timing = data_timing(handoff)
+    trace = handoff.config.rate_trace
+    slots = None if trace is None else trace_data_slots(trace, timing, _source_bytes(handoff))
+    delivered = oracle_delivered(forward_losses(handoff, realization), timing, len(queue), slots)
     wall_ns = time.perf_counter_ns() - t0
     return _reference_result(handoff, "oracle", realization, np.arange(delivered), delivered, wall_ns=wall_ns)
 
@@ -421,6 +432,10 @@ def simulate_runs(
     if config.mode != "handoff" and reference:
         raise ValueError(f"{', '.join(reference)} model a whole-cache handoff, not mode {config.mode}: "
                          "run session schemes only")
+    fixed_rate_models = [name for name in reference if name != "oracle"]
+    if config.rate_trace is not None and fixed_rate_models:
+        raise ValueError(f"{', '.join(fixed_rate_models)} model a fixed-rate link; on a --rate-trace link "
+                         "run the session schemes and the oracle")
     if realizations < 1:
         raise ValueError(f"realizations must be >= 1, got {realizations!r}")
     warm_up()  # compile or load every kernel variant now, not inside the first timed run
@@ -454,6 +469,10 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
         "inputs": {
             "loss": _describe(cfg.loss),
             "rate_mbps": cfg.rate_mbps,
+            "rate_trace": None if cfg.rate_trace is None else {
+                "name": cfg.rate_trace.name, "scale": cfg.rate_trace.scale,
+                "mean_rate_mbps": round(cfg.rate_trace.mean_rate_bps / 1e6, 3),
+                "queue_bytes": queue_limit_bytes(cfg.rate_trace, None, cfg.queue_bytes)},
             "rtt_ms": cfg.rtt_ms,
             "rho": round(handoff.rho, 6),
             "deadline_ms": round(handoff.deadline_s * 1000, 3),
