@@ -225,7 +225,7 @@ def _row(n: int, rate: float, label: str, report: dict[str, Any], local: dict[st
     timed = isinstance(ttft, int | float) and ttft > 0
     return {
         "n_tokens": n, "rate_mbps": rate, "mode": label, "state": report.get("state"),
-        "error": report.get("error") or report.get("receiver_error"),
+        "error": report.get("failure") or report.get("error") or report.get("receiver_error"),
         "ttft_s": ttft, "start": report.get("start"),
         "ttft_vs_local": round(ttft / local["ttft_s"], 4) if isinstance(ttft, int | float) else None,
         # Bytes on the link over the TTFT: below the rate where this machine's CPUs, not the link, bound it.
