@@ -297,6 +297,12 @@ def test_result_precision_fields_are_checked() -> None:
     base = ResultApp(1.0, 1, 1, 1, 1, "", None, None, 0.0, None, "mask", start="ready", precision="int8",
                      precision_utility=0.9, levels={"int8": 1})
     assert ResultApp.decode(base.encode()) == base
+    # Every start a receiver reports is taken: the sender's DONE started it too (its RESULT was refused,
+    # failing the handoff, until pfec bench breakeven met one).
+    for start in ("ready", "sender-done", "deadline"):
+        data = json.loads(base.encode())
+        data["start"] = start
+        assert ResultApp.decode(json.dumps(data).encode()).start == start
     for field, value, reason in (("start", "soon", "start"), ("levels", {"int8": "1"}, "levels"),
                                  ("levels", {f"l{i}": 1 for i in range(9)}, "levels"),
                                  ("precision_utility", "x", "precision_utility")):

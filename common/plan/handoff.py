@@ -356,8 +356,8 @@ class ResultApp:
                 isinstance(k, str) and len(k) <= 16 and type(v) is int for k, v in levels.items())):
             raise ValueError("RESULT levels: expected at most 8 level names with integer block counts")
         start = data.get("start")
-        if start not in (None, "ready", "deadline"):
-            raise ValueError("RESULT start: expected ready or deadline")
+        if start not in (None, *RESULT_STARTS):
+            raise ValueError(f"RESULT start: expected {', '.join(RESULT_STARTS)}")
         if data.get("handoff_mode") not in (None, "handoff", "split", "local"):
             raise ValueError("RESULT handoff_mode: expected handoff, split or local")
         for name in ("computed_tokens", "blocks_computed", "blocks_received"):
@@ -367,6 +367,8 @@ class ResultApp:
 
 
 _NUM = (int, float)
+#: What may start generation (``ReceiverSession.start``): all decoded, the sender's DONE, the deadline.
+RESULT_STARTS: Final = ("ready", "sender-done", "deadline")
 #: ResultApp's fields: (accepted types, may be null, required).
 _RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
     "recovered_utility": (_NUM, True, True),
