@@ -126,7 +126,7 @@ class ReceiverDaemon:
         )
         self._reaper: asyncio.TimerHandle | None = None
         self.prefill_speed: PrefillSpeed | None = None  # what its ACCEPTs state (measure_prefill_speed)
-        self.prefill_load: RecentPrefills | None = None  # that speed refitted over its recent prefills
+        self.recent_prefills: RecentPrefills | None = None  # that speed, refitted over its recent prefills
         self.speed_measured_at: float | None = None
         self._measuring: asyncio.Task[PrefillSpeed | None] | None = None
         self._live_seen: tuple[int, int] = (-1, -1)
@@ -341,8 +341,8 @@ class ReceiverDaemon:
             return None
         finally:
             self._measuring = None
-        self.prefill_load = RecentPrefills(speed.curve, speed.decode_s, speed.points)  # a new measurement
-        self.endpoint.prefill_statement = self.prefill_load.stated()
+        self.recent_prefills = RecentPrefills(speed.curve, speed.decode_s, speed.points)  # a new measurement
+        self.endpoint.prefill_statement = self.recent_prefills.stated()
         self.prefill_speed = speed
         self.speed_measured_at = clock()
         self.metrics.prefill_speed(speed.tokens_per_second())
@@ -351,12 +351,10 @@ class ReceiverDaemon:
     def _on_prefill_timed(self, timed: Sequence[tuple[int, int, float]]) -> None:
         """A front's chunks, timed as they ran (beside the stream they met): the stated speed from now on
         is refitted over them and the measurement (``RecentPrefills``)."""
-        load = self.prefill_load
-        if load is None:
-            return
-        if sum(load.observe(start, stop, seconds) for start, stop, seconds in timed):
-            self.endpoint.prefill_statement = load.stated()
-            self.metrics.prefill_speed(load.curve.tokens_per_second(1024))
+        recent = self.recent_prefills
+        if recent is not None and recent.observe(timed):
+            self.endpoint.prefill_statement = recent.stated()
+            self.metrics.prefill_speed(recent.curve.tokens_per_second(1024))
 
     # ------------------------------------------------------------------ control API (receiver/control.py)
     @property

@@ -60,23 +60,29 @@ def test_prediction_errors_per_cell_and_their_median() -> None:
 
 
 def test_auto_is_held_against_the_measured_fastest_of_its_cell() -> None:
-    """Auto's TTFT over the cell's fastest measured alternative (local prefill included); a run that hit
-    the deadline or failed is no alternative."""
+    """Auto's TTFT over the cell's fastest measured alternative (local prefill included), and whether it
+    ran that alternative's plan; a run that hit the deadline or failed is no alternative."""
     from pfec.lab.bench.breakeven import auto_against_fastest
 
     def row(n: int, mode: str, ttft: float | None, start: str = "ready", **extra: Any) -> dict[str, Any]:
         return {**_run(n, 100, mode, ttft), "state": "done" if ttft else "failed", "start": start, **extra}
 
-    local = {"512": {"ttft_s": 2.0}, "1024": {"ttft_s": 4.0}}
+    native = {"handoff_mode": "handoff", "precision": "native", "meeting_token_planned": None}
+    split = {"handoff_mode": "split", "precision": "int8", "meeting_token_planned": 256}
+    local = {"512": {"ttft_s": 2.0}, "1024": {"ttft_s": 4.0}, "2048": {"ttft_s": 1.0}}
     runs = [
-        row(512, "handoff:native", 1.0), row(512, "split:auto", 0.5, start="deadline"),
-        row(512, "auto", 1.04, handoff_mode="handoff", precision="native", planner_choice="handoff:native"),
-        row(1024, "handoff:native", 3.0), row(1024, "split:auto", 1.5),
-        row(1024, "auto", 3.0, handoff_mode="handoff", precision="native", planner_choice="handoff:native"),
+        row(512, "handoff:native", 1.0, **native), row(512, "split:auto", 0.5, start="deadline", **split),
+        row(512, "auto", 1.04, planner_choice="handoff:native", **native),
+        row(1024, "handoff:native", 3.0, **native), row(1024, "split:auto", 1.5, **split),
+        row(1024, "auto", 1.8, planner_choice="split:int8", **split),  # the same plan, a slower run
+        row(2048, "handoff:native", 3.0, **native),
+        row(2048, "auto", 3.2, planner_choice="handoff:native", **native),  # local was fastest
     ]
     out = auto_against_fastest(runs, local)
-    first, second = out["cells"]
+    first, second, third = out["cells"]
     assert first["fastest"] == "handoff:native" and first["ratio"] == 1.04 and first["within"]
-    assert first["ran"] == "handoff:native"
-    assert second["fastest"] == "split:auto" and second["ratio"] == 2.0 and not second["within"]
-    assert (out["within"], out["of"]) == (1, 2)
+    assert first["ran"] == "handoff:native" and first["same_plan"]
+    assert second["fastest"] == "split:auto" and second["ratio"] == 1.2 and not second["within"]
+    assert second["same_plan"]
+    assert third["fastest"] == "local" and not third["same_plan"]
+    assert (out["within"], out["same_plan"], out["of"]) == (1, 2, 3)

@@ -392,10 +392,10 @@ def test_the_stated_speed_is_refitted_over_the_recent_prefill_calls() -> None:
     measured = fit_prefill_curve(points)
     recent = RecentPrefills(measured, 0.08, points)
     assert recent.stated() == stated_fields(measured, 0.08)  # nothing timed yet: the measurement
-    assert not recent.observe(10, 10, 1.0) and not recent.observe(0, 256, float("nan"))
-    assert not recent.observe(0, 256, 0.0) and not recent.observe(0, 256, 1e6) and recent.timed == 0
-    for start in range(0, 4096, 256):
-        assert recent.observe(start, start + 256, true.chunk_seconds(start, start + 256))
+    bad = [(10, 10, 1.0), (0, 256, float("nan")), (0, 256, 0.0), (0, 256, 1e6)]
+    assert recent.observe(bad) == 0 and recent.timed == 0 and recent.curve == measured
+    chunks = [(start, start + 256, true.chunk_seconds(start, start + 256)) for start in range(0, 4096, 256)]
+    assert recent.observe(chunks) == 16
     assert recent.timed == 16 and recent.curve.c > 0
     err_before = abs(measured.seconds(4096) - true.seconds(4096)) / true.seconds(4096)
     err_after = abs(recent.curve.seconds(4096) - true.seconds(4096)) / true.seconds(4096)

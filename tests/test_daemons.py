@@ -612,10 +612,10 @@ def test_a_front_times_its_chunks_and_the_receiver_states_the_refitted_speed(tin
     identity = runtime_identity(tiny)
     rx = ReceiverDaemon(identity, PSK, runtime=tiny)
     slow = PrefillCurve(1.0, 1e-3, 0.0)  # far slower than the tiny model: the timed chunks refit it
-    rx.prefill_load = RecentPrefills(slow, 0.05, [(128, slow.seconds(128)), (512, slow.seconds(512))])
+    rx.recent_prefills = RecentPrefills(slow, 0.05, [(128, slow.seconds(128)), (512, slow.seconds(512))])
     rx._on_prefill_timed(front.timed)
-    assert rx.prefill_load.timed == 4 and rx.prefill_load.curve.seconds(200) < slow.seconds(200)
-    assert rx.endpoint.prefill_statement == rx.prefill_load.stated()
+    assert rx.recent_prefills.timed == 4 and rx.recent_prefills.curve.seconds(200) < slow.seconds(200)
+    assert rx.endpoint.prefill_statement == rx.recent_prefills.stated()
 
 
 def test_rebuild_from_a_partial_stream_masks_the_blocks_with_no_level(tiny: llm.ModelRuntime) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from pfec.common.plan.breakeven import ReceiverModel
@@ -67,17 +67,20 @@ class RecentPrefills:
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_CALLS)
         self.timed = 0  # calls folded in
 
-    def observe(self, start: int, stop: int, seconds: float) -> bool:
-        """A call computed tokens [start, stop) over a cache of [0, start) in ``seconds``; False (ignored)
-        when that is not a plausible timing."""
-        if not 0 <= start < stop or not (math.isfinite(seconds) and 0 < seconds <= MAX_CALL_S):
-            return False
-        self._recent.append((int(start), int(stop), float(seconds)))
-        self.timed += 1
-        calls = [*self._measured, *self._recent]
-        if len({(s, e) for s, e, _ in calls}) >= 2:  # two distinct calls pin a line at least
-            self.curve = fit_prefill_calls(calls)
-        return True
+    def observe(self, calls: Iterable[tuple[int, int, float]]) -> int:
+        """Timed calls, each (start, stop, seconds): tokens [start, stop) computed over a cache of [0,
+        start). Implausible timings are ignored; the curve is refitted once over what was kept. Returns
+        the calls taken."""
+        taken = 0
+        for start, stop, seconds in calls:
+            if 0 <= start < stop and math.isfinite(seconds) and 0 < seconds <= MAX_CALL_S:
+                self._recent.append((int(start), int(stop), float(seconds)))
+                taken += 1
+        self.timed += taken
+        kept = [*self._measured, *self._recent]
+        if taken and len({(s, e) for s, e, _ in kept}) >= 2:  # two distinct calls pin a line at least
+            self.curve = fit_prefill_calls(kept)
+        return taken
 
     def stated(self) -> tuple[int, int, int, int]:
         """The ACCEPT's fields for the curve as refitted and the measured decode step."""

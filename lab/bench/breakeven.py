@@ -294,28 +294,20 @@ def prediction_errors(runs: Sequence[dict[str, Any]], local: dict[str, Any]) -> 
             "median_abs_local_error": median(local_errors)}
 
 
-#: Most faithful first: local prefill is exact; a split counts at the level the planner chose it for.
-FIDELITY_ORDER: Final = ("exact", "native", "int8", "int8-int4", "int4", "int2")
-
-
-def _fidelity_rank(label: str, row: dict[str, Any] | None) -> int:
-    if row is None:  # local prefill
-        return 0
-    choice = row.get("planner_choice") if label != "handoff:native" else "handoff:native"
-    level = str(choice or f":{row.get('precision')}").partition(":")[2] or "exact"
-    return FIDELITY_ORDER.index(level) if level in FIDELITY_ORDER else len(FIDELITY_ORDER)
-
-
 def _ratio(ttft: object, base: float) -> float | None:
     return round(ttft / base, 4) if isinstance(ttft, int | float) else None
 
 
+def _plan(row: dict[str, Any]) -> tuple[object, object, object]:
+    """What a handoff ran: its mode, precision and meeting token."""
+    return row.get("handoff_mode"), row.get("precision"), row.get("meeting_token_planned")
+
+
 def auto_against_fastest(runs: Sequence[dict[str, Any]], local: dict[str, Any]) -> dict[str, Any]:
-    """Per cell, what ``auto`` ran (its mode and precision) and its TTFT against the measured fastest of
-    the cell (local prefill or any other measured mode; a run that failed or hit the deadline is not a
-    candidate), and against the fastest of those at least as faithful as auto's choice (fidelity first:
-    auto takes a faster, less faithful option only when the faithful ones miss the deadline or local
-    prefill's margin); in how many cells each came within ``AUTO_WITHIN``."""
+    """Per cell, what ``auto`` ran and its TTFT against the measured fastest of the cell (local prefill or
+    any other measured mode; a run that failed or hit the deadline is not a candidate), and whether it ran
+    that fastest option's very plan (mode, precision, meeting token): one run per cell, so two runs of
+    one plan differ by their own spread, which ``ratio`` includes and ``same_plan`` does not."""
     by_cell: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
     for row in runs:
         by_cell.setdefault((row["n_tokens"], row["rate_mbps"]), {})[row["mode"]] = row
@@ -324,27 +316,23 @@ def auto_against_fastest(runs: Sequence[dict[str, Any]], local: dict[str, Any]) 
         auto = rows.get("auto")
         if auto is None:
             continue
-        measured: dict[str, tuple[float, int]] = {"local": (local[str(n)]["ttft_s"], 0)}
-        measured |= {label: (row["ttft_s"], _fidelity_rank(label, row)) for label, row in rows.items()
+        measured = {"local": local[str(n)]["ttft_s"]}
+        measured |= {label: row["ttft_s"] for label, row in rows.items()
                      if label != "auto" and row.get("state") == "done" and row.get("start") != "deadline"
                      and isinstance(row.get("ttft_s"), int | float)}
-        fastest = min(measured, key=lambda label: measured[label][0])
-        rank = _fidelity_rank("auto", auto)
-        faithful = min((label for label in measured if measured[label][1] <= rank),
-                       key=lambda label: measured[label][0])
+        fastest = min(measured, key=lambda label: measured[label])
         ttft = auto.get("ttft_s") if auto.get("state") == "done" else None
-        ratio, as_faithful = _ratio(ttft, measured[fastest][0]), _ratio(ttft, measured[faithful][0])
+        ratio = _ratio(ttft, measured[fastest])
+        same_plan = (auto.get("handoff_mode") == "local" if fastest == "local"
+                     else _plan(auto) == _plan(rows[fastest]))
         cells.append({
             "n_tokens": n, "rate_mbps": rate, "ran": f"{auto.get('handoff_mode')}:{auto.get('precision')}",
             "planner_choice": auto.get("planner_choice"), "ttft_s": ttft,
-            "fastest": fastest, "fastest_ttft_s": measured[fastest][0], "ratio": ratio,
-            "within": ratio is not None and ratio <= 1 + AUTO_WITHIN,
-            "fastest_as_faithful": faithful, "as_faithful_ratio": as_faithful,
-            "within_as_faithful": as_faithful is not None and as_faithful <= 1 + AUTO_WITHIN,
+            "fastest": fastest, "fastest_ttft_s": measured[fastest], "ratio": ratio,
+            "within": ratio is not None and ratio <= 1 + AUTO_WITHIN, "same_plan": same_plan,
         })
     return {"within_share": AUTO_WITHIN, "cells": cells, "of": len(cells),
-            "within": sum(c["within"] for c in cells),
-            "within_as_faithful": sum(c["within_as_faithful"] for c in cells)}
+            "within": sum(c["within"] for c in cells), "same_plan": sum(c["same_plan"] for c in cells)}
 
 
 def write_breakeven_bench(result: dict[str, Any], out_dir: Path) -> None:
@@ -421,15 +409,16 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
     if versus and versus["cells"]:
         share = f"{versus['within_share']:.0%}"
         lines += ["", f"Auto's pick against the measured fastest of its cell: within {share} in "
-                  f"{versus['within']} of {versus['of']} cells; against the fastest at least as faithful "
-                  f"as its choice: within {share} in {versus['within_as_faithful']} of {versus['of']}.", "",
-                  "| tokens | Mbit/s | auto ran | planner's choice | auto s | fastest | ratio "
-                  "| fastest as faithful | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                  f"{versus['within']} of {versus['of']} cells; the fastest option's very plan (mode, "
+                  f"precision, meeting token) in {versus['same_plan']} of {versus['of']} (one run per "
+                  "cell: two runs of one plan differ by their own spread).", "",
+                  "| tokens | Mbit/s | auto ran | planner's choice | auto s | fastest | ratio | same plan |",
+                  "|---|---|---|---|---|---|---|---|"]
         for c in versus["cells"]:
             lines.append(f"| {c['n_tokens']} | {c['rate_mbps']:g} | {c['ran']} "
                          f"| {c['planner_choice'] or '-'} | {_fmt(c['ttft_s'])} "
                          f"| {c['fastest']} ({_fmt(c['fastest_ttft_s'])} s) | {_fmt(c['ratio'])} "
-                         f"| {c['fastest_as_faithful']} | {_fmt(c['as_faithful_ratio'])} |")
+                         f"| {'yes' if c['same_plan'] else 'no'} |")
     failed = [r for r in result["runs"] if not isinstance(r["ttft_s"], int | float)]
     if failed:
         lines += ["", f"{len(failed)} handoff(s) gave no TTFT: " + "; ".join(
