@@ -380,6 +380,7 @@ class ReceiverDaemon:
             "pending_handshakes": self._pending_handshakes(),
             "datagrams_received": self.stats.received,
             "drops": dict(self.endpoint.drops),
+            "speed_queries_answered": self.endpoint.speed_queries,
             "deadline_late_ms_p99": float(np.percentile(late, 99) * 1000) if len(late) else None,
             "worker": self.worker.view(),
         }

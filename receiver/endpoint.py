@@ -10,6 +10,9 @@
   OFFER) and is answered with an ACCEPT carrying fresh R_r. The ``ReceiverSession`` (deadline, decoder,
   ACKs, rebuild) exists only once a datagram opens under the session key K_s2r, which needs R_r: the
   proof that the sender holds the key and saw this ACCEPT. A replayed OFFER gets at most an ACCEPT.
+- Speed query: an OFFER for zero sources (one part, no application data) asks this node's prefill speed
+  before a first handoff is planned; it is answered with an ACCEPT for zero sources that states it, and
+  leaves nothing behind but its session id among the closed ones (``speed_queries`` counts the answers).
 - Decoder span, per session: the OFFER asks for one (about two bandwidth-delay products plus the coding
   window; 0: no request). The endpoint grants at least ``ReceiverConfig.decoder_span`` (and the window
   cap), at most the request, ``MAX_SPAN`` (the codec's largest window) and the handoff's source count,
@@ -185,6 +188,7 @@ class ReceiverEndpoint:
         # This node's prefill speed as its ACCEPTs state it (the ACCEPT's units: a us, b ns/token,
         # c ps/token^2, decode us; all 0: not stated). The daemon sets it from its measurements.
         self.prefill_statement: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.speed_queries = 0  # speed queries answered
         self._handshakes: OrderedDict[int, _Pending] = OrderedDict()  # by creation, so by expiry
         self._early: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()  # before any OFFER
         self._closed: OrderedDict[int, None] = OrderedDict()
@@ -327,6 +331,9 @@ class ReceiverEndpoint:
             self._drop("closed_session")
             return None
         pending = self._handshakes.get(sid)
+        if pending is None and offer.n_source == 0:
+            self._answer_speed_query(header, offer, len(data))
+            return header
         if pending is None:
             self._open_handshake(header, offer, len(data), now)
             return header
@@ -369,6 +376,28 @@ class ReceiverEndpoint:
         if early:
             for early_header, raw in early:
                 self._on_pending_data(pending, early_header, raw, now)
+
+    def _answer_speed_query(self, header: Header, offer: Offer, size: int) -> None:
+        """An OFFER for zero sources asks this node's prefill speed (``sender/transport/speed_query.py``):
+        an ACCEPT for zero sources, window 0, stating it; no session, nothing kept but the closed session id
+        (a replay is then dropped as ``closed_session``). The ACCEPT (80 B) is smaller than the query
+        (>= 108 B): no amplification."""
+        sid = header.session_id
+        if offer.fingerprint != self.fingerprint:
+            self._refuse_handshake(header, offer, size, RefuseCode.FINGERPRINT_MISMATCH,
+                                   f"sender model fingerprint {offer.fingerprint.hex()[:16]} differs from "
+                                   f"this receiver's {self.fingerprint.hex()[:16]}")
+            return
+        if offer.part_count != 1 or offer.app:
+            self._refuse_handshake(header, offer, size, RefuseCode.BAD_PARAMETERS,
+                                   "a speed query (zero sources) is one OFFER part without application data")
+            return
+        self._remember_closed(sid)
+        self._early.pop(sid, None)
+        answer = Accept(0, 0, self.random_bytes(RANDOM_SIZE), *self.prefill_statement)
+        self._replies.append((sid, seal_handshake(self.keyring, Role.RECEIVER, answer, sid, 1,
+                                                  self.random_bytes(NONCE_SIZE), offer.sender_random)))
+        self.speed_queries += 1
 
     def _reply(self, pending: _Pending, sid: int) -> None:
         """Send the pending handshake's ACCEPT (again), within the anti-amplification budget."""

@@ -30,6 +30,7 @@ from pfec.common.plan.deadline import (
     repair_fraction,
 )
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
+from pfec.common.plan.stream import AUTO
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
 from pfec.common.sched.policies import Scheme, get_scheme
@@ -46,6 +47,7 @@ from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_m
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
 from pfec.sender.peers import PeerMemory, PeerNumbers
+from pfec.sender.speed_ask import ask_speed
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
 from pfec.sender.transport.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
@@ -56,6 +58,11 @@ if TYPE_CHECKING:
 #: here, before anything is sent.
 MAX_OFFER_PARTS = 64
 log = logging.getLogger("pfec.sender")
+
+
+def _plans(spec: HandoffSpec) -> bool:
+    """Whether the break-even planner decides this handoff (it then predicts the receiver's prefill)."""
+    return spec.inputs.synthetic_tokens is None and (spec.precision == AUTO or spec.handoff_mode != "handoff")
 GENERATION_WAIT_S = 30.0  # extra RESULT wait when the receiver generates an answer before replying
 
 
@@ -249,7 +256,7 @@ class SenderDaemon:
         profile = spec.profile or self.default_profile
         self._check_bounds(spec)
         destination = await self.destination(spec)
-        prepared = await self._prepare(handoff, scheme, profile, destination.address)
+        prepared = await self._prepare(handoff, scheme, profile, destination)
         handoff.prepared = prepared
         transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
         await self._stream(handoff, transfer, destination)
@@ -273,16 +280,21 @@ class SenderDaemon:
             raise ValueError(f"deadline_ms: {spec.deadline_ms:g} is outside (0, {limits.max_budget_ms:g}] "
                              "(limits.max_budget_ms)")
 
-    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str, address: str) -> Prepared:
+    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str,
+                       destination: Destination) -> Prepared:
         """Prefill the context (or draw synthetic KV) in the worker thread; the loop keeps streaming."""
         spec = handoff.spec
         if spec.inputs.synthetic_tokens is None and self.runtime is None:
             raise ValueError("this sender runs without a model: give synthetic_tokens")
         self._waiting.discard(handoff.id)  # its slot in the queue passes to the job
+        address = destination.address
+        speed_from = "stated by the receiver after an earlier handoff"
+        if self.peers.get(address).receiver is None and _plans(spec):
+            speed_from = await self._ask_speed(handoff, destination)
         peer = self.peers.get(address)
         loss = self.path_loss.measured(address)
         handoff.report["planner_inputs"] = {  # what the planner predicts from: measured, or a prior
-            "receiver_speed": "stated by the receiver" if peer.receiver else "stored curve",
+            "receiver_speed": speed_from if peer.receiver else "stored curve",
             "rtt_ms": round(1000 * (peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s), 3),
             "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
             "loss": round(loss or 0.0, 5),
@@ -296,6 +308,21 @@ class SenderDaemon:
             self.metrics.planner_choice(prepared.planner["choice"])
         self.metrics.handoff_mode(prepared.handoff_mode)
         return prepared
+
+    async def _ask_speed(self, handoff: Handoff, destination: Destination) -> str:
+        """The first handoff to a receiver that the planner decides: ask its speed before planning (one
+        round trip; the tries are bounded, ``speed_query.QUERY_TRIES``). Returns where the planner's
+        speed comes from; the answer's round trip is the path's first RTT sample."""
+        answer = await ask_speed(destination, self.psk, self.fingerprint, 2 * self.owd_s)
+        handoff.report["speed_query"] = {
+            "stated": answer.receiver is not None,
+            "rtt_ms": None if answer.rtt_s is None else round(answer.rtt_s * 1000, 3),
+            **({"why": answer.why} if answer.why else {}),
+        }
+        if answer.receiver is None and answer.rtt_s is None:
+            log.info("handoff %s: %s; planning on the stored curve", handoff.id, answer.why)
+        self.peers.record_query(destination.address, answer.receiver, answer.rtt_s)
+        return "stated by the receiver (asked before this first handoff)"
 
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int,
                      peer: PeerNumbers, loss: float) -> Prepared:

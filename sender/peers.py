@@ -47,3 +47,12 @@ class PeerMemory:
         self._peers[address] = PeerNumbers(receiver or old.receiver, rtt_s if rtt_s > 0 else old.rtt_s)
         while len(self._peers) > self.capacity:
             self._peers.popitem(last=False)
+
+    def record_query(self, address: str, receiver: ReceiverModel | None, rtt_s: float | None) -> None:
+        """A speed query's answer (before any handoff to ``address`` planned on it): its statement, and
+        its round trip as the RTT only when no handoff has measured one."""
+        old = self._peers.pop(address, PeerNumbers())
+        rtt = old.rtt_s if old.rtt_s is not None else rtt_s
+        self._peers[address] = PeerNumbers(receiver or old.receiver, rtt if rtt is None or rtt > 0 else None)
+        while len(self._peers) > self.capacity:
+            self._peers.popitem(last=False)

@@ -112,10 +112,12 @@ async def _wait(handoff: Handoff, timeout: float = 60.0) -> dict[str, Any]:
 # --------------------------------------------------------------------------- handoffs
 
 
-def test_the_next_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rtt(
+def test_every_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rtt(
         tiny: llm.ModelRuntime) -> None:
-    """The receiver measures its prefill speed and states it in its ACCEPTs; after one handoff the sender
-    keeps it (and the path's measured RTT) for that receiver, and the next handoff's planner uses them."""
+    """The receiver measures its prefill speed and states it in its ACCEPTs and in answer to a speed query;
+    the first handoff to it asks before planning (the answer's round trip is the first RTT sample), the
+    sender keeps the statement (and the path's measured RTT) for that receiver, and the next handoff's
+    planner uses them without asking."""
     identity = runtime_identity(tiny)
 
     async def main() -> tuple[dict[str, Any], dict[str, Any], Any]:
@@ -140,15 +142,44 @@ def test_the_next_handoff_plans_with_the_receivers_stated_speed_and_the_measured
 
     first, second, speed = run(main())
     assert first["outcome"] == second["outcome"] == "done", (first, second)
-    assert first["planner_inputs"]["receiver_speed"] == "stored curve"
-    assert first["planner_inputs"]["rtt_from"] == "configured owd_ms"
+    assert first["planner_inputs"]["receiver_speed"] == "stated by the receiver (asked before this first handoff)"
+    assert first["speed_query"]["stated"] is True and first["speed_query"]["rtt_ms"] > 0, first["speed_query"]
+    assert first["planner_inputs"]["rtt_from"] == "measured"
+    assert first["planner_inputs"]["rtt_ms"] == first["speed_query"]["rtt_ms"]
     stated = first["receiver_stated_prefill"]
     assert stated["b"] == pytest.approx(speed.curve.b, rel=1e-3, abs=1e-9), (stated, speed)
-    assert second["planner_inputs"]["receiver_speed"] == "stated by the receiver"
+    assert second["planner_inputs"]["receiver_speed"] == "stated by the receiver after an earlier handoff"
+    assert "speed_query" not in second
     assert second["planner_inputs"]["rtt_from"] == "measured" and second["planner_inputs"]["rtt_ms"] > 0
-    owd_s = second["planner_inputs"]["rtt_ms"] / 2000
-    local = owd_s + speed.curve.seconds(first["n_tokens"]) + speed.decode_s
-    assert second["predicted_local_ttft_s"] == pytest.approx(local, rel=0.05), second
+    for report in (first, second):
+        owd_s = report["planner_inputs"]["rtt_ms"] / 2000
+        local = owd_s + speed.curve.seconds(first["n_tokens"]) + speed.decode_s
+        assert report["predicted_local_ttft_s"] == pytest.approx(local, rel=0.05), report
+
+
+def test_a_receiver_that_states_no_speed_leaves_the_first_handoff_on_the_stored_curve(
+        tiny: llm.ModelRuntime) -> None:
+    """A receiver that has not measured itself answers the speed query without a statement: the planner
+    says it predicts from the stored curve, and the handoff runs as before."""
+    identity = runtime_identity(tiny)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=5)
+        h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                  rx.address, rho=4.0, max_new_tokens=2, precision="auto"))
+        report = await _wait(h)
+        assert rx.endpoint.speed_queries == 1 and not rx.endpoint.sessions
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "done", report
+    assert report["planner_inputs"]["receiver_speed"] == "stored curve"
+    assert report["speed_query"] == {"stated": False, "rtt_ms": report["speed_query"]["rtt_ms"],
+                                     "why": "the receiver states no speed"}
 
 
 def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRuntime) -> None:

@@ -39,11 +39,13 @@ Bodies (type: layout -- body size in bytes)::
                u16 part_count | 16 B sender_random (R_s) |
                u16 span (the decoder span asked for; 0: the receiver's
                choice) | app bytes (rest)
+               (n_source 0: a speed query, one part, no app bytes)
     ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r) | 38
                u32 prefill_a_us | u32 prefill_b_ns | u32 prefill_c_ps |
                u32 decode_us (window_cap: the decoder span the receiver
                granted, >= the OFFER's window_cap; the four speeds: its
-               prefill curve as measured, all 0 when not stated)
+               prefill curve as measured, all 0 when not stated; n_source 0
+               and window_cap 0: the answer to a speed query)
     REFUSE  6  u8 RefuseCode | UTF-8 text (rest, <= 512 B)                 1 + text
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
