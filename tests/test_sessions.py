@@ -32,6 +32,7 @@ from pfec.common.wire.seal import PacketProtector
 from pfec.receiver import endpoint as endpoint_module
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverConfig, SessionClosed
+from pfec.sender.transport import offer as offer_module
 from pfec.sender.transport.probe import ProbeTimer
 from pfec.sender.transport.session import (
     MAX_SPAN,
@@ -313,6 +314,22 @@ def test_offer_app_blob_spans_several_datagrams() -> None:
     h.run()
     offers = [e for e in h.receiver_events if isinstance(e, OfferReceived)]
     assert len(offers) == 1 and offers[0].app_blob == blob
+
+
+def test_offer_parts_lost_before_the_accept_are_sent_again_after_it() -> None:
+    """The receiver answers the OFFER's first part; a later part lost before the ACCEPT came must still
+    arrive (it did not: a split's context ids never completed, and the handoff failed at its deadline)."""
+    blob = bytes(range(256)) * 40  # 8 OFFER parts
+    h, _ = make_pair(app_blob=blob, policy=SourceOnly(), budget_s=0.2)
+    parts = len(h.sender.offer.parts)
+    assert parts > 2
+    h.drop_forward = lambda i, d: i in (1, parts - 2)  # two parts, each sent once before the ACCEPT
+    h.run()
+    offers = [e for e in h.receiver_events if isinstance(e, OfferReceived)]
+    assert len(offers) == 1 and offers[0].app_blob == blob
+    # Repeated whole after the ACCEPT (nothing here proves the app arrived), never past the deadline.
+    most = parts * (2 + offer_module.REPEATS_AFTER_ACCEPT) + 2
+    assert parts * 2 <= h.sender.datagrams_sent["control"] <= most
 
 
 def test_garbage_forged_and_replayed_datagrams_are_counted_not_fatal() -> None:

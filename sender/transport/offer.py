@@ -5,26 +5,62 @@ one-way delay and the part's own serialisation), never a timestamp; the receiver
 first part it receives. Parts are sealed in the handshake phase (an explicit random nonce) until the
 ACCEPT, and the last part once more under the session key right after it (the receiver establishes the
 session on that datagram: :mod:`pfec.receiver.endpoint`).
+
+The receiver answers the first part it gets, so parts lost before the ACCEPT would never be sent again:
+after the ACCEPT an OFFER of several parts is repeated whole, at doubling intervals, until the receiver
+shows it has the application data (a split's or local prefill's first computed tokens: it needs the
+context's token ids) or ``REPEATS_AFTER_ACCEPT`` times (measured: a lost part of a split's OFFER failed
+one demo in nine: "the OFFER's application data never arrived complete").
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 from pfec.common.codec.fec import Encoder
 from pfec.common.wire.messages import NONCE_SIZE, OFFER_FIXED_SIZE, OVERHEAD, MsgType, Offer, split_app
 from pfec.common.wire.seal import PacketProtector
 from pfec.sender.transport.session_types import SenderConfig
 
+REPEATS_AFTER_ACCEPT: Final = 4
+
 
 class OfferParts:
-    """Seals the OFFER's parts for one session."""
+    """Seals the OFFER's parts for one session, and repeats a multi-part one after the ACCEPT."""
 
-    __slots__ = ("config", "encoder", "parts", "protector")
+    __slots__ = ("config", "encoder", "parts", "protector", "repeat_at", "repeat_gap_s", "repeats_left")
 
     def __init__(self, config: SenderConfig, encoder: Encoder, protector: PacketProtector) -> None:
         self.config = config
         self.encoder = encoder
         self.protector = protector
         self.parts = split_app(config.app_blob, MsgType.OFFER)
+        self.repeats_left = 0
+        self.repeat_gap_s = config.offer_retry_s
+        self.repeat_at: float | None = None  # when the next repeat after the ACCEPT is due (None: none)
+
+    def on_accept(self, now: float) -> None:
+        """The ACCEPT came: repeat a multi-part OFFER from now on (see the module doc)."""
+        if len(self.parts) > 1:
+            self.repeats_left = REPEATS_AFTER_ACCEPT
+            self.repeat_at = now + self.repeat_gap_s
+
+    def proven(self) -> None:
+        """The receiver has the application data: no more repeats."""
+        self.repeats_left = 0
+        self.repeat_at = None
+
+    def repeats_due(self, deadline: float, now: float) -> list[bytes]:
+        """Every part again, when a repeat is due at ``now``; else nothing."""
+        if self.repeat_at is None or now < self.repeat_at:
+            return []
+        if now >= deadline:  # the receiver has started (or given up) by now
+            self.proven()
+            return []
+        self.repeats_left -= 1
+        self.repeat_gap_s *= 2
+        self.repeat_at = now + self.repeat_gap_s if self.repeats_left > 0 else None
+        return self.all(deadline, now)
 
     def all(self, deadline: float, now: float) -> list[bytes]:
         """Every part, sealed now."""

@@ -256,10 +256,15 @@ class SenderSession:
             if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
             else None
         )
+        repeat = self.offer.repeat_at if self.state in (SenderState.STREAMING, SenderState.DRAINING) else None
         return earliest(send_deadline, self._offer_timer, self._result_timer, handshake, self._probe_at(),
-                        self.completion.timer)
+                        self.completion.timer, repeat)
 
     def handle_timer(self, now: float) -> None:
+        live = self.state in (SenderState.STREAMING, SenderState.DRAINING)  # needed till the receiver starts
+        if live and (repeats := self.offer.repeats_due(self._deadline, now)):
+            self._control.extend(repeats)
+            self.datagrams_sent["control"] += len(repeats)
         if self._offer_timer is not None and now >= self._offer_timer:
             if self.state is SenderState.STREAMING and not self._accepted:
                 self._queue_offer(now)
@@ -484,6 +489,7 @@ class SenderSession:
         self.protector.set_peer_random(accept.receiver_random)
         self._accepted = True
         self._offer_timer = None
+        self.offer.on_accept(now)
         # The receiver establishes the session on our first datagram under the session key: send one now
         # (the OFFER's last, smallest part again) rather than wait for data, which may be over already.
         self._control.append(self.offer.part(len(self.offer.parts) - 1, self._deadline, now))
@@ -508,6 +514,7 @@ class SenderSession:
             self._drop("bad_ack_computed")
             return
         if ack.computed_tokens:
+            self.offer.proven()  # the receiver computes from the context the OFFER carries: it has it
             self._on_computed(ack.computed_tokens)
         self.probe.on_ack()
         cpu = self.cpu
