@@ -92,5 +92,5 @@ def check_stream(identity: ModelIdentity, app: OfferApp, profile: UtilityProfile
     utilities = profile.block_utilities(identity.plan(app.n_tokens))
     first_block = 0 if app.split is None else app.split.meeting_token // BLOCK_TOKENS
     plan = check_offer(offer, layout, utilities, fidelity, symbol_size - FRAGMENT_ID_SIZE,
-                       n_source, app.order, identity.quant_scheme, first_block)
+                       n_source, app.order, identity.quant_scheme, first_block, front_after=first_block > 0)
     return StreamPlan(offer.mix, plan, fidelity)

@@ -263,8 +263,9 @@ class Handoffs:
             return True
         session = self.endpoint.sessions.get(info.session_id)
         if app.split is not None and session is not None and session.state is ReceiverState.RECEIVING:
-            session.set_split(symbol_token_ends(stream.plan), app.n_tokens, app.split.meeting_token,
-                              self.clock())
+            # The stream carries the front too, after the back (``stream_plan``'s ``front_after``): no
+            # token is the front's alone, so the session starts once what is not computed has arrived.
+            session.set_split(symbol_token_ends(stream.plan), app.n_tokens, 0, self.clock())
         return False
 
     # ------------------------------------------------------------------ deadline: rebuild, generate, RESULT

@@ -145,8 +145,9 @@ def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> n
 
 def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt.NDArray[np.float64],
                 order: str, first_block: int = 0) -> Stream:
-    """The piece plan of a quantised ``mix`` for this handoff (blocks ``first_block``.. only: a split's
-    back), with the OFFER's description of it."""
+    """The piece plan of a quantised ``mix`` for this handoff, with the OFFER's description of it. A split
+    (``first_block`` > 0) streams the back, then the front after it (``stream_plan``'s ``front_after``):
+    what the receiver's prefill does not reach in time still arrives if the link has time for it."""
     native = identity.plan(n_tokens)
     n_layers = identity.geometry.n_layers
     digest = identity.details.get("model_digest")
@@ -154,7 +155,7 @@ def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt
     fidelity: FidelityTable = fidelity_named(fidelity_name, n_layers, digest)
     layout = PieceLayout(identity.geometry, n_tokens, BLOCK_TOKENS)
     plan = stream_plan(layout, mix, utilities, fidelity, native.symbol_size - FRAGMENT_ID_SIZE, order,
-                       first_block)
+                       first_block, front_after=first_block > 0)
     offer = PrecisionOffer(QUANT_SCHEME, mix, layout.block_tokens, layout.value_group, fidelity_name,
                            plan_digest(plan, mix, fidelity_name))
     first_piece, _ = plan.symbol_piece_spans()

@@ -181,6 +181,31 @@ def test_a_split_plan_is_the_back_of_every_layer_in_the_same_order_and_names_eac
         stream_plan(layout, "int8", util, table, PAYLOAD, first_block=5)
 
 
+def test_a_split_stream_with_the_front_after_carries_the_back_first_then_the_front_backwards() -> None:
+    """``front_after``: the back's plan unchanged at the head, then every front block, nearest the meeting
+    point first (what a slow receiver prefill reaches last); only that rule recomputes the same plan."""
+    layout = _layout()  # 70 tokens: 5 token blocks x 3 layers
+    util = _utility(layout)
+    table = default_fidelity(GEOM.n_layers)
+    back = stream_plan(layout, "int8-int4", util, table, PAYLOAD, first_block=3)
+    both = stream_plan(layout, "int8-int4", util, table, PAYLOAD, first_block=3, front_after=True)
+    n_back = len(back.blocks)
+    assert np.array_equal(both.blocks[:n_back], back.blocks)
+    assert np.array_equal(both.kinds[:n_back], back.kinds)
+    assert set(both.blocks.tolist()) == set(range(layout.n_blocks))
+    front_blocks = both.blocks[n_back:] % layout.n_token_blocks
+    assert (front_blocks < 3).all() and (np.diff(front_blocks) <= 0).all() and front_blocks[0] == 2
+    ends = symbol_token_ends(both)
+    assert ends[-1] == 16 and (np.diff(ends[back.n_symbols + 1:]) <= 0).all()
+    digest = plan_digest(both, "int8-int4", "default")
+    offer = PrecisionOffer(SCHEME, "int8-int4", 16, layout.value_group, "default", digest)
+    got = check_offer(offer, layout, util, table, PAYLOAD, both.n_symbols, "utility", SCHEME, 3,
+                      front_after=True)
+    assert np.array_equal(got.blocks, both.blocks)
+    with pytest.raises(ValueError, match=r"does not match|symbols here"):
+        check_offer(offer, layout, util, table, PAYLOAD, both.n_symbols, "utility", SCHEME, 3)
+
+
 def test_the_offer_split_part_is_typed_and_bounded() -> None:
     offer = PrecisionOffer.from_json(_offer_json())
     split = SplitOffer(32, tuple(range(40)))

@@ -157,7 +157,8 @@ def block_tops(mix: str, block_utility: npt.ArrayLike) -> npt.NDArray[np.int64]:
 
 
 def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fidelity: FidelityTable,
-                payload_size: int, order: str = "utility", first_block: int = 0) -> PiecePlan:
+                payload_size: int, order: str = "utility", first_block: int = 0,
+                front_after: bool = False) -> PiecePlan:
     """The piece plan of a quantised ``mix``: pieces packed into ``payload_size``-byte symbol payloads.
 
     ``order`` ``utility`` sends pieces by marginal value per byte (``precision.value_order``); ``fifo``
@@ -165,6 +166,11 @@ def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fid
     ``first_block`` > 0 (a split handoff: the receiver computes the front itself) keeps only the pieces of
     token blocks ``first_block``.. (the back, in every layer), in the same order; the tops are those of
     the whole cache, so the back's blocks get the levels they would get in a whole-cache handoff.
+    ``front_after`` (a split whose meeting point follows the receiver's speed) keeps the front too, after
+    the back, token block by token block from the meeting point down (the blocks the receiver's prefill
+    reaches last first; each block's pieces in ``order``): the sender never sends what the receiver has
+    computed (its ACKs say how far it got), so the link's spare time fills the gap a slower prefill
+    leaves instead of the receiver starting with it masked.
     """
     if not 0 <= first_block < layout.n_token_blocks:
         raise ValueError(f"first token block {first_block!r} lies outside the context's "
@@ -181,8 +187,13 @@ def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fid
     else:
         raise ValueError(f"order {order!r} is not one of utility, fifo")
     if first_block:
-        back = blocks % layout.n_token_blocks >= first_block
-        blocks, kind_ids = blocks[back], kind_ids[back]
+        token_block = blocks % layout.n_token_blocks
+        back = token_block >= first_block
+        keep = np.flatnonzero(back)
+        if front_after:
+            front = np.flatnonzero(~back)
+            keep = np.concatenate((keep, front[np.argsort(-token_block[front], kind="stable")]))
+        blocks, kind_ids = blocks[keep], kind_ids[keep]
     return PiecePlan(layout, blocks, kind_ids, payload_size)
 
 
@@ -276,7 +287,7 @@ class PrecisionOffer:
 
 def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.ArrayLike,
                 fidelity: FidelityTable, payload_size: int, n_source: int, order: str,
-                scheme: str | None, first_block: int = 0) -> PiecePlan:
+                scheme: str | None, first_block: int = 0, front_after: bool = False) -> PiecePlan:
     """The plan the OFFER describes, recomputed here; ValueError with the reason when this node does not
     know the scheme, cannot rebuild the layout, or gets another plan (digest or symbol count)."""
     if scheme is None or offer.scheme != scheme:
@@ -288,7 +299,8 @@ def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.A
             f"{offer.value_group} channels, this receiver's are {layout.block_tokens} and "
             f"{layout.value_group}"
         )
-    plan = stream_plan(layout, offer.mix, block_utility, fidelity, payload_size, order, first_block)
+    plan = stream_plan(layout, offer.mix, block_utility, fidelity, payload_size, order, first_block,
+                       front_after)
     digest = plan_digest(plan, offer.mix, offer.fidelity)
     if digest != offer.plan:
         raise ValueError(f"OFFER precision plan {offer.plan} does not match the plan recomputed here "
