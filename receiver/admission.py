@@ -56,8 +56,9 @@ def check_offer_app(app_blob: bytes, offer: Offer, identity: ModelIdentity, runt
     n_source = plan.n_fragments if app.precision is None else offer.n_source  # checked later
     if app.split is not None:
         check_split(app, runtime)
-        if app.precision is None:  # a local prefill: one placeholder symbol, no KV
+        if is_local(app):  # a local prefill: one placeholder symbol, no KV
             n_source = LOCAL_SOURCE_SYMBOLS
+        # a native split streams every fragment (the back, then the front): the whole cache's count
     if n_source != offer.n_source or plan.symbol_size != offer.symbol_size:
         raise ValueError(
             f"OFFER plan: {app.n_tokens} tokens give {plan.n_fragments} symbols of "
@@ -69,10 +70,17 @@ def check_offer_app(app_blob: bytes, offer: Offer, identity: ModelIdentity, runt
     return app
 
 
+def is_local(app: OfferApp) -> bool:
+    """A local prefill: a split whose meeting point is the context's end (nothing streams)."""
+    return app.split is not None and app.split.meeting_token >= app.n_tokens
+
+
 def check_split(app: OfferApp, runtime: ModelRuntime | None) -> None:
     """A split's token ids against this node's model (ValueError with the reason)."""
     split = app.split
     assert split is not None
+    if is_local(app) and app.precision is not None:
+        raise ValueError("OFFER split: a local prefill (m = the context's length) streams no precision plan")
     if runtime is None:
         raise ValueError("OFFER split: this receiver runs without a model (it cannot prefill the front)")
     vocab = int(getattr(runtime.model.config, "vocab_size", 0) or 0)

@@ -40,7 +40,7 @@ from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, pack_bi
 from pfec.common.plan.stream import symbol_token_ends
 from pfec.common.plan.utility import ProfileError, UtilityProfile
 from pfec.common.wire.messages import RefuseCode
-from pfec.receiver.admission import check_offer_app, check_stream
+from pfec.receiver.admission import check_offer_app, check_stream, is_local
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import (
@@ -197,7 +197,11 @@ class Handoffs:
         loop = asyncio.get_running_loop()
         assert split is not None and self.runtime is not None
         sid = info.session_id
-        session.set_split(None, app.n_tokens, split.meeting_token, now)
+        if app.precision is None and not is_local(app):  # native fragments: their token ends are the plan's
+            ends = self.identity.plan(app.n_tokens).fragment_token_end
+            session.set_split(ends, app.n_tokens, 0, now)  # the front streams too, after the back
+        else:  # a quantised split's stream plan waits for the profile (``_check_stream``)
+            session.set_split(None, app.n_tokens, split.meeting_token, now)
         front = Front(split.context_ids, split.meeting_token)
 
         def progress(tokens: int) -> None:  # worker thread
@@ -329,7 +333,7 @@ class Handoffs:
         if ttft is not None:
             self.metrics.ttft(ttft)
         split = info.app.split if info.app else None
-        local = info.app is not None and info.app.precision is None
+        local = info.app is not None and is_local(info.app)
         mode = "handoff" if split is None else ("local" if local else "split")
         result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode)
         record = _record(sid, **result.__dict__)

@@ -152,8 +152,10 @@ def reconstruct(runtime: ModelRuntime | None, identity: ModelIdentity, app: Offe
     A split (``front``): the computed prefix [0, c) exactly, the received blocks after it at their best
     level, the rest masked; a local prefill finishes its front first (nothing streamed)."""
     if front is not None and app.split is not None:
-        if app.precision is None:
+        if app.split.meeting_token >= app.n_tokens:
             return _reconstruct_local(runtime, identity, app, profile, front)
+        if app.precision is None:
+            return _reconstruct_native(runtime, identity, app, profile, decoded_esis, store, front)
         if stream is None or profile is None:
             raise ValueError("the OFFER's precision plan was never checked here (its profile did not load)")
         return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream, front)
@@ -161,21 +163,43 @@ def reconstruct(runtime: ModelRuntime | None, identity: ModelIdentity, app: Offe
         if stream is None or profile is None:
             raise ValueError("the OFFER's precision plan was never checked here (its profile did not load)")
         return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream)
+    return _reconstruct_native(runtime, identity, app, profile, decoded_esis, store)
+
+
+def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, app: OfferApp,
+                        profile: UtilityProfile | None, decoded_esis: npt.NDArray[np.int64],
+                        store: npt.NDArray[np.uint8], front: Front | None = None) -> Reconstructed:
+    """Native fragments filed by id -> complete blocks -> rebuild -> generate (a split: the computed prefix
+    joins in front of the received blocks)."""
     plan = identity.plan(app.n_tokens)
     received = file_by_fragment(plan, decoded_esis, store)
     utility = None
     complete = received.complete_blocks
+    split: dict[str, int] = {}
+    if front is not None:
+        computed = _computed_blocks(len(complete), app.n_tokens, front.tokens)
+        split = {"computed_tokens": front.tokens, "blocks_computed": int(computed.sum()),
+                 "blocks_received": int((complete & ~computed).sum())}
+        complete = complete | computed
     levels = {Level.NATIVE.label: int(complete.sum()), Level.NONE.label: int((~complete).sum())}
     if profile is not None:
         utility = recovered_utility(profile.block_utilities(plan), complete)
+    done = Reconstructed(complete, utility, Rebuilt(None, None, None), NATIVE, utility, levels, **split)
     if not app.generate or runtime is None:
-        return Reconstructed(complete, utility, Rebuilt(None, None, None), NATIVE, utility, levels)
+        return done
     from pfec.common.model import llm  # deferred: torch
 
+    started = time.perf_counter()
     kv = llm.rebuild_from_symbols(runtime, plan, received.store, received.have, app.mode)
-    gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
-    return Reconstructed(complete, utility, Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s), NATIVE, utility,
-                         levels)
+    if front is None:
+        gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
+        done.rebuilt = Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s)
+        return done
+    if front.cache is not None:
+        kv = llm.join_prefix(kv, front.cache, front.tokens)
+    kv.rebuild_s = time.perf_counter() - started
+    done.rebuilt = _generate(runtime, kv, app)
+    return done
 
 
 def _computed_blocks(n_blocks: int, n_tokens: int, computed: int) -> npt.NDArray[np.bool_]:

@@ -403,7 +403,7 @@ class SenderDaemon:
         sid = secrets.randbits(64)
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
                          None if stream is None else stream.block_of_symbol,
-                         None if split is None or stream is None else split.token_ends)
+                         None if split is None or split.meeting_token >= plan.n_tokens else split.token_ends)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         fraction = setup.repair_budget

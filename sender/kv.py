@@ -37,6 +37,7 @@ from pfec.common.plan.stream import (
     handoff_deadline_s,
     mix_summary,
     plan_digest,
+    split_order,
     stream_plan,
     symbol_token_ends,
 )
@@ -123,24 +124,28 @@ class Prepared:
 
     @property
     def precision(self) -> str:
-        if self.split is not None and self.stream is None:
-            return "none"  # local: nothing streams
+        if self.handoff_mode == "local":
+            return "none"  # nothing streams
         return NATIVE if self.stream is None else self.stream.mix
 
     @property
     def handoff_mode(self) -> str:
         if self.split is None:
             return "handoff"
-        return "local" if self.stream is None else "split"
+        return "local" if self.split.meeting_token >= self.plan.n_tokens else "split"
 
     @property
     def n_source(self) -> int:
         return len(self.queue)
 
 
+def _block_order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> npt.NDArray[np.int64]:
+    return np.asarray(utility_order(utilities) if order == "utility" else fifo_order(plan.n_blocks),
+                      dtype=np.int64)
+
+
 def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> npt.NDArray[np.int64]:
-    blocks = utility_order(utilities) if order == "utility" else fifo_order(plan.n_blocks)
-    return plan.fragment_queue(blocks)
+    return plan.fragment_queue(_block_order(plan, utilities, order))
 
 
 def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt.NDArray[np.float64],
@@ -257,8 +262,16 @@ def _prepare_split(runtime: ModelRuntime, context_ids: tuple[int, ...], question
                         question_ids, prefill_s, profile_name, cache if keep_cache else None,
                         planner=choice.view, split=split)
     assert choice.mix is not None and choice.meeting_token is not None and cache is not None
-    stream = plan_stream(identity, plan.n_tokens, choice.mix, utilities, order,
-                         choice.meeting_token // BLOCK_TOKENS)
+    first_block = choice.meeting_token // BLOCK_TOKENS
+    if choice.mix == NATIVE:  # the native fragments: the back's blocks, then the front's after them
+        in_order = _block_order(plan, utilities, order)
+        blocks = in_order[split_order(in_order % plan.n_token_blocks, first_block, True)]
+        queue = plan.fragment_queue(blocks)
+        symbols = llm.serialise_symbols(runtime, cache, plan, queue)
+        split = Split(choice.meeting_token, tuple(context_ids), plan.fragment_token_end[queue])
+        return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
+                        cache if keep_cache else None, planner=choice.view, split=split)
+    stream = plan_stream(identity, plan.n_tokens, choice.mix, utilities, order, first_block)
     started = time.perf_counter()
     symbols = llm.serialise_stream(runtime, cache, stream.plan)
     stream.quantise_s = time.perf_counter() - started

@@ -199,14 +199,20 @@ def test_a_split_sender_stops_sending_blocks_the_receiver_reports_computed() -> 
     assert len(r.decoded_ids) == r.decoded_symbols and ends[r.decoded_ids].max() <= 512
 
 
-def test_split_credits_the_computed_front_as_exact_and_streams_only_the_back() -> None:
-    handoff = prepare(small(rho=0.5, tokens=512, rate_mbps=20.0, precision="int4", mode="split",
+@pytest.mark.parametrize("precision", ["int4", "native"])
+def test_split_credits_the_computed_front_as_exact_and_streams_the_back_first(precision: str) -> None:
+    handoff = prepare(small(rho=0.5, tokens=512, rate_mbps=20.0, precision=precision, mode="split",
                             meeting_token=256))
     stream = handoff.stream("utility")
-    assert stream is not None and (stream.blocks % stream.layout.n_token_blocks).min() == 256 // 16
+    send = handoff.send_queue("utility")
+    n_token_blocks = handoff.plan.n_token_blocks
+    blocks = send.blocks_in_send_order() % n_token_blocks
+    n_back = int((blocks >= 256 // 16).sum())
+    assert (blocks[:n_back] >= 16).all() and (blocks[n_back:] < 16).all()  # the back, then the front
+    assert (np.diff(blocks[n_back:]) <= 0).all() and (stream is None) == (precision == "native")
     r = run_once(handoff, get_scheme("priorityfec"), 0)
     assert r.computed_tokens >= 256
-    token_block = np.arange(handoff.plan.n_blocks) % stream.layout.n_token_blocks
+    token_block = np.arange(handoff.plan.n_blocks) % n_token_blocks
     front = token_block < r.computed_tokens // 16
     assert r.recovered_blocks[front].all()  # computed blocks count as exact, nothing of them streamed
     assert r.recovered_utility >= float(handoff.block_utility[front].sum())
@@ -229,8 +235,6 @@ def test_local_ttft_is_the_speed_models_prefill_time() -> None:
 
 
 def test_split_mode_is_validated() -> None:
-    with pytest.raises(ValueError, match="quantised back"):
-        small(mode="split")
     with pytest.raises(ValueError, match="mode 'fast'"):
         small(mode="fast")
     with pytest.raises(ValueError, match="meeting token 256"):

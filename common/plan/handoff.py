@@ -177,7 +177,8 @@ def default_profile_name(identity: ModelIdentity) -> str:
 @dataclass(frozen=True)
 class SplitOffer:
     """A split handoff's part of the OFFER: the receiver prefills the context's front [0, m) itself (from
-    the token ids given here, the whole context, so it may compute past m) while the back streams.
+    the token ids given here, the whole context, so it may compute past m) while the back streams, then the
+    front after it (native fragments without a precision plan, or the plan's pieces).
 
     JSON: ``{"m": <block-aligned meeting token>, "ids": [<n_tokens context token ids>]}``; ``m`` equal to
     the context length is a local prefill (nothing streams)."""
@@ -272,11 +273,8 @@ class OfferApp:
         offer = None if precision is None else PrecisionOffer.from_json(precision)
         split_data = data.get("split")
         split = None if split_data is None else SplitOffer.from_json(split_data, n_tokens)
-        if split is not None:  # a split streams a quantised back; a local prefill streams nothing
-            local = split.meeting_token == n_tokens
-            if local != (offer is None):
-                raise ValueError("OFFER split: a split below the context streams a quantised back (precision "
-                                 "needed); a local prefill (m = n_tokens) streams nothing (no precision)")
+        if split is not None and split.meeting_token == n_tokens and offer is not None:
+            raise ValueError("OFFER split: a local prefill (m = n_tokens) streams nothing (no precision)")
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
                    max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
                    split=split)

@@ -128,6 +128,13 @@ class BlockPlan:
         counts = np.diff(self._first_fragment)
         return np.repeat(np.arange(self.n_blocks, dtype=np.int64), counts)
 
+    @cached_property
+    def fragment_token_end(self) -> npt.NDArray[np.int64]:
+        """The token end of every fragment id's block (once the receiver has computed the context up to
+        it, a split needs nothing in the fragment)."""
+        token_block = self.fragment_block % self.n_token_blocks
+        return np.minimum((token_block + 1) * self.block_tokens, self.n_tokens)
+
     @property
     def first_fragment(self) -> npt.NDArray[np.int64]:
         """first_fragment[b] .. first_fragment[b+1]-1 are block b's fragment ids (read-only view)."""

@@ -187,14 +187,22 @@ def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fid
     else:
         raise ValueError(f"order {order!r} is not one of utility, fifo")
     if first_block:
-        token_block = blocks % layout.n_token_blocks
-        back = token_block >= first_block
-        keep = np.flatnonzero(back)
-        if front_after:
-            front = np.flatnonzero(~back)
-            keep = np.concatenate((keep, front[np.argsort(-token_block[front], kind="stable")]))
-        blocks, kind_ids = blocks[keep], kind_ids[keep]
+        sent = split_order(blocks % layout.n_token_blocks, first_block, front_after)
+        blocks, kind_ids = blocks[sent], kind_ids[sent]
     return PiecePlan(layout, blocks, kind_ids, payload_size)
+
+
+def split_order(token_blocks: npt.NDArray[np.int64], first_block: int,
+                front_after: bool) -> npt.NDArray[np.intp]:
+    """Indices into a send order (each entry's token block given) for a split from ``first_block``: the
+    back's entries in their order, then (``front_after``) the front's, token block by token block from the
+    meeting point down, each block's entries in their order; without ``front_after`` the back only."""
+    back = token_blocks >= first_block
+    keep = np.flatnonzero(back)
+    if not front_after:
+        return keep
+    front = np.flatnonzero(~back)
+    return np.concatenate((keep, front[np.argsort(-token_blocks[front], kind="stable")]))
 
 
 def symbol_token_ends(plan: PiecePlan) -> npt.NDArray[np.int64]:
@@ -449,7 +457,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
     """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
     or a mix), from the break-even planner (this handoff's tokens, the link's rate, RTT and loss, the
     receiver's prefill curve, by default the stored curve of the default model). ValueError for an unknown
-    mode or mix, or a split at native precision (a split streams a quantised back)."""
+    mode or mix. A split streams the back at the mix chosen, native included, and the front after it."""
     if mode not in HANDOFF_MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(HANDOFF_MODES)}")
     if precision != AUTO:
@@ -480,16 +488,12 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
             mix = min((o for o in keeping if o.mode == "handoff"), key=lambda o: o.ttft_s).precision
         used = plan.option("handoff", mix)
     else:
-        if precision == NATIVE:
-            raise ValueError("a split streams a quantised back: choose a precision other than native")
         if precision != AUTO:
             mix = precision
         elif plan.choice.mode != "local":
             mix = plan.choice.precision
         else:
             mix = min((o for o in keeping if o.mode == "split"), key=lambda o: o.ttft_s).precision
-        if mix == NATIVE:
-            mix = "int8"  # the planner's native split: int8 keeps everything (issue 13) at half the bytes
         level = level_named(mix)
         best = split_option(n_tokens, geometry, level, link, recv, True)
         meeting = aligned_meeting_token(best.meeting_token or 0, n_tokens, block_tokens)

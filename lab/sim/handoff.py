@@ -29,6 +29,7 @@ from pfec.common.plan.stream import (
     fidelity_name_for,
     fidelity_named,
     score_stream,
+    split_order,
     stream_plan,
     symbol_token_ends,
 )
@@ -95,8 +96,6 @@ class SimConfig:
             raise ValueError(f"repair_budget is a fraction of the source symbols, got {self.repair_budget!r}")
         check_mix(self.precision)
         check_mode(self.mode)
-        if self.mode == "split" and self.precision == NATIVE:
-            raise ValueError("a split streams a quantised back: choose a precision other than native")
         check_window_cap(self.window_cap)
         if self.loss_prior is not None and not 0.0 <= self.loss_prior < 1.0:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
@@ -165,9 +164,10 @@ class Handoff:
             return None
         if order not in self.streams:
             layout = PieceLayout(self.config.geometry, self.config.tokens, self.plan.block_tokens)
+            first_block = self.meeting_token // self.plan.block_tokens
             self.streams[order] = stream_plan(layout, self.config.precision, self.block_utility,
                                               self.fidelity, self.plan.fragment_payload, order,
-                                              self.meeting_token // self.plan.block_tokens)
+                                              first_block, front_after=self.is_split)
         return self.streams[order]
 
     def queue(self, order: str) -> npt.NDArray[np.int64]:
@@ -179,9 +179,12 @@ class Handoff:
             payload[:, :4] = self.queues[order].astype(">u4").view(np.uint8).reshape(-1, 4)
             self.ordered_payload[order] = payload
         if order not in self.queues:
-            blocks = (
+            blocks = np.asarray(
                 utility_order(self.block_utility) if order == "utility" else fifo_order(self.plan.n_blocks)
             )
+            if self.is_split:  # the daemon's native split: the back's blocks, then the front's after them
+                first_block = self.meeting_token // self.plan.block_tokens
+                blocks = blocks[split_order(blocks % self.plan.n_token_blocks, first_block, True)]
             self.queues[order] = self.plan.fragment_queue(blocks)
             self.ordered_payload[order] = np.ascontiguousarray(self.payload[self.queues[order]])
         return self.queues[order]
@@ -194,9 +197,18 @@ class Handoff:
         if stream is not None:
             first_piece, _ = stream.symbol_piece_spans()
             blocks = stream.blocks[first_piece].astype(np.int64)
-            if self.config.mode == "split":
-                ends = symbol_token_ends(stream)
+        if self.config.mode == "split":
+            ends = self.index_token_ends(order)[queue] if stream is None else symbol_token_ends(stream)
         return SendQueue(self.plan, queue, self.ordered_payload[order], self.block_utility, blocks, ends)
+
+    @property
+    def is_split(self) -> bool:
+        return self.config.mode == "split"
+
+    def index_token_ends(self, order: str) -> npt.NDArray[np.int64]:
+        """The token end of the index each symbol carries (a stream index, or a native fragment id)."""
+        stream = self.stream(order)
+        return self.plan.fragment_token_end if stream is None else symbol_token_ends(stream)
 
     def credit(self, order: str, sent_positions: npt.NDArray[np.int64],
                ) -> tuple[npt.NDArray[np.bool_], float, float]:

@@ -55,7 +55,15 @@ from pfec.lab.sim.engine import DeadlineScore, SimLink, SimLinks, SimRun
 from pfec.lab.sim.handoff import Handoff, SimConfig, complete_blocks, prepare
 from pfec.lab.sim.oracle import DataTiming, oracle_delivered, trace_data_slots
 from pfec.lab.sim.rate_trace import TraceQueue, queue_limit_bytes
-from pfec.lab.sim.split import FrontPrefill, local_start_s, split_credit, split_fields, split_inputs
+from pfec.lab.sim.split import (
+    FrontPrefill,
+    SplitCredit,
+    computed_blocks,
+    local_start_s,
+    split_credit,
+    split_fields,
+    split_inputs,
+)
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
 from pfec.sender.transport.repair_plan import warm_up
@@ -172,7 +180,8 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
     front = None
     if cfg.mode == "split":
         assert send.token_ends is not None
-        front = FrontPrefill(endpoint, cfg.receiver, cfg.tokens, handoff.meeting_token, send.token_ends)
+        front = FrontPrefill(endpoint, cfg.receiver, cfg.tokens, handoff.meeting_token,
+                             handoff.index_token_ends(scheme.order))
     run = SimRun(sender, endpoint, _links(handoff, realization),
                  lambda event: _score(handoff, send, scheme.order, event, verify, endpoint), front)
     wall0 = time.perf_counter()
@@ -373,21 +382,46 @@ def _rows_equal(store: npt.NDArray[np.uint8], store_rows: npt.NDArray[np.int64],
     return True
 
 
+def _native_split_credit(handoff: Handoff, fragment_ids: npt.NDArray[np.int64], computed_tokens: int,
+                         ) -> SplitCredit:
+    """Credit of a native split at its start: the computed front and the blocks whose fragments all
+    arrived, both exact."""
+    plan = handoff.plan
+    computed = computed_blocks(plan.n_blocks, plan.n_token_blocks, plan.block_tokens, plan.n_tokens,
+                               computed_tokens)
+    usable = complete_blocks(handoff, fragment_ids) | computed
+    utility = float(handoff.block_utility[usable].sum())
+    return SplitCredit(usable, utility, utility, computed)
+
+
 def _score(handoff: Handoff, send: SendQueue, order: str, event: DeadlineReached,
            verify: bool, endpoint: ReceiverEndpoint) -> DeadlineScore:
     decoded = event.decoded_esis
     at = event.started_at
     split = handoff.config.mode == "split"
     # A split sender reorders its unsent symbols as the front grows, so ESIs no longer follow the queue:
-    # each decoded symbol is filed by the stream index it carries (as the receiver daemon does).
-    rows = np.ascontiguousarray(event.store[decoded, :4]).view(">u4").reshape(-1).astype(np.int64) if split \
-        else decoded
+    # each decoded symbol is filed by the index it carries (as the receiver daemon does): its stream index,
+    # or a native fragment's id, whose row in the queue is found by inverting it.
+    stream = handoff.stream(order)
+    rows = decoded
+    if split:
+        rows = np.ascontiguousarray(event.store[decoded, :4]).view(">u4").reshape(-1).astype(np.int64)
+        if stream is None:
+            queue = handoff.queue(order)
+            position = np.empty_like(queue)
+            position[queue] = np.arange(len(queue))
+            rows = position[rows]
     if verify and not _rows_equal(event.store, decoded, send.symbols, rows):
         raise AssertionError("decoder output differs from the source symbols")
     ids = handoff.queue(order)[rows]
+    if split and stream is None:
+        computed = endpoint.sessions[event.session_id].computed_tokens
+        credit = _native_split_credit(handoff, ids, computed)
+        return DeadlineScore(credit.usable, credit.utility, int(credit.usable.sum()), len(decoded),
+                             event.stats.redundant_repairs, event.stats, ids, computed, at)
     if split:
         computed = endpoint.sessions[event.session_id].computed_tokens
-        stream, fidelity = handoff.stream(order), handoff.fidelity
+        fidelity = handoff.fidelity
         assert stream is not None and fidelity is not None
         have = np.zeros(stream.n_symbols, dtype=np.bool_)
         have[ids] = True

@@ -1,7 +1,8 @@
 """The simulator's split and local modes: the receiver prefills the context's front itself, in simulated time.
 
 Why: a handoff competes with recomputing. In ``split`` the receiver prefills tokens [0, c(t)) in chunks while
-the back of the context streams (``stream_plan(..., first_block)``: the meeting token's block on); each
+the back of the context streams (``stream_plan(..., first_block)``: the meeting token's block on, then the
+front after it, as between the daemons; native fragments in the same order); each
 chunk's end goes into the receiver session (``set_computed``), its ACKs carry ``computed_tokens`` and the real
 ``SenderSession`` stops spending bytes on computed blocks, as between the daemons. ``local``: the receiver
 prefills everything, nothing streams.
@@ -12,8 +13,8 @@ next to the constant), or a node's measured ``PrefillSpeed`` record (``load_rece
 receiver daemon's (``FRONT_CHUNK_TOKENS``); a chunk [i, j) takes ``PrefillCurve.chunk_seconds(i, j)``. The
 front starts when the session is established (the daemon's OFFER handler) and stops when the session starts.
 
-Start when ready: generation starts when every symbol still needed is decoded and the front has reached the
-meeting token (or all of the context is computed), else at the deadline; TTFT = that start (measured from the
+Start when ready: generation starts when every symbol still needed (its blocks not computed) is decoded
+(or all of the context is computed), else at the deadline; TTFT = that start (measured from the
 sender's start) + one decode step. Utility: computed blocks count as exact (fidelity 1), streamed blocks at
 the level their arrived pieces reach. Sans-IO like the sessions: numpy and the plan modules only.
 """
@@ -93,7 +94,7 @@ class FrontPrefill:
         self.schedule = front_schedule(receiver.prefill, n_tokens, meeting_token)
         self.n_tokens = n_tokens
         self.meeting_token = meeting_token
-        self.token_ends = token_ends  # per stream index
+        self.token_ends = token_ends  # per index a symbol carries (stream index, or native fragment id)
         self.session_id: int | None = None
         self.started_at = math.nan
         self.next_chunk = 0
@@ -103,7 +104,7 @@ class FrontPrefill:
         if session is None or self.session_id is not None:
             return
         self.session_id, self.started_at = event.session_id, now
-        session.set_split(self.token_ends, self.n_tokens, self.meeting_token, now)
+        session.set_split(self.token_ends, self.n_tokens, 0, now)  # the stream carries the front too
 
     def get_timer(self) -> float | None:
         if self.session_id is None or self.next_chunk >= len(self.schedule):
