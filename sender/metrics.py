@@ -42,6 +42,7 @@ SENDER_DROP_REASONS: Final = (
     "junk_auth",  # does not open under any key (forged or corrupt)
     "bad_ack",  # an authentic ACK whose fields do not fit the session (applied nowhere)
     "accept_mismatch",  # an ACCEPT that does not echo this session's randomness (or a second one)
+    "not_an_answer",  # a speed query got a reply that is no zero-source ACCEPT
     "bad_feedback",  # an authentic datagram the session could not apply (dropped, never raised)
     "malformed",  # an authentic body out of its domain (the key holder's bug)
     "other",
