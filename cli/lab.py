@@ -16,6 +16,16 @@ from typing import Annotated, Any
 
 import typer
 
+from pfec.cli.link_options import (
+    RATE_CONTROL_HELP,
+    TOLD_HELP,
+    QueueBytesOpt,
+    QueueMsOpt,
+    RateScaleOpt,
+    RateTraceOpt,
+    sim_link,
+    trace_link,
+)
 from pfec.cli.shared import DOCS_BENCH, fail, parse_floats
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.deadline import (
@@ -43,30 +53,8 @@ from pfec.lab.emulator.netns import NetnsSpec
 from pfec.lab.reporting.progress import progress_line
 from pfec.lab.reporting.text import format_reliable_summary, format_sim_table
 from pfec.lab.sim.channel import Bernoulli, parse_loss_spec
-from pfec.lab.sim.rate_trace import RateTrace, load_rate_trace, queue_limit_bytes
 
 MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
-RateTraceOpt = Annotated[Path | None, typer.Option(
-    help="Forward link rate from a Mahimahi trace (one line per 1,500-byte delivery opportunity, in ms; it "
-    "loops) behind a drop-tail bottleneck; --rate-mbps is then the rate the sender paces at.")]
-RateScaleOpt = Annotated[float, typer.Option(
-    help="With --rate-trace: opportunities per line (K: a K times faster link of the same shape).")]
-QueueMsOpt = Annotated[float | None, typer.Option(
-    help="With --rate-trace: the bottleneck's depth in ms at the trace's mean rate [default: 100].")]
-QueueBytesOpt = Annotated[int | None, typer.Option(
-    help="With --rate-trace: the bottleneck's depth in bytes (instead of --queue-ms).")]
-
-
-def _rate_trace(path: Path | None, scale: float, queue_ms: float | None,
-                queue_bytes: int | None) -> tuple[RateTrace | None, int | None]:
-    """The trace-driven link the options describe and its bottleneck depth in bytes (None, None: a
-    fixed-rate link); ValueError naming the option for what does not fit."""
-    if path is None:
-        if scale != 1.0 or queue_ms is not None or queue_bytes is not None:
-            raise ValueError("--rate-scale, --queue-ms and --queue-bytes shape a --rate-trace link: give one")
-        return None, None
-    trace = load_rate_trace(path, scale)
-    return trace, queue_limit_bytes(trace, queue_ms, queue_bytes)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ResultJsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 TokensOpt = Annotated[int, typer.Option(help="Context tokens handed off.")]
@@ -125,6 +113,8 @@ def sim_cmd(
     rate_scale: RateScaleOpt = 1.0,
     queue_ms: QueueMsOpt = None,
     queue_bytes: QueueBytesOpt = None,
+    told_rate_mbps: Annotated[float | None, typer.Option(help=TOLD_HELP)] = None,
+    rate_control: Annotated[str, typer.Option(help=RATE_CONTROL_HELP)] = "fixed",
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
@@ -163,7 +153,8 @@ def sim_cmd(
     except ValueError as exc:
         raise fail(f"--repair-budget: {exc}") from None
     try:
-        trace, depth = _rate_trace(rate_trace, rate_scale, queue_ms, queue_bytes)
+        queued = rate_control == "path" or told_rate_mbps not in (None, rate_mbps)
+        trace, depth = sim_link(rate_trace, rate_scale, queue_ms, queue_bytes, rate_mbps, queued)
         config = SimConfig(
             loss=parse_loss_spec(loss),
             rate_mbps=rate_mbps,
@@ -182,6 +173,8 @@ def sim_cmd(
             receiver=receiver,
             rate_trace=trace,
             queue_bytes=depth,
+            told_rate_mbps=told_rate_mbps,
+            rate_control=rate_control,
         )
         result = simulate(config, names, realizations, progress=progress_line("sim"))
     except ValueError as exc:
@@ -271,7 +264,7 @@ def emulate_cmd(
     try:
         owd_s = (owd_ms if owd_ms is not None else rtt_ms / 2.0) / 1000.0
         rev_rate = rate_mbps if reverse_rate_mbps is None else reverse_rate_mbps
-        trace, depth = _rate_trace(rate_trace, rate_scale, queue_ms, queue_bytes)
+        trace, depth = trace_link(rate_trace, rate_scale, queue_ms, queue_bytes)
         config = EmulatorConfig(
             forward=DirectionSpec(rate_mbps * 1e6, owd_s, parse_loss(loss), queue_packets, trace, depth),
             reverse=DirectionSpec(rev_rate * 1e6, owd_s, parse_loss(reverse_loss), queue_packets),

@@ -22,7 +22,8 @@ class Recorder:
     """A controller that paces like FixedRate (``slot_s``) and writes down every report."""
 
     def __init__(self, slot_s: float) -> None:
-        self.slot_s = slot_s
+        self.slot_s = self.plan_slot_s = slot_s
+        self.delivered: list[int] = []
         self.sent: list[int] = []
         self.acked: list[int] = []
         self.lost: list[int] = []
@@ -39,6 +40,12 @@ class Recorder:
 
     def on_rtt_measurement(self, now: float, rtt: float) -> None:
         self.rtts.append(rtt)
+
+    def on_packets_delivered(self, now: float, count: int) -> None:
+        self.delivered.append(count)
+
+    def breaker(self, now: float) -> str | None:
+        return None
 
 
 HANDOFF = SimConfig(loss=Bernoulli(0.05), rtt_ms=20, tokens=192, rho=1.0)
@@ -84,10 +91,13 @@ def test_a_controller_hears_every_send_ack_loss_and_rtt_and_changes_nothing_by_l
     assert 0 < acked <= sent and min(recorder.acked) > 0
     assert acked == heard.inflight.acked_source_end + heard.inflight.repairs_acked
     assert sum(recorder.lost) == heard.measured_loss[0] > 0 and min(recorder.lost) > 0
-    # The samples the RTT estimate is smoothed from (none below the path's 20 ms).
-    assert recorder.rtts and min(recorder.rtts) >= 0.02
+    # The receiver's counts of data datagrams received: their growth, as each ACK reports it.
+    assert 0 < sum(recorder.delivered) == heard.path.received <= sent and min(recorder.delivered) > 0
+    # The handshake's round trip (OFFER to ACCEPT) first, then the samples the RTT estimate is smoothed
+    # from (none below the path's 20 ms).
+    assert len(recorder.rtts) > 1 and min(recorder.rtts) >= 0.02
     smoothed = 0.0
-    for rtt in recorder.rtts:
+    for rtt in recorder.rtts[1:]:
         smoothed = rtt if smoothed == 0 else 0.875 * smoothed + 0.125 * rtt
     assert heard.view.rtt_estimate == smoothed
     # A controller at the configured slot sends exactly what FixedRate sends.

@@ -78,6 +78,7 @@ class DoneReason(enum.IntEnum):
     DECODED = 0  # the ACKs say every source symbol planned is decoded
     BUDGET_SPENT = 1  # its repair cap is spent with every source sent
     NO_REPAIR = 2  # a scheme without repairs (or an open-loop code) has sent everything it will send
+    PATH_BROKEN = 3  # the rate controller's circuit breaker stopped the stream: the path stopped delivering
 
 
 class CloseCode(enum.IntEnum):

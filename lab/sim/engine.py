@@ -3,8 +3,9 @@ simulated time (nothing sleeps).
 
 A link serialises one datagram at a time (L bytes hold it for 8L/C seconds) and delivers it ``owd_s``
 later unless its pre-drawn loss realization erases it. With a ``bottleneck`` (a trace-driven link,
-:mod:`.rate_trace`), C is the sender's pacing rate and the datagram then waits in the trace's drop-tail
-queue: it arrives ``owd_s`` after leaving it, or is dropped when the queue is full. ``SimRun.drive``
+:mod:`.rate_trace`, or a fixed-rate one the sender paces into at a rate of its own, :mod:`.path_link`),
+C is the sender's pacing rate (its ``PathRate``'s, if it has one) and the datagram then waits in the
+drop-tail queue: it arrives ``owd_s`` after leaving it, or is dropped when the queue is full. ``SimRun.drive``
 advances ``now`` to the next thing that happens (the link frees up for the sender, a datagram arrives, a
 session timer fires) and lets both sides react in a fixed order, so every run is reproducible. What the
 handoff means (its payload, its score at the deadline) is the caller's: ``lab/sim/simulate.py``.
@@ -26,6 +27,7 @@ from pfec.common.wire.messages import TYPE_MASK
 from pfec.lab.sim.rate_trace import TraceQueue
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, OfferReceived, ReceiverStats
+from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.session import Failed, SenderSession
 
 _DATA_TYPES = (1, 2)  # wire type (the type byte's low six bits) of SOURCE and REPAIR
@@ -35,8 +37,9 @@ class SimLink:
     """One direction: serialisation queue + delay + loss from a pre-drawn realization."""
 
     def __init__(self, rate_bps: float, owd_s: float, lost: npt.NDArray[np.bool_] | None,
-                 bottleneck: TraceQueue | None = None) -> None:
+                 bottleneck: TraceQueue | None = None, controller: PathRate | None = None) -> None:
         self.rate_bps = rate_bps
+        self.controller = controller  # paces at its rate instead of rate_bps (the sender's PathRate)
         self.owd_s = owd_s
         self.lost = lost
         self.bottleneck = bottleneck  # shared by the directions that share the physical link
@@ -47,7 +50,8 @@ class SimLink:
     def transmit(self, size: int, now: float) -> tuple[float, float | None]:
         """Return (time the link is free again, arrival time or None when erased or queue-dropped)."""
         start = max(now, self.free_at)
-        self.free_at = start + size * 8 / self.rate_bps
+        rate = self.rate_bps if self.controller is None else self.controller.pacing_bps
+        self.free_at = start + size * 8 / rate
         left = self.free_at
         if self.bottleneck is not None:
             departure = self.bottleneck.send(self.free_at, size)

@@ -78,6 +78,11 @@ class SimConfig:
     # the trace's mean rate). None: the link is ``rate_mbps``.
     rate_trace: RateTrace | None = None
     queue_bytes: int | None = None
+    # The rate the sender is told (None: ``rate_mbps``) and what it does with it: ``fixed`` paces at it,
+    # ``path`` starts a measuring controller from it (lab/sim/path_link.py: told another rate than the
+    # link's, or under ``path``, the link is a bottleneck queue at ``rate_mbps``).
+    told_rate_mbps: float | None = None
+    rate_control: str = "fixed"
 
     def __post_init__(self) -> None:
         if (self.rho is None) == (self.deadline_ms is None):
@@ -101,8 +106,23 @@ class SimConfig:
             raise ValueError(f"loss_prior must be in [0, 1), got {self.loss_prior!r}")
         if self.meeting_token is not None and not 0 <= self.meeting_token < self.tokens:
             raise ValueError(f"meeting token {self.meeting_token!r} outside the context 0..{self.tokens - 1}")
-        if self.queue_bytes is not None and self.rate_trace is None:
-            raise ValueError("queue_bytes sizes a trace-driven link's bottleneck: give rate_trace too")
+        if self.rate_control not in ("fixed", "path"):
+            raise ValueError(f"rate_control must be fixed or path, got {self.rate_control!r}")
+        if self.told_rate_mbps is not None and not self.told_rate_mbps > 0:
+            raise ValueError(f"told_rate_mbps must be positive, got {self.told_rate_mbps!r}")
+        if self.queue_bytes is not None and not self.bottlenecked:
+            raise ValueError("queue_bytes sizes a bottleneck: give rate_trace, told_rate_mbps or "
+                             "rate_control='path' too")
+
+    @property
+    def bottlenecked(self) -> bool:
+        """Whether a queue sits between the sender's pacing and the link (lab/sim/path_link.py)."""
+        return (self.rate_trace is not None or self.rate_control == "path"
+                or (self.told_rate_mbps is not None and self.told_rate_mbps != self.rate_mbps))
+
+    @property
+    def told_rate_bps(self) -> float:
+        return (self.rate_mbps if self.told_rate_mbps is None else self.told_rate_mbps) * 1e6
 
     @property
     def sender_loss_prior(self) -> float:

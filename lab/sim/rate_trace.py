@@ -33,6 +33,7 @@ __all__ = [
     "RateTrace",
     "TraceError",
     "TraceQueue",
+    "constant_trace",
     "load_rate_trace",
     "markov_trace",
     "parse_rate_trace",
@@ -165,6 +166,15 @@ def _trace_from_rates(rates_mbps: npt.NDArray[np.float64], name: str) -> RateTra
     if times.size == 0 or times[-1] != per_ms.size:  # the period is the last line: end on the last ms
         times = np.append(times, per_ms.size)
     return RateTrace(times, int(per_ms.size), 1.0, name)
+
+
+def constant_trace(rate_mbps: float) -> RateTrace:
+    """A fixed-rate link as a trace: every millisecond carries ``rate_mbps``' worth of bytes (the
+    bottleneck of a fixed-rate link whose sender paces at a rate of its own)."""
+    if not (math.isfinite(rate_mbps) and rate_mbps > 0):
+        raise ValueError(f"the link rate must be > 0 Mbit/s, got {rate_mbps!r}")
+    per_ms_bytes = rate_mbps * 1e6 / 8 / 1000
+    return RateTrace(np.ones(1, dtype=np.int64), 1, per_ms_bytes / OPPORTUNITY_BYTES, f"{rate_mbps:g} Mbit/s")
 
 
 def step_trace(rates_mbps: Iterable[float], seconds_each: float) -> RateTrace:

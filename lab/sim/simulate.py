@@ -54,7 +54,8 @@ from pfec.lab.sim.channel import LossModel, realization_rng
 from pfec.lab.sim.engine import DeadlineScore, SimLink, SimLinks, SimRun
 from pfec.lab.sim.handoff import Handoff, SimConfig, complete_blocks, prepare
 from pfec.lab.sim.oracle import DataTiming, oracle_delivered, trace_data_slots
-from pfec.lab.sim.rate_trace import TraceQueue, queue_limit_bytes
+from pfec.lab.sim.path_link import forward_bottleneck, path_fields, path_rate, queue_fields, sender_budget
+from pfec.lab.sim.rate_trace import queue_limit_bytes
 from pfec.lab.sim.split import (
     FrontPrefill,
     SplitCredit,
@@ -66,6 +67,7 @@ from pfec.lab.sim.split import (
 )
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverStats
+from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.repair_plan import warm_up
 from pfec.sender.transport.transfer import SenderSetup, SendQueue, assemble_sender
 
@@ -115,19 +117,24 @@ class RunResult:
     start_s: float | None = None  # session schemes: when the receiver started generating (ready or deadline)
     computed_tokens: int = 0  # split / local: context tokens the receiver computed itself
     sources_dropped: int = 0  # split: unsent sources the sender dropped (the receiver computed them)
+    # A bottlenecked link (lab/sim/path_link.py): datagrams its queue took and dropped; the sender's
+    # PathRate at the end (its estimate, its forecast, congestion events; None under a fixed rate).
+    queue_received: int = 0
+    queue_dropped: int = 0
+    rate_end: dict[str, float] | None = None
 
 
-def _links(handoff: Handoff, realization: int) -> SimLinks:
-    """The three directions of one realization; each draws its losses from its own stream of the seed."""
+def _links(handoff: Handoff, realization: int, controller: PathRate | None = None) -> SimLinks:
+    """The three directions of one realization; each draws its losses from its own stream of the seed.
+    The forward ones pace at the told rate, or at ``controller``'s."""
     cfg = handoff.config
     slot = handoff.slot_s
     ctl_lost = cfg.loss.realize(64, slot, realization_rng(cfg.seed, realization, "control"))
-    bottleneck = None  # one trace-driven queue for data and control: one physical link
-    if cfg.rate_trace is not None:
-        bottleneck = TraceQueue(cfg.rate_trace, queue_limit_bytes(cfg.rate_trace, None, cfg.queue_bytes))
+    bottleneck = forward_bottleneck(cfg)  # one queue for data and control: one physical link
+    pace = cfg.told_rate_bps
     return SimLinks(
-        SimLink(cfg.rate_bps, cfg.owd_s, forward_losses(handoff, realization), bottleneck),
-        SimLink(cfg.rate_bps, cfg.owd_s, ctl_lost, bottleneck),
+        SimLink(pace, cfg.owd_s, forward_losses(handoff, realization), bottleneck, controller),
+        SimLink(pace, cfg.owd_s, ctl_lost, bottleneck, controller),
         SimLink(cfg.rate_bps, cfg.owd_s, reverse_losses(handoff, realization)),
     )
 
@@ -168,7 +175,9 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
     )
     if cfg.mode == "local":
         return _local_result(handoff, scheme, realization)
-    sender = assemble_sender(session_id, send, handoff.budget, setup, cpu)
+    budget = sender_budget(handoff)
+    rate = path_rate(handoff, budget)
+    sender = assemble_sender(session_id, send, budget, setup, cpu, rate)
     endpoint = ReceiverEndpoint(
         SIM_PSK,
         SIM_FINGERPRINT,
@@ -182,7 +191,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
         assert send.token_ends is not None
         front = FrontPrefill(endpoint, cfg.receiver, cfg.tokens, handoff.meeting_token,
                              handoff.index_token_ends(scheme.order))
-    run = SimRun(sender, endpoint, _links(handoff, realization),
+    run = SimRun(sender, endpoint, _links(handoff, realization, rate),
                  lambda event: _score(handoff, send, scheme.order, event, verify, endpoint), front)
     wall0 = time.perf_counter()
     run.drive()
@@ -241,6 +250,7 @@ def _run_result(handoff: Handoff, run: SimRun, send: SendQueue, scheme: Scheme, 
         start_s=None if np.isnan(score.at) else score.at,
         computed_tokens=score.computed_tokens,
         sources_dropped=run.sender.sources_dropped,
+        **path_fields(run.links.data),
     )
 
 
@@ -507,6 +517,8 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
                 "name": cfg.rate_trace.name, "scale": cfg.rate_trace.scale,
                 "mean_rate_mbps": round(cfg.rate_trace.mean_rate_bps / 1e6, 3),
                 "queue_bytes": queue_limit_bytes(cfg.rate_trace, None, cfg.queue_bytes)},
+            **({} if not cfg.bottlenecked else {
+                "told_rate_mbps": cfg.told_rate_bps / 1e6, "rate_control": cfg.rate_control}),
             "rtt_ms": cfg.rtt_ms,
             "rho": round(handoff.rho, 6),
             "deadline_ms": round(handoff.deadline_s * 1000, 3),
@@ -556,6 +568,10 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
             },
             "wall_s_mean": float(np.mean([r.wall_s for r in results])),
         }
+        if cfg.bottlenecked and name not in REFERENCE_SCHEMES:
+            out["schemes"][name].update(queue_fields(
+                [r.queue_received for r in results], [r.queue_dropped for r in results],
+                [r.rate_end for r in results if r.rate_end is not None]))
         if handoff.fidelity is not None:
             out["schemes"][name].update(mean_ci95_fields(
                 "recovered_block_utility", [r.block_utility or 0.0 for r in results]))

@@ -6,8 +6,8 @@ its feedback fields the scheduler's view of the receiver (deficit, unknowns), an
 number, through :class:`pfec.sender.transport.inflight.InFlight`, an RTT sample that ``PathEstimates`` smooths
 (RFC 6298's 1/8 gain, and its variation at 1/4 for the probe timeout, :mod:`.probe`). The estimates
 live where the policy reads them, in the session's ``SchedulerView``; the open-loop tail's loss rate
-follows the same counters, and the rate controller (:mod:`.rate`) hears each new loss count and every RTT
-sample.
+follows the same counters, and the rate controller (:mod:`.rate`) hears each new loss and delivery count
+and every RTT sample.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class PathEstimates:
     the receiver's reported deficit and unknowns, and when the decoded prefix last moved. New losses and
     every RTT sample also go to the rate controller."""
 
-    __slots__ = ("last_prefix_change", "lost", "rate", "rtt_var", "tail", "view")
+    __slots__ = ("last_prefix_change", "lost", "rate", "received", "rtt_var", "tail", "view")
 
     def __init__(self, view: SchedulerView, tail: OpenLoopTail, rate: RateController) -> None:
         self.view = view
@@ -51,6 +51,7 @@ class PathEstimates:
         self.rate = rate
         self.last_prefix_change = 0.0  # when the decoded prefix last advanced (the view's ack staleness)
         self.lost = 0  # the largest cumulative loss count any ACK reported
+        self.received = 0  # the largest cumulative count of data datagrams received any ACK reported
         self.rtt_var = 0.0  # the RTT samples' smoothed mean deviation (RFC 6298's RTTVAR), seconds
 
     def start(self, now: float) -> None:
@@ -75,6 +76,9 @@ class PathEstimates:
         if lost > self.lost:
             self.rate.on_packets_lost(now, lost - self.lost)
             self.lost = lost
+        if ack.received > self.received:
+            self.rate.on_packets_delivered(now, ack.received - self.received)
+            self.received = ack.received
         if sample_time >= 0:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:  # the first sample sets the estimate, later ones move it by RTT_GAIN

@@ -16,10 +16,10 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts the session
   refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
   left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
-  an action; the burst is then sent one datagram per call. A slot's length is the rate controller's
-  (``rate``, :mod:`.rate`: today ``FixedRate``, the configured slot); the parts report every
-  data datagram, ACKed count, new loss and RTT sample to it. An open-loop policy (a fixed-rate code) needs
-  no deficit for a repair and its repairs cover the newest window (``send_path``).
+  an action; the burst is then sent one datagram per call. The slots left are counted at the rate
+  controller's forecast (``rate``: :mod:`.rate`'s ``FixedRate``, or :mod:`.path_rate`'s measured
+  ``PathRate``, whose circuit breaker stops the stream with a DONE). An open-loop policy (a fixed-rate
+  code) needs no deficit for a repair and its repairs cover the newest window (``send_path``).
 - A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
   sample) cannot be repaired from feedback: the session protects them open loop at the expected-loss rate
   (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``),
@@ -33,36 +33,33 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
 - ACK fields are checked against what was sent (decoded prefix, seen end and decoded count within the
   sources sent, largest packet number within those sealed, counters within the datagrams sealed); an
   implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
-- A split handoff (``SplitInfo``: the receiver prefills the front of the context itself while this session
-  streams the back): an ACK's ``computed_tokens`` (beyond the context: dropped, ``bad_ack_computed``) moves
-  the unsent symbols that hold only computed blocks behind the others, never to be sent (``split``).
+- A split (``SplitInfo``: the receiver prefills the front while this session streams the back): an ACK's
+  ``computed_tokens`` (past the context: dropped, ``bad_ack_computed``) moves the unsent symbols holding
+  only computed blocks behind the others, never to be sent (``split``).
 - Waiting on feedback that does not come (its last repairs lost, or the ACK that answered them), a
   closed-loop sender probes as QUIC does (RFC 9002 6.2, :mod:`.probe`): repairs where the receiver lacks
   most, whatever the deficit estimate says; the ACK they elicit says what is still missing.
 - Once it will send nothing more the receiver could use (every source out, and all decoded, its repair
   cap spent, or no closed-loop repair in its scheme) it stops (DRAINING) and sends a DONE (the completion
   signal, :mod:`.completion`), on which the receiver starts generating rather than at its deadline.
-- When no slot is left before the deadline the session stops sending data (DRAINING) and waits for the
-  receiver's RESULT, answering it with CLOSE (DONE); without a RESULT by ``deadline + result_wait_s`` it
-  fails with a reason. Whenever the session gives up (no ACCEPT, no RESULT, ``cancel``) it queues a
-  CLOSE for the receiver first.
+- With no slot left before the deadline it stops sending data (DRAINING) and waits for the RESULT,
+  answered with CLOSE (DONE); none by ``deadline + result_wait_s``: it fails with a reason. Giving up
+  (no ACCEPT, no RESULT, ``cancel``) it queues a CLOSE for the receiver first.
 
 Parts
 -----
 The session holds the states, the OFFER/ACCEPT/RESULT/CLOSE flow, timers, events and decision epochs, and
 delegates the rest, each part sans-IO with a narrow interface:
 
-- ``path`` (:mod:`.path`): ACK intake, the plausibility check and the path estimates (loss,
-  burst, RTT smoothing, ACK staleness), written into the view;
-- ``inflight`` (:mod:`.inflight`): what was sent and not yet covered by an ACK, and the RTT
-  sample of the newest acknowledged packet;
+- ``path`` (:mod:`.path`): ACK intake, plausibility check, path estimates (loss, burst, RTT, staleness);
+- ``inflight`` (:mod:`.inflight`): what was sent and not yet ACKed; the newest ACKed one's RTT sample;
 - ``send_path`` (:mod:`.send_path`): source and repair datagrams, the tail's window, and the
   repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps;
 - ``split`` (:mod:`.split`): a split handoff's token ends, computed tokens and unsent reorder;
 - ``probe`` (:mod:`.probe`): the probe timer's clock and backoff;
 - ``completion`` (:mod:`.completion`): when the sender is done, and its DONE;
-- ``rate`` (:mod:`.rate`): the rate controller (the seam a controller plugs into; several
-  sessions may share one): the session reads its slot, ``send_path``, ``inflight`` and ``path`` report to it.
+- ``rate`` (:mod:`.rate`): the rate controller (several sessions may share one): the session reads its
+  slots and breaker; ``send_path``, ``inflight`` and ``path`` report sends, deliveries, losses, RTTs.
 """
 
 from __future__ import annotations
@@ -83,6 +80,7 @@ from pfec.common.wire.messages import (
     Ack,
     Close,
     CloseCode,
+    DoneReason,
     Message,
     ParseError,
     Refuse,
@@ -102,6 +100,7 @@ from pfec.sender.transport.session_types import (
     MAX_SPAN,
     Accepted,
     Failed,
+    PathBroken,
     Refused,
     ResultReceived,
     SenderConfig,
@@ -115,15 +114,14 @@ from pfec.sender.transport.session_types import (
 from pfec.sender.transport.split import SplitBookkeeping
 
 # The session's inputs and outputs live in session_types; callers import them from here too.
-__all__ = ["MAX_SPAN", "Accepted", "Failed", "Refused", "ResultReceived", "SenderConfig", "SenderEvent",
-           "SenderSession", "SenderState", "SendingStopped", "SourceInfo", "SplitInfo"]
+__all__ = ["MAX_SPAN", "Accepted", "Failed", "PathBroken", "Refused", "ResultReceived", "SenderConfig",
+           "SenderEvent", "SenderSession", "SenderState", "SendingStopped", "SourceInfo", "SplitInfo"]
 
 
 class SenderSession:
     """The sending end of one handoff: OFFER, paced source and repair datagrams, ACK processing, the
-    RESULT and CLOSE (see the module doc). The daemon and the simulator assemble it in ``transfer.py``.
-
-    ``rate``: the rate controller (:mod:`.rate`); None paces at ``config.slot_s``."""
+    RESULT and CLOSE (see the module doc), assembled in ``transfer.py``. ``rate``: the rate controller
+    (:mod:`.rate`); None paces at ``config.slot_s``."""
 
     def __init__(
         self,
@@ -164,7 +162,6 @@ class SenderSession:
         # (common/sched/open_loop_tail.py); before an RTT sample, the path's prior: twice the one-way delay.
         tail = OpenLoopTail(policy.sends_repairs and not open_loop, config.loss_prior, 2 * config.owd_s,
                             config.window_cap)
-        # The parts that see the path report to the rate controller: sends, ACKed counts, losses, RTTs.
         self.inflight = InFlight(self.encoder.n_source, config.repair_budget, self.rate)
         self.path = PathEstimates(view, tail, self.rate)
         self.send_path = SendPath(config, symbols, self.encoder, protector, view, self.inflight, tail,
@@ -177,11 +174,8 @@ class SenderSession:
         self._utility_features = None if source_info is None else UtilityFeatures(source_info)
         self._events: deque[SenderEvent] = deque()
         self._control: deque[bytes] = deque()  # OFFER / CLOSE datagrams, sent before data
-        self._burst_action = Action.SOURCE
-        self._burst_left = 0
-        self._start = 0.0
-        self._send_deadline = 0.0
-        self._deadline = 0.0
+        self._burst_action, self._burst_left = Action.SOURCE, 0
+        self._start = self._send_deadline = self._deadline = 0.0
         self._accepted = False  # the receiver's ACCEPT arrived: the session keys are set
         self._handshake_deadline = 0.0
         self._offer_timer: float | None = None
@@ -363,14 +357,20 @@ class SenderSession:
             and self.planner.regions > 0
         )
 
-    def _slots_left(self, now: float) -> int:
-        return max(0, int((self._send_deadline - now) / self.rate.slot_s))
+    def _slots_left(self, now: float) -> int:  # counted at the rate forecast, not the rate paced at
+        return max(0, int((self._send_deadline - now) / self.rate.plan_slot_s))
 
     def _decide(self, now: float) -> bool:
         """A decision epoch: refresh the view, then choose the next burst (False: nothing to send now)."""
         cpu = self.cpu
         t0 = cpu.clock() if cpu is not None else 0
         self._refresh_view(now)
+        if (broken := self.rate.breaker(now)) is not None:  # RFC 8084: the path stopped delivering
+            self._events.append(PathBroken(broken))
+            self.completion.reason = DoneReason.PATH_BROKEN
+            self._stop_sending(now)
+            self._queue_done(now)
+            return False
         if self.view.slots_left == 0:
             self._stop_sending(now)
             return False
@@ -426,9 +426,7 @@ class SenderSession:
         next_esi = enc.next_esi
         view.now = now
         view.sources_sent = next_esi
-        slot_s = self.rate.slot_s
-        slots_left = max(0, int((self._send_deadline - now) / slot_s))
-        view.slots_left = slots_left
+        slots_left = view.slots_left = self._slots_left(now)
         view.acked_prefix = enc.ack_prefix
         view.ack_staleness = now - self.path.last_prefix_change
         inflight = self.inflight
@@ -436,7 +434,8 @@ class SenderSession:
         view.sources_in_flight = next_esi - inflight.acked_source_end
         rtt = view.rtt_estimate
         since_start = None if rtt > 0 else now - self._start  # no RTT sample: no ACK yet
-        self.send_path.plan_epoch(next_esi, view.loss_estimate, rtt, slots_left * slot_s, since_start)
+        self.send_path.plan_epoch(next_esi, view.loss_estimate, rtt, slots_left * self.rate.plan_slot_s,
+                                  since_start)
         if self._utility_features is not None:
             self._utility_features.write(self.view, next_esi)
 
@@ -487,6 +486,7 @@ class SenderSession:
             self._drop("accept_mismatch")
             return
         self.protector.set_peer_random(accept.receiver_random)
+        self.rate.on_rtt_measurement(now, now - self._start)  # the first OFFER's: ahead of any queued data
         self._accepted = True
         self._offer_timer = None
         self.offer.on_accept(now)

@@ -120,11 +120,18 @@ class SendingStopped(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class PathBroken(Event):
+    """The rate controller's circuit breaker stopped the stream (the receiver is told it is done)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Failed(Event):
     reason: str
 
 
-SenderEvent = Accepted | Refused | ResultReceived | SendingStopped | Failed | DatagramDropped
+SenderEvent = Accepted | Refused | ResultReceived | SendingStopped | PathBroken | Failed | DatagramDropped
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,380 @@
+"""``PathRate``: the sender's rate controller (sans-IO), after BBR's model (draft-ietf-ccwg-bbr) with the
+changes a deadline stream needs. It plugs into the seam in :mod:`.rate`; the link adapters pace at its
+``pacing_bps`` and the session plans on its cautious ``plan_slot_s``.
+
+Theory of operation:
+
+- **Rounds.** A round is one min RTT of ACK arrivals (at least ``MIN_ROUND_S``). When a round closes the
+  controller takes one delivery-rate sample: the data datagrams the receiver counted (the ACKs' cumulative
+  ``received``) between the ACK that opened the round and the one that closed it, over the time between
+  the two ACKs. Counters, not send times: jitter on the return path moves a sample's ends, never the
+  count. The same round gives its loss share and its queueing delay (its smallest RTT sample less the
+  path's min RTT).
+- **Estimate.** The bottleneck rate is the largest sample of the last ``BTL_ROUNDS`` rounds (a max filter:
+  a sample understates the link when the sender was app-limited or a neighbour had a burst; only a queue
+  lets it overstate, and the drain phases empty that). A round in which the sender sent less than
+  ``APP_LIMITED_SHARE`` of what it may is app-limited: its sample counts only if it raises the estimate.
+- **Phases.** STARTUP paces at the rate it was told (or remembers) and doubles it after every round whose
+  delivery kept up with what was sent a round earlier: a link 4x faster than told is found in two or three
+  round trips, not the hundreds additive increase would take. A round that did not keep up (or that grew
+  a queue) ends it. DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it
+  stands the link stays busy, so draining fast costs nothing). CRUISE paces at
+  the estimate in cycles of ``PROBE_GAINS``, one round each: probe 25% up, drain what the probe queued,
+  cruise; two rounds in a row with a standing queue send it back to DRAIN.
+- **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
+  ``LOSS_MARGIN`` *while* a queue stands is congestion: the estimate is cut to ``CUT`` of itself and the
+  probe cycle restarts at a cruise phase. Loss without a queue is the channel's, the FEC's business: those
+  rounds set the floor (an average of their loss). Repaired losses count: the counters are the receiver's.
+- **Forecast** (Sprout's cautious forecast): the ``FORECAST_QUANTILE`` of the last ``FORECAST_ROUNDS``
+  samples that were not app-limited, never above the estimate; the starting rate until
+  ``FORECAST_MIN_SAMPLES`` exist. The session counts the slots left before its deadline at this rate.
+- **Circuit breaker** (RFC 8084): once the path has delivered, the breaker trips when nothing more is
+  delivered for ``BREAKER_SILENCE_S`` (or four smoothed RTTs, if longer) while the sender kept sending,
+  or when the last ``BREAKER_WINDOW_S`` lost at least ``BREAKER_LOSS`` of what it sent; the session then
+  stops with the breaker's reason. Tripped stays tripped.
+
+One controller may serve several sessions to one receiver (they share the uplink): every hook takes counts
+(deltas), so each session reports its own growth and the controller sums them. A controller idle for
+``RESTART_IDLE_S`` starts its next handoff in STARTUP from the estimate it remembers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from enum import Enum
+from typing import Final
+
+MIN_ROUND_S: Final = 0.01  # a round is at least this long (ACK spacing would dominate a shorter sample)
+FIRST_ROUND_S: Final = 0.02  # the round length before the first RTT sample
+BTL_ROUNDS: Final = 8  # max filter length, in rounds
+STARTUP_GAIN: Final = 2.0  # pacing growth per round in STARTUP while delivery keeps up (BBR's 2.885 overshot)
+KEEP_UP: Final = 0.85  # a round's delivery >= this share of the previous round's sending kept up
+DRAIN_GAIN: Final = 0.5  # while a queue stands the link stays busy: draining it fast costs no delivery
+PROBE_GAINS: Final = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+CRUISE_AFTER_CUT: Final = 2  # the probe cycle's index after a congestion cut (no probe right away)
+APP_LIMITED_SHARE: Final = 0.8
+CWND_GAIN: Final = 2.0  # round trips' worth in flight before the pacing rate falls to a trickle ...
+FIRST_WINDOW_GAIN: Final = 1.0  # ... round trips' worth before the first delivery-rate sample
+CWND_MIN_PACKETS: Final = 64  # ... and never below this many datagrams
+TRICKLE_GAIN: Final = 1 / 16
+CUT: Final = 0.85  # the estimate after a congestion round (BBRv2's beta is 0.7 for inflight; we pace)
+LOSS_MARGIN: Final = 0.02  # loss share above the random-loss floor that counts as congestion
+FLOOR_GAIN: Final = 0.125  # weight of a queue-free round's loss in the random-loss floor
+QUEUE_CONGESTED_S: Final = 0.01  # queueing delay above which loss may be congestion (a probe queues less) ...
+QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the min RTT, if more
+QUEUE_STANDING_S: Final = 0.01  # a standing queue (two rounds above it: drain) ...
+QUEUE_STANDING_RTT: Final = 0.5  # ... or this share of the min RTT, if more
+FORECAST_ROUNDS: Final = 16
+FORECAST_QUANTILE: Final = 0.2
+FORECAST_MIN_SAMPLES: Final = 4
+MIN_RTT_WINDOW_S: Final = 10.0  # a min RTT older than this is replaced by the newest round's
+BREAKER_SILENCE_S: Final = 1.0
+BREAKER_MIN_SENT: Final = 64  # datagrams sent into the silence before it can trip the breaker
+BREAKER_WINDOW_S: Final = 1.0
+BREAKER_LOSS: Final = 0.95
+BREAKER_MIN_PACKETS: Final = 256  # datagrams the loss window must hold before it can trip the breaker
+RESTART_IDLE_S: Final = 1.0
+MIN_RATE_BPS: Final = 100e3  # the estimate never falls below this (a floor, not a target)
+
+
+class Phase(Enum):
+    STARTUP = "startup"
+    DRAIN = "drain"
+    CRUISE = "cruise"
+
+
+class PathRate:
+    """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
+
+    __slots__ = (
+        "_capped",
+        "_cycle",
+        "_delivered",
+        "_drain_until",
+        "_forecast",
+        "_lost",
+        "_packets_sent",
+        "_prev_sent_bps",
+        "_quiet_until",
+        "_recent_loss",
+        "_round_delivered",
+        "_round_lost",
+        "_round_min_rtt",
+        "_round_open",
+        "_round_sent",
+        "_rtt_prior",
+        "_samples",
+        "_standing",
+        "_warm",
+        "breaker_reason",
+        "bytes_sent",
+        "congestion_events",
+        "datagram_bytes",
+        "estimate_bps",
+        "last_delivery_at",
+        "last_sent_at",
+        "loss_floor",
+        "max_bps",
+        "min_rtt",
+        "min_rtt_at",
+        "pace_bps",
+        "phase",
+        "queue_delay_s",
+        "rounds",
+        "sent_since_delivery",
+        "srtt",
+        "start_bps",
+    )
+
+    def __init__(self, start_bps: float, datagram_bytes: int, *, max_bps: float | None = None,
+                 loss_prior: float = 0.0, rtt_prior_s: float = 0.1) -> None:
+        if not (math.isfinite(start_bps) and start_bps > 0):
+            raise ValueError(f"the starting rate must be a positive number of bit/s, got {start_bps!r}")
+        if datagram_bytes <= 0:
+            raise ValueError(f"datagram_bytes must be positive, got {datagram_bytes!r}")
+        if max_bps is not None and not (math.isfinite(max_bps) and max_bps > 0):
+            raise ValueError(f"max_bps must be a positive number of bit/s, got {max_bps!r}")
+        self.datagram_bytes = datagram_bytes  # a full-size data datagram: what a slot carries
+        self.max_bps = max_bps
+        self.start_bps = self._clamp(start_bps)
+        self.estimate_bps = self.start_bps  # bottleneck rate: the max filter's value
+        self.pace_bps = self.start_bps  # the phase's rate (``pacing_bps`` adds the in-flight cap)
+        self._rtt_prior = rtt_prior_s  # the round trip before any sample (the caller's path prior)
+        self._capped = False  # a datagram of this round left under the in-flight cap (not app-limited)
+        self.phase = Phase.STARTUP
+        self.loss_floor = loss_prior
+        self.min_rtt = math.inf
+        self.min_rtt_at = 0.0
+        self.srtt = 0.0
+        self.queue_delay_s = 0.0  # the newest round's
+        self.rounds = 0
+        self.congestion_events = 0
+        self.breaker_reason: str | None = None
+        self.bytes_sent = 0
+        self.last_sent_at = -math.inf
+        self.last_delivery_at: float | None = None  # None until the path first delivers
+        self.sent_since_delivery = 0
+        self._packets_sent = 0
+        self._delivered = 0  # cumulative data datagrams the receivers counted
+        self._lost = 0
+        self._round_open: float | None = None  # the ACK time that opened the current round
+        self._round_delivered = 0  # cumulative counts when it opened
+        self._round_lost = 0
+        self._round_sent = 0
+        self._round_min_rtt = math.inf
+        self._prev_sent_bps = 0.0  # the send rate of the previous round (what this round's delivery follows)
+        self._samples: deque[tuple[float, bool]] = deque(maxlen=max(BTL_ROUNDS, FORECAST_ROUNDS))
+        self._recent_loss: deque[tuple[float, int, int]] = deque()  # (round end, lost, delivered)
+        self._forecast = self.start_bps
+        self._cycle = 0
+        self._drain_until = 0.0  # DRAIN ends then (or once the queue is gone)
+        self._quiet_until = 0.0  # losses before then answer an earlier cut or overshoot: no new cut
+        self._standing = 0  # consecutive rounds with a standing queue
+        self._warm = False  # the first round closed (its sample is not taken: see _close_round)
+
+    # ------------------------------------------------------------------ what the session and adapters read
+    @property
+    def pacing_bps(self) -> float:
+        """The rate to send at now: the phase's, down to a trickle while more is in flight than
+        ``CWND_GAIN`` round trips at that rate (BBR's cwnd cap: what is sent before feedback says how
+        fast the path is, a start told far too much above all, is bounded by it)."""
+        rtt = self._rtt_prior if self.min_rtt == math.inf else self.min_rtt
+        gain = CWND_GAIN if self._samples else FIRST_WINDOW_GAIN  # before a sample the rate is a guess
+        cap = gain * max(self.pace_bps, self.estimate_bps) * rtt / (8 * self.datagram_bytes)
+        if self._packets_sent - self._delivered - self._lost < max(CWND_MIN_PACKETS, cap):
+            return self.pace_bps
+        self._capped = True
+        return self.pace_bps * TRICKLE_GAIN
+
+    @property
+    def slot_s(self) -> float:
+        """Link time of one full-size datagram at the pacing rate."""
+        return self.datagram_bytes * 8 / self.pacing_bps
+
+    @property
+    def plan_slot_s(self) -> float:
+        """The same at the cautious forecast (the session counts the slots before its deadline in it)."""
+        return self.datagram_bytes * 8 / self._forecast
+
+    @property
+    def forecast_bps(self) -> float:
+        return self._forecast
+
+    def breaker(self, now: float) -> str | None:
+        """Why the path is given up (sticky), or None while it delivers."""
+        if self.breaker_reason is None and self.last_delivery_at is not None:
+            silence = now - self.last_delivery_at
+            if (silence > max(BREAKER_SILENCE_S, 4 * self.srtt)
+                    and self.sent_since_delivery >= BREAKER_MIN_SENT):
+                self.breaker_reason = (f"circuit breaker: nothing delivered for {silence:.2f} s while "
+                                       f"{self.sent_since_delivery} datagrams were sent")
+        return self.breaker_reason
+
+    # ------------------------------------------------------------------ what the session reports
+    def on_packet_sent(self, now: float, size: int) -> None:
+        if now - self.last_sent_at > RESTART_IDLE_S and self._packets_sent > 0:
+            self._restart()
+        self.last_sent_at = now
+        self.bytes_sent += size
+        self._packets_sent += 1
+        self.sent_since_delivery += 1
+
+    def on_packets_acked(self, now: float, count: int) -> None:
+        pass  # delivery comes from the receiver's counters (on_packets_delivered), not from coverage
+
+    def on_packets_lost(self, now: float, count: int) -> None:
+        self._lost += count
+
+    def on_packets_delivered(self, now: float, count: int) -> None:
+        """An ACK arriving at ``now`` counts ``count`` more data datagrams received than any before it."""
+        self._delivered += count
+        self.last_delivery_at = now
+        self.sent_since_delivery = 0
+        if self._round_open is None:
+            self._open_round(now)
+        elif now - self._round_open >= self._round_len():
+            self._close_round(now)
+            self._open_round(now)
+
+    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+        if rtt < self.min_rtt or now - self.min_rtt_at > MIN_RTT_WINDOW_S:
+            self.min_rtt, self.min_rtt_at = rtt, now
+        self.srtt = rtt if self.srtt == 0 else 0.875 * self.srtt + 0.125 * rtt
+        self._round_min_rtt = min(self._round_min_rtt, rtt)
+
+    # ------------------------------------------------------------------ rounds
+    def _round_len(self) -> float:
+        return FIRST_ROUND_S if self.min_rtt == math.inf else max(MIN_ROUND_S, self.min_rtt)
+
+    def _open_round(self, now: float) -> None:
+        self._round_open = now
+        self._round_delivered = self._delivered
+        self._round_lost = self._lost
+        self._round_sent = self._packets_sent
+        self._round_min_rtt = math.inf
+        self._capped = False
+
+    def _close_round(self, now: float) -> None:
+        assert self._round_open is not None
+        span = now - self._round_open
+        bits = 8 * self.datagram_bytes
+        delivered = self._delivered - self._round_delivered
+        lost = self._lost - self._round_lost
+        sample = delivered * bits / span
+        sent_bps = (self._packets_sent - self._round_sent) * bits / span
+        if not self._warm:  # the receiver counts what it held before the handshake in a burst of ACKs
+            self._warm, self._prev_sent_bps = True, sent_bps
+            return
+        # An app-limited sample says only that the link carries at least that much: it counts where it
+        # raises the estimate, and is then a full sample.
+        app_limited = (sent_bps < APP_LIMITED_SHARE * self.pace_bps and not self._capped
+                       and sample <= self.estimate_bps)
+        self.rounds += 1
+        if self._round_min_rtt < math.inf and self.min_rtt < math.inf:
+            self.queue_delay_s = max(0.0, self._round_min_rtt - self.min_rtt)
+        loss = lost / (lost + delivered) if lost + delivered else 0.0
+        self._note_loss(now, lost, delivered)
+        self._samples.append((sample, app_limited))
+        self._update_estimate()
+        congested = self._congested(loss, now)
+        if not congested and self.queue_delay_s < self._queue_congested():
+            self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
+        self._step_phase(sample, app_limited, congested, now)
+        self._prev_sent_bps = sent_bps
+        self._update_forecast()
+
+    def _note_loss(self, now: float, lost: int, delivered: int) -> None:
+        window = self._recent_loss
+        window.append((now, lost, delivered))
+        while window and now - window[0][0] > BREAKER_WINDOW_S:
+            window.popleft()
+        total_lost = sum(entry[1] for entry in window)
+        total = total_lost + sum(entry[2] for entry in window)
+        if (self.breaker_reason is None and total >= BREAKER_MIN_PACKETS
+                and total_lost >= BREAKER_LOSS * total):
+            self.breaker_reason = (f"circuit breaker: {total_lost} of {total} datagrams lost in the last "
+                                   f"{BREAKER_WINDOW_S:.1f} s")
+
+    def _queue_congested(self) -> float:
+        return max(QUEUE_CONGESTED_S, QUEUE_CONGESTED_RTT * self._finite_min_rtt())
+
+    def _queue_standing(self) -> float:
+        return max(QUEUE_STANDING_S, QUEUE_STANDING_RTT * self._finite_min_rtt())
+
+    def _finite_min_rtt(self) -> float:
+        return 0.0 if self.min_rtt == math.inf else self.min_rtt
+
+    def _congested(self, loss: float, now: float) -> bool:
+        """Loss above the random floor with a queue standing, and not the echo of a cut or a drain."""
+        if self.phase is Phase.DRAIN or now < self._quiet_until:
+            return False
+        return loss > self.loss_floor + LOSS_MARGIN and self.queue_delay_s > self._queue_congested()
+
+    def _enter_drain(self, now: float) -> None:
+        """Pace at DRAIN_GAIN for as long as the queue the newest round saw takes to empty (one round at
+        least); losses within a smoothed RTT of now were caused before it."""
+        self.phase = Phase.DRAIN
+        self._drain_until = now + max(self._round_len(), self.queue_delay_s / (1 - DRAIN_GAIN))
+        self._quiet_until = now + self.srtt
+
+    def _update_estimate(self) -> None:
+        """The max of the recent full samples (none yet: the estimate stays)."""
+        recent = list(self._samples)[-BTL_ROUNDS:]
+        best = max((rate for rate, limited in recent if not limited), default=0.0)
+        if best > 0:
+            self.estimate_bps = self._clamp(best)
+
+    def _step_phase(self, sample: float, app_limited: bool, congested: bool, now: float) -> None:
+        if congested:
+            self.congestion_events += 1
+            self.estimate_bps = self._clamp(CUT * self.estimate_bps)
+            self._samples.clear()
+            self._samples.append((self.estimate_bps, False))
+            self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
+            self._quiet_until = now + self.srtt
+        elif self.phase is Phase.STARTUP:
+            if self._prev_sent_bps == 0:
+                return  # the first round: nothing sent a round earlier to compare its delivery with
+            kept_up = sample >= KEEP_UP * self._prev_sent_bps
+            if self.queue_delay_s > self._queue_standing() or not (kept_up or app_limited):
+                self._enter_drain(now)
+            elif kept_up and not app_limited:
+                self.pace_bps = self._clamp(STARTUP_GAIN * self.pace_bps)
+                return
+            else:
+                return  # app-limited: nothing learnt about the link's ceiling
+        elif self.phase is Phase.DRAIN:
+            if self.queue_delay_s <= self._queue_congested() or now >= self._drain_until:
+                self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
+        else:
+            self._standing = self._standing + 1 if self.queue_delay_s > self._queue_standing() else 0
+            if self._standing >= 2:
+                self._standing = 0
+                self._enter_drain(now)
+            else:
+                self._cycle = (self._cycle + 1) % len(PROBE_GAINS)
+        gain = DRAIN_GAIN if self.phase is Phase.DRAIN else PROBE_GAINS[self._cycle]
+        self.pace_bps = self._clamp(gain * self.estimate_bps)
+
+    def _update_forecast(self) -> None:
+        rates = sorted(rate for rate, limited in list(self._samples)[-FORECAST_ROUNDS:] if not limited)
+        if len(rates) < FORECAST_MIN_SAMPLES:
+            self._forecast = min(self.start_bps, self.pace_bps, self.estimate_bps)
+        else:
+            low = rates[int(FORECAST_QUANTILE * (len(rates) - 1))]
+            self._forecast = self._clamp(min(low, self.estimate_bps))
+
+    def _restart(self) -> None:
+        """A new handoff after an idle spell: start from what was learnt, find the rate again."""
+        self.start_bps = self.pace_bps = self._forecast = self.estimate_bps
+        self.phase = Phase.STARTUP
+        self._round_open, self._warm = None, False
+        self._samples.clear()
+        self._recent_loss.clear()
+        self.last_delivery_at = None
+        self.breaker_reason = None
+
+    def _clamp(self, rate_bps: float) -> float:
+        rate = max(MIN_RATE_BPS, rate_bps)
+        return rate if self.max_bps is None else min(rate, self.max_bps)

@@ -1,0 +1,180 @@
+"""PathRate (sender/transport/path_rate.py), sans-IO with fake time: a toy bottleneck feeds it the reports a
+session would (sends, the receiver's delivery and loss counts, RTT samples), and the simulator runs it
+against a sender told the wrong rate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pfec.lab.sim.channel import Bernoulli, GilbertElliott
+from pfec.lab.sim.handoff import SimConfig
+from pfec.lab.sim.simulate import simulate
+from pfec.sender.transport.path_rate import PathRate, Phase
+
+DATAGRAM = 1250  # bytes: 10 kbit, so 100 Mbit/s is 10,000 datagrams/s
+OWD = 0.01
+
+
+class Bottleneck:
+    """A drop-tail queue at ``link_bps`` with ``OWD`` each way, random loss of every ``loss_every``-th
+    datagram, and a receiver that counts what arrives (lost = the gaps below the newest) and ACKs every
+    8 datagrams. It drives a controller the way a session and its pacer do, in 100 us steps."""
+
+    def __init__(self, rate: PathRate, link_bps: float, queue_s: float = 0.1, loss_every: int = 0) -> None:
+        self.rate, self.link_bps, self.queue_s, self.loss_every = rate, link_bps, queue_s, loss_every
+        self.free_at = 0.0  # when the link has sent everything queued
+        self.next_send = 0.0
+        self.sent = self.received = self.dropped = 0
+        self.arrivals: list[tuple[float, int, float]] = []  # (at the receiver, packet number, sent at)
+        self.acks: list[tuple[float, int, int, float]] = []  # (at the sender, received, lost, rtt)
+        self.told_received = self.told_lost = 0
+        self.max_queue_s = 0.0
+
+    def run(self, until: float, link_bps: float | None = None, deliver: bool = True) -> None:
+        if link_bps is not None:
+            self.link_bps = link_bps
+        now = self.next_send
+        while now < until:
+            while self.next_send <= now:
+                self._send(self.next_send, deliver)
+                self.next_send += self.rate.slot_s
+            self._deliver(now)
+            now += 1e-4
+
+    def _send(self, t: float, deliver: bool) -> None:
+        self.rate.on_packet_sent(t, DATAGRAM)
+        pn = self.sent
+        self.sent += 1
+        start = max(t, self.free_at)
+        self.max_queue_s = max(self.max_queue_s, start - t)
+        if start - t > self.queue_s or not deliver:  # drop-tail (or a dead path)
+            self.dropped += 1
+            return
+        self.free_at = start + DATAGRAM * 8 / self.link_bps
+        if self.loss_every and self.sent % self.loss_every == 0:
+            return
+        self.arrivals.append((self.free_at + OWD, pn, t))
+
+    def _deliver(self, now: float) -> None:
+        while self.arrivals and self.arrivals[0][0] <= now:
+            arrival, pn, sent_at = self.arrivals.pop(0)
+            self.received += 1
+            if self.received % 8 == 0:
+                lost = pn + 1 - self.received
+                self.acks.append((arrival + OWD, self.received, lost, arrival + OWD - sent_at))
+        while self.acks and self.acks[0][0] <= now:
+            at, received, lost, rtt = self.acks.pop(0)
+            if lost > self.told_lost:
+                self.rate.on_packets_lost(at, lost - self.told_lost)
+                self.told_lost = lost
+            self.rate.on_packets_delivered(at, received - self.told_received)
+            self.told_received = received
+            self.rate.on_rtt_measurement(at, rtt)
+
+
+def _controller(start_mbps: float, **kw: float) -> PathRate:
+    return PathRate(start_mbps * 1e6, DATAGRAM, rtt_prior_s=2 * OWD, **kw)
+
+
+@pytest.mark.parametrize("told_mbps", [25.0, 100.0, 400.0])
+def test_it_finds_the_links_rate_within_a_few_round_trips_from_a_told_rate_4x_off(told_mbps: float) -> None:
+    rate = _controller(told_mbps)
+    link = Bottleneck(rate, 100e6)
+    link.run(0.3)
+    assert rate.phase is not Phase.STARTUP
+    assert 85e6 <= rate.estimate_bps <= 110e6
+    link.run(1.0)
+    assert 90e6 <= rate.estimate_bps <= 110e6
+    assert rate.forecast_bps <= rate.estimate_bps
+    assert link.dropped <= 0.03 * link.sent  # told 4x too much: the cap and the drain bound the overrun
+    assert link.max_queue_s < 0.1 or told_mbps > 100
+
+
+def test_it_follows_a_link_that_halves_and_recovers() -> None:
+    rate = _controller(100.0)
+    link = Bottleneck(rate, 100e6)
+    link.run(0.5)
+    link.run(1.0, link_bps=50e6)
+    assert 40e6 <= rate.estimate_bps <= 60e6 and rate.forecast_bps <= 60e6
+    link.run(1.6, link_bps=100e6)
+    assert rate.estimate_bps >= 85e6  # the probe phases find the rate again
+
+
+def test_random_loss_without_a_queue_is_not_congestion() -> None:
+    rate = _controller(100.0, loss_prior=0.1)
+    link = Bottleneck(rate, 100e6, loss_every=10)  # 10% loss, evenly spread: the channel's
+    link.run(1.0)
+    assert rate.congestion_events == 0
+    assert 0.05 <= rate.loss_floor <= 0.15
+    assert rate.estimate_bps >= 80e6
+
+
+def test_loss_from_a_full_queue_is_congestion_and_cuts_the_rate() -> None:
+    rate = _controller(100.0)
+    link = Bottleneck(rate, 100e6, queue_s=0.03)
+    link.run(0.4)
+    link.run(0.8, link_bps=40e6)  # a neighbour takes 60%: the queue fills and drops
+    assert rate.congestion_events >= 1 or rate.estimate_bps <= 50e6
+    assert rate.estimate_bps <= 50e6
+
+
+def test_the_breaker_trips_when_the_path_stops_delivering_and_says_why() -> None:
+    rate = _controller(100.0)
+    link = Bottleneck(rate, 100e6)
+    link.run(0.3)
+    assert rate.breaker(0.3) is None
+    link.run(1.5, deliver=False)
+    reason = rate.breaker(1.5)
+    assert reason is not None and "nothing delivered" in reason
+    assert rate.breaker(2.0) == reason  # sticky
+
+
+def test_an_idle_controller_restarts_from_what_it_learnt() -> None:
+    rate = _controller(25.0)
+    link = Bottleneck(rate, 100e6)
+    link.run(0.5)
+    learnt = rate.estimate_bps
+    link.next_send = 3.0  # the next handoff, after an idle spell
+    link.run(3.01)
+    assert rate.phase is Phase.STARTUP and math.isclose(rate.start_bps, learnt)
+
+
+def test_bad_arguments_are_refused() -> None:
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="starting rate"):
+            PathRate(bad, DATAGRAM)
+    with pytest.raises(ValueError, match="datagram_bytes"):
+        PathRate(1e6, 0)
+    with pytest.raises(ValueError, match="max_bps"):
+        PathRate(1e6, DATAGRAM, max_bps=0.0)
+    capped = _controller(400.0, max_bps=50e6)
+    assert capped.pacing_bps == 50e6
+
+
+MAIN = GilbertElliott(0.001, 0.5, 0.02, 0.1)
+
+
+def _utility(told: float, control: str, link: float = 100.0) -> tuple[float, float]:
+    config = SimConfig(loss=MAIN, rate_mbps=link, told_rate_mbps=told, rate_control=control,
+                       repair_budget=None, tokens=768, seed=3)
+    scheme = simulate(config, ["heuristic"], 2)["schemes"]["heuristic"]
+    return scheme["recovered_utility_mean"], scheme.get("queue_drop_share", 0.0)
+
+
+def test_the_simulated_sender_told_4x_too_much_no_longer_floods_the_bottleneck() -> None:
+    right, _ = _utility(100.0, "fixed")
+    fixed_high, fixed_drops = _utility(400.0, "fixed")
+    path_high, path_drops = _utility(400.0, "path")
+    assert fixed_drops > 0.3 and fixed_high < 0.93 * right  # open loop: the told rate decides
+    assert path_drops <= 0.03 and path_high >= 0.93 * right
+    path_low, _ = _utility(25.0, "path")
+    assert path_low >= 0.9 * right
+
+
+def test_sim_config_refuses_a_bad_rate_control_or_told_rate() -> None:
+    with pytest.raises(ValueError, match="rate_control"):
+        SimConfig(loss=Bernoulli(0.0), rate_control="bbr")
+    with pytest.raises(ValueError, match="told_rate_mbps"):
+        SimConfig(loss=Bernoulli(0.0), told_rate_mbps=0.0)
