@@ -48,6 +48,7 @@ from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
 from pfec.sender.peers import PeerMemory, PeerNumbers
 from pfec.sender.speed_ask import ask_speed
+from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
 from pfec.sender.transport.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
@@ -57,6 +58,19 @@ if TYPE_CHECKING:
 #: OFFER datagrams a receiver takes by default (``ReceiverConfig.max_offer_parts``): a longer blob is refused
 #: here, before anything is sent.
 MAX_OFFER_PARTS = 64
+def path_rate_report(rate: PathRate, congestion_at_start: int) -> dict[str, Any]:
+    """The path controller as a handoff leaves it (the report's ``path_rate``)."""
+    return {
+        "estimate_mbps": round(rate.estimate_bps / 1e6, 3),
+        "forecast_mbps": round(rate.forecast_bps / 1e6, 3),
+        "pacing_mbps": round(rate.pace_bps / 1e6, 3), "phase": rate.phase.value,
+        "min_rtt_ms": None if rate.min_rtt == float("inf") else round(rate.min_rtt * 1000, 3),
+        "queue_delay_ms": round(rate.queue_delay_s * 1000, 3), "loss_floor": round(rate.loss_floor, 4),
+        "congestion_events": rate.congestion_events - congestion_at_start, "rounds": rate.rounds,
+    }
+
+
+MAX_PATHS = 256  # receivers whose path controller the daemon keeps
 log = logging.getLogger("pfec.sender")
 
 
@@ -128,6 +142,8 @@ class SenderDaemon:
         limits: SenderLimitsConfig | None = None,
         profiles: ProfileStore | None = None,
         loss_prior: float = DEFAULT_LOSS_PRIOR,
+        rate_control: str = "fixed",
+        max_rate_mbps: float | None = None,
     ) -> None:
         get_scheme(scheme)
         planner_warm_up()  # codec and planner kernels compiled before any datagram, not mid-handoff
@@ -136,6 +152,10 @@ class SenderDaemon:
         self.runtime = runtime
         self.fingerprint = identity.fingerprint()
         self.rate_mbps = rate_mbps
+        if rate_control not in ("fixed", "path"):
+            raise ValueError(f"rate_control must be fixed or path, got {rate_control!r}")
+        self.rate_control = rate_control
+        self.max_rate_bps = None if max_rate_mbps is None else max_rate_mbps * 1e6
         self.owd_s = owd_ms / 1000.0
         self.scheme = scheme
         self.window_cap = window_cap
@@ -158,7 +178,9 @@ class SenderDaemon:
         self._ids = itertools.count(1)
         self.transfers: set[PacedTransfer] = set()
         self.shutting_down = False  # set by close(): no transfer starts after it
-        self._links: dict[float, LinkClock] = {}  # one transmit clock per pacing rate
+        self._links: dict[float, LinkClock] = {}  # fixed: one transmit clock per pacing rate
+        # path: one clock and one controller per receiver (concurrent handoffs share its uplink)
+        self._paths: dict[str, LinkClock] = {}
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: HandoffSpec) -> Handoff:
@@ -404,12 +426,27 @@ class SenderDaemon:
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
                          None if stream is None else stream.block_of_symbol,
                          None if split is None or split.meeting_token >= plan.n_tokens else split.token_ends)
-        session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns))
+        link = self._link_for(destination.address, budget, setup.loss_prior)
+        session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns), link.controller)
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         fraction = setup.repair_budget
         handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
-        link = self._links.setdefault(rate_bps, LinkClock(rate_bps))
         return PacedTransfer(handoff, session, link, self.metrics)
+
+    def _link_for(self, address: str, budget: LinkBudget, loss_prior: float) -> LinkClock:
+        """The transmit clock a handoff paces on: the configured rate's (fixed), or the receiver's path
+        with its controller (path; made on the first handoff there, from the told rate)."""
+        if self.rate_control == "fixed":
+            return self._links.setdefault(budget.rate_bps, LinkClock(budget.rate_bps))
+        link = self._paths.get(address)
+        if link is None:
+            datagram_bytes = round(budget.slot_s * budget.rate_bps / 8)
+            rate = PathRate(budget.rate_bps, datagram_bytes, max_bps=self.max_rate_bps, loss_prior=loss_prior,
+                            rtt_prior_s=2 * self.owd_s)
+            while len(self._paths) >= MAX_PATHS:  # the oldest receiver's memory goes first
+                self._paths.pop(next(iter(self._paths)))
+            link = self._paths[address] = LinkClock(budget.rate_bps, controller=rate)
+        return link
 
     def _report_transfer(self, handoff: Handoff, transfer: PacedTransfer, prepared: Prepared) -> float | None:
         session = transfer.session
@@ -422,6 +459,10 @@ class SenderDaemon:
             report["deadline_slack_ms"] = round((send_deadline - transfer.last_data_at) * 1000, 3)
         if transfer.failure is not None:
             report["failure"] = transfer.failure
+        if (rate := transfer.link.controller) is not None:
+            report["path_rate"] = path_rate_report(rate, transfer.congestion_at_start)
+            self.metrics.path_rate(rate.estimate_bps, rate.min_rtt, rate.queue_delay_s,
+                                   rate.congestion_events - transfer.congestion_at_start)
         if transfer.result is None:
             return None
         section, utility = result_report(transfer.result, prepared)

@@ -50,6 +50,7 @@ SENDER_DROP_REASONS: Final = (
 
 _DECISION_BUCKETS: Final = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3)
 _HANDOFF_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_QUEUE_BUCKETS: Final = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _PREFILL_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -102,6 +103,15 @@ class SenderMetrics(NodeMetrics):
             "receiver prefills the front while the back streams; local: the receiver prefills everything).",
             ["mode"])
         self.precreate(self._modes, HANDOFF_MODE_LABELS)
+        # The path controller (link.rate_control = path), per handoff at its end: bounded labels, none.
+        self._rate_estimate = self.gauge(
+            "rate_estimate_bytes_per_second", "The path controller's rate estimate at a handoff's end.")
+        self._min_rtt = self.gauge("min_rtt_seconds", "The path controller's min RTT at a handoff's end.")
+        self._queue_delay = self.histogram(
+            "queueing_delay_seconds", "Queueing delay of the path's latest round, at each handoff's end.",
+            _QUEUE_BUCKETS)
+        self._congestion = self.counter("congestion_events", "Congestion cuts of the path controllers.")
+        self._breaker = self.counter("circuit_breaker_trips", "Handoffs the circuit breaker stopped.")
 
     # ------------------------------------------------------------------ datagrams
 
@@ -145,6 +155,18 @@ class SenderMetrics(NodeMetrics):
     def handoff_mode(self, mode: str) -> None:
         """One handoff ran in ``mode`` (handoff, split or local)."""
         self._modes.labels(check_label(mode, HANDOFF_MODE_LABELS, "handoff mode")).inc()
+
+    def path_rate(self, estimate_bps: float, min_rtt_s: float, queue_delay_s: float, new_events: int) -> None:
+        """A handoff on a measured path ended: the controller's estimate, min RTT, queueing delay and the
+        congestion cuts during the handoff."""
+        self._rate_estimate.set(estimate_bps / 8)
+        if min_rtt_s < float("inf"):
+            self._min_rtt.set(min_rtt_s)
+        self._queue_delay.observe(max(0.0, queue_delay_s))
+        self._congestion.inc(max(0, new_events))
+
+    def circuit_breaker_tripped(self) -> None:
+        self._breaker.inc()
 
     def scheduler_decision(self, seconds: float, window_symbols: int, deficit_symbols: float) -> None:
         """One policy decision: its CPU time and the state it saw."""

@@ -34,9 +34,11 @@ from pfec.common.node.udp import UDP_SEGMENT, Destination, PeerAddress, connect_
 from pfec.common.plan.handoff import ResultApp
 from pfec.sender.handoffs import Handoff
 from pfec.sender.metrics import SenderMetrics
+from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.session import (
     Accepted,
     Failed,
+    PathBroken,
     Refused,
     ResultReceived,
     SenderSession,
@@ -73,10 +75,16 @@ class _SocketProtocol(asyncio.DatagramProtocol):
 @dataclass
 class LinkClock:
     """The link's transmit clock, shared by every transfer paced at this rate (one uplink, one budget):
-    ``next_send`` is when the link is free for the next datagram."""
+    ``next_send`` is when the link is free for the next datagram. With a ``controller`` (the receiver's
+    path measured, ``PathRate``) the rate is the controller's, read for every datagram."""
 
     rate_bps: float
     next_send: float = 0.0
+    controller: PathRate | None = None
+
+    @property
+    def pacing_bps(self) -> float:
+        return self.rate_bps if self.controller is None else self.controller.pacing_bps
 
 
 class PacedTransfer:
@@ -87,6 +95,7 @@ class PacedTransfer:
         self.handoff = handoff
         self.session = session
         self.link = link
+        self.congestion_at_start = 0 if link.controller is None else link.controller.congestion_events
         self.metrics = metrics
         self.cpu = session.cpu
         self.loop = asyncio.get_running_loop()
@@ -183,7 +192,6 @@ class PacedTransfer:
         link = self.link
         session = self.session
         cpu = self.cpu
-        rate = link.rate_bps
         batch = self._batch
         sent = 0
         while link.next_send <= now and sent < MAX_PER_WAKE:
@@ -198,7 +206,7 @@ class PacedTransfer:
                 self._idle = True
                 break
             batch.append(datagram)
-            link.next_send += len(datagram) * 8 / rate
+            link.next_send += len(datagram) * 8 / link.pacing_bps
             sent += 1
         return sent
 
@@ -304,6 +312,9 @@ class PacedTransfer:
             self._finish()
         elif isinstance(event, Refused):
             self.outcome = "refused"
+        elif isinstance(event, PathBroken):
+            self.handoff.report["circuit_breaker"] = event.reason
+            self.metrics.circuit_breaker_tripped()
         elif isinstance(event, Failed):
             self.failure = event.reason
             self._finish()

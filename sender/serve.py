@@ -25,7 +25,8 @@ async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None
     daemon = SenderDaemon(
         identity, psk, runtime=runtime, rate_mbps=config.link.rate_mbps, owd_ms=config.link.owd_ms,
         scheme=config.fec.scheme, window_cap=config.fec.window_cap, repair_budget=config.fec.repair_budget,
-        loss_prior=config.fec.loss_prior,
+        loss_prior=config.fec.loss_prior, rate_control=config.link.rate_control,
+        max_rate_mbps=config.link.max_rate_mbps,
         sndbuf=config.udp.sndbuf_bytes, metrics=SenderMetrics(), limits=config.limits,
         profiles=ProfileStore(config.profiles.directory, config.profiles.max_bytes),
     )

@@ -1078,3 +1078,37 @@ def test_closing_while_a_handoff_opens_its_socket_cancels_it_cleanly(
     assert received == 0, received
     errors = [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, errors
+
+
+def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() -> None:
+    """link.rate_control = path: told 40 Mbit/s on a 10 Mbit/s relay with a ~100 ms drop-tail queue, the
+    controller finds the link's rate (the report's path_rate), the queue drops little and the handoff
+    recovers what the link carries; the same handoff paced at the told rate floods the queue and spends
+    repairs on its own losses."""
+    identity = synthetic_identity(SMALL)
+    link = EmulatorConfig(DirectionSpec(10e6, 0.005, queue_packets=100), DirectionSpec(10e6, 0.005), seed=1)
+
+    async def main(control: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
+            tx = SenderDaemon(identity, PSK, rate_mbps=40, owd_ms=5, scheme="heuristic", rate_control=control)
+            h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=768), relay.listen_address,
+                                      rho=None, deadline_ms=1500, generate=False))
+            report = await _wait(h)
+            stats = relay.stats()["forward"]
+            await tx.close()
+        await rx.close()
+        return report, stats
+
+    measured, queue = run(main("path"))
+    assert measured["outcome"] == "done", measured
+    rate = measured["path_rate"]
+    assert 7 <= rate["estimate_mbps"] <= 13 and rate["min_rtt_ms"] >= 10, rate
+    assert queue["queue_dropped"] <= 0.05 * queue["received"], queue
+    assert measured["recovered_utility"] >= 0.9, measured
+    told, flooded = run(main("fixed"))
+    assert "path_rate" not in told
+    assert flooded["queue_dropped"] > 0.3 * flooded["received"], flooded
+    # The FEC took the self-inflicted loss for the channel's and spent repairs on it.
+    assert told["repair_sent"] > 2 * measured["repair_sent"], (told["repair_sent"], measured["repair_sent"])

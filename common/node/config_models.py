@@ -248,6 +248,17 @@ class LinkConfig(_Section):
         le=10_000,
         description="Expected one-way delay, ms (budgets the OFFER's deadline).",
     )
+    rate_control: Literal["fixed", "path"] = Field(
+        default="fixed",
+        description="fixed (default): pace every handoff at rate_mbps. path: measure the path "
+        "(sender/transport/path_rate.py): rate_mbps is the estimate the first handoff to a receiver starts "
+        "from, later ones start from what the previous measured; one controller per receiver, shared by "
+        "concurrent handoffs.",
+    )
+    max_rate_mbps: float | None = Field(
+        default=None, gt=0, le=400_000,
+        description="With rate_control = path: the most the controller may pace at, Mbit/s (none: no cap).",
+    )
 
 
 class SenderFecConfig(_Section):
