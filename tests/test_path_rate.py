@@ -22,8 +22,10 @@ class Bottleneck:
     datagram, and a receiver that counts what arrives (lost = the gaps below the newest) and ACKs every
     8 datagrams. It drives a controller the way a session and its pacer do, in 100 us steps."""
 
-    def __init__(self, rate: PathRate, link_bps: float, queue_s: float = 0.1, loss_every: int = 0) -> None:
+    def __init__(self, rate: PathRate, link_bps: float, queue_s: float = 0.1, loss_every: int = 0,
+                 burst: tuple[float, float] | None = None) -> None:
         self.rate, self.link_bps, self.queue_s, self.loss_every = rate, link_bps, queue_s, loss_every
+        self.burst = burst  # (from, to): the channel loses every other datagram sent then
         self.free_at = 0.0  # when the link has sent everything queued
         self.next_send = 0.0
         self.sent = self.received = self.dropped = 0
@@ -54,6 +56,8 @@ class Bottleneck:
             return
         self.free_at = start + DATAGRAM * 8 / self.link_bps
         if self.loss_every and self.sent % self.loss_every == 0:
+            return
+        if self.burst is not None and self.burst[0] <= t < self.burst[1] and pn % 2:
             return
         self.arrivals.append((self.free_at + OWD, pn, t))
 
@@ -90,6 +94,16 @@ def test_it_finds_the_links_rate_within_a_few_round_trips_from_a_told_rate_4x_of
     assert rate.forecast_bps <= rate.estimate_bps
     assert link.dropped <= 0.03 * link.sent  # told 4x too much: the cap and the drain bound the overrun
     assert link.max_queue_s < 0.1 or told_mbps > 100
+
+
+def test_a_burst_of_channel_loss_early_in_startup_does_not_end_it() -> None:
+    """Half the datagrams of two rounds lost to the channel (a Gilbert-Elliott bad spell) while STARTUP
+    is still doubling from a told rate 4x too low: a short round is not a full pipe."""
+    rate = _controller(25.0)
+    link = Bottleneck(rate, 100e6, burst=(0.02, 0.06))
+    link.run(0.3)
+    assert rate.estimate_bps >= 85e6, rate.estimate_bps / 1e6
+    assert rate.congestion_events == 0
 
 
 def test_it_follows_a_link_that_halves_and_recovers() -> None:

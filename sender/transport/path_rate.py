@@ -14,10 +14,12 @@ Theory of operation:
   a sample understates the link when the sender was app-limited or a neighbour had a burst; only a queue
   lets it overstate, and the drain phases empty that). A round in which the sender sent less than
   ``APP_LIMITED_SHARE`` of what it may is app-limited: its sample counts only if it raises the estimate.
-- **Phases.** STARTUP paces at the rate it was told (or remembers) and doubles it after every round whose
-  delivery kept up with what was sent a round earlier: a link 4x faster than told is found in two or three
-  round trips, not the hundreds additive increase would take. A round that did not keep up (or that grew
-  a queue) ends it. DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it
+- **Phases.** STARTUP paces at the rate it was told (or remembers) until the first sample, then at
+  ``STARTUP_GAIN`` times the estimate: the rate doubles per round while the link keeps up, so a link 4x
+  faster than told is found in two or three round trips, not the hundreds additive increase would take.
+  ``STARTUP_MISSES`` rounds in a row whose estimate grew less than ``STARTUP_GROWTH`` (BBR's full-pipe
+  test: one short round may be a burst of channel loss or the count of a lost ACK), or a round that grew
+  a queue, end it. DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it
   stands the link stays busy, so draining fast costs nothing). CRUISE paces at
   the estimate in cycles of ``PROBE_GAINS``, one round each: probe 25% up, drain what the probe queued,
   cruise; two rounds in a row with a standing queue send it back to DRAIN.
@@ -48,8 +50,9 @@ from typing import Final
 MIN_ROUND_S: Final = 0.01  # a round is at least this long (ACK spacing would dominate a shorter sample)
 FIRST_ROUND_S: Final = 0.02  # the round length before the first RTT sample
 BTL_ROUNDS: Final = 8  # max filter length, in rounds
-STARTUP_GAIN: Final = 2.0  # pacing growth per round in STARTUP while delivery keeps up (BBR's 2.885 overshot)
-KEEP_UP: Final = 0.85  # a round's delivery >= this share of the previous round's sending kept up
+STARTUP_GAIN: Final = 2.0  # STARTUP paces at this times the estimate (BBR's 2.885 queued more)
+STARTUP_GROWTH: Final = 1.25  # a STARTUP round whose estimate grew less than this ...
+STARTUP_MISSES: Final = 3  # ... this many times in a row: the pipe is full (BBR's full-bandwidth test)
 DRAIN_GAIN: Final = 0.5  # while a queue stands the link stays busy: draining it fast costs no delivery
 PROBE_GAINS: Final = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 CRUISE_AFTER_CUT: Final = 2  # the probe cycle's index after a congestion cut (no probe right away)
@@ -58,11 +61,13 @@ CWND_GAIN: Final = 2.0  # round trips' worth in flight before the pacing rate fa
 FIRST_WINDOW_GAIN: Final = 1.0  # ... round trips' worth before the first delivery-rate sample
 CWND_MIN_PACKETS: Final = 64  # ... and never below this many datagrams
 TRICKLE_GAIN: Final = 1 / 16
-CUT: Final = 0.85  # the estimate after a congestion round (BBRv2's beta is 0.7 for inflight; we pace)
+CUT: Final = 0.85  # the estimate after a congestion round (BBRv2's beta is 0.7 for inflight; we pace) ...
+DEEPEST_CUT: Final = 0.5  # ... of the round's delivery rate, if lower, but not below this of the estimate
 LOSS_MARGIN: Final = 0.02  # loss share above the random-loss floor that counts as congestion
 FLOOR_GAIN: Final = 0.125  # weight of a queue-free round's loss in the random-loss floor
 QUEUE_CONGESTED_S: Final = 0.01  # queueing delay above which loss may be congestion (a probe queues less) ...
-QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the min RTT, if more
+QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the min RTT, if more ...
+QUEUED_ROUNDS: Final = 2  # ... in this many rounds in a row
 QUEUE_STANDING_S: Final = 0.01  # a standing queue (two rounds above it: drain) ...
 QUEUE_STANDING_RTT: Final = 0.5  # ... or this share of the min RTT, if more
 FORECAST_ROUNDS: Final = 16
@@ -93,9 +98,11 @@ class PathRate:
         "_delivered",
         "_drain_until",
         "_forecast",
+        "_full_bw",
         "_lost",
+        "_missed",
         "_packets_sent",
-        "_prev_sent_bps",
+        "_queued",
         "_quiet_until",
         "_recent_loss",
         "_round_delivered",
@@ -163,14 +170,16 @@ class PathRate:
         self._round_lost = 0
         self._round_sent = 0
         self._round_min_rtt = math.inf
-        self._prev_sent_bps = 0.0  # the send rate of the previous round (what this round's delivery follows)
+        self._full_bw = 0.0  # STARTUP: the estimate the last growing round reached
         self._samples: deque[tuple[float, bool]] = deque(maxlen=max(BTL_ROUNDS, FORECAST_ROUNDS))
         self._recent_loss: deque[tuple[float, int, int]] = deque()  # (round end, lost, delivered)
         self._forecast = self.start_bps
         self._cycle = 0
+        self._missed = 0  # consecutive STARTUP rounds whose estimate did not grow
         self._drain_until = 0.0  # DRAIN ends then (or once the queue is gone)
         self._quiet_until = 0.0  # losses before then answer an earlier cut or overshoot: no new cut
         self._standing = 0  # consecutive rounds with a standing queue
+        self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
 
     # ------------------------------------------------------------------ what the session and adapters read
@@ -264,7 +273,7 @@ class PathRate:
         sample = delivered * bits / span
         sent_bps = (self._packets_sent - self._round_sent) * bits / span
         if not self._warm:  # the receiver counts what it held before the handshake in a burst of ACKs
-            self._warm, self._prev_sent_bps = True, sent_bps
+            self._warm = True
             return
         # An app-limited sample says only that the link carries at least that much: it counts where it
         # raises the estimate, and is then a full sample.
@@ -277,11 +286,11 @@ class PathRate:
         self._note_loss(now, lost, delivered)
         self._samples.append((sample, app_limited))
         self._update_estimate()
+        self._queued = self._queued + 1 if self.queue_delay_s > self._queue_congested() else 0
         congested = self._congested(loss, now)
         if not congested and self.queue_delay_s < self._queue_congested():
             self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
         self._step_phase(sample, app_limited, congested, now)
-        self._prev_sent_bps = sent_bps
         self._update_forecast()
 
     def _note_loss(self, now: float, lost: int, delivered: int) -> None:
@@ -309,7 +318,9 @@ class PathRate:
         """Loss above the random floor with a queue standing, and not the echo of a cut or a drain."""
         if self.phase is Phase.DRAIN or now < self._quiet_until:
             return False
-        return loss > self.loss_floor + LOSS_MARGIN and self.queue_delay_s > self._queue_congested()
+        # Two rounds in a row: a link that delivers in bursts (an LTE scheduler's gaps of tens of ms)
+        # delays one round's packets without any queue of ours.
+        return loss > self.loss_floor + LOSS_MARGIN and self._queued >= QUEUED_ROUNDS
 
     def _enter_drain(self, now: float) -> None:
         """Pace at DRAIN_GAIN for as long as the queue the newest round saw takes to empty (one round at
@@ -327,23 +338,30 @@ class PathRate:
 
     def _step_phase(self, sample: float, app_limited: bool, congested: bool, now: float) -> None:
         if congested:
+            # Loss while a queue stands: the link was busy all round, so the round delivered its rate
+            # (a burst of channel loss or a lost ACK may lower that count: never cut below DEEPEST_CUT).
             self.congestion_events += 1
-            self.estimate_bps = self._clamp(CUT * self.estimate_bps)
+            self.estimate_bps = self._clamp(CUT * min(self.estimate_bps,
+                                                      max(sample, DEEPEST_CUT * self.estimate_bps)))
             self._samples.clear()
             self._samples.append((self.estimate_bps, False))
             self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
             self._quiet_until = now + self.srtt
         elif self.phase is Phase.STARTUP:
-            if self._prev_sent_bps == 0:
-                return  # the first round: nothing sent a round earlier to compare its delivery with
-            kept_up = sample >= KEEP_UP * self._prev_sent_bps
-            if self.queue_delay_s > self._queue_standing() or not (kept_up or app_limited):
+            if self.queue_delay_s > self._queue_standing():
                 self._enter_drain(now)
-            elif kept_up and not app_limited:
-                self.pace_bps = self._clamp(STARTUP_GAIN * self.pace_bps)
-                return
+            elif app_limited:
+                return  # nothing learnt about the link's ceiling
             else:
-                return  # app-limited: nothing learnt about the link's ceiling
+                # The estimate is a max filter: a round that lost a burst to the channel, or whose ACKs
+                # were lost (the next ones carry the count), does not lower it.
+                grew = self.estimate_bps >= STARTUP_GROWTH * self._full_bw
+                self._full_bw = max(self._full_bw, self.estimate_bps) if grew else self._full_bw
+                self._missed = 0 if grew else self._missed + 1
+                if self._missed < STARTUP_MISSES:
+                    self.pace_bps = self._clamp(STARTUP_GAIN * self.estimate_bps)
+                    return
+                self._enter_drain(now)
         elif self.phase is Phase.DRAIN:
             if self.queue_delay_s <= self._queue_congested() or now >= self._drain_until:
                 self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
@@ -369,7 +387,7 @@ class PathRate:
         """A new handoff after an idle spell: start from what was learnt, find the rate again."""
         self.start_bps = self.pace_bps = self._forecast = self.estimate_bps
         self.phase = Phase.STARTUP
-        self._round_open, self._warm = None, False
+        self._round_open, self._warm, self._missed, self._full_bw = None, False, 0, 0.0
         self._samples.clear()
         self._recent_loss.clear()
         self.last_delivery_at = None
