@@ -24,8 +24,10 @@ Theory of operation:
   the estimate in cycles of ``PROBE_GAINS``, one round each: probe 25% up, drain what the probe queued,
   cruise; two rounds in a row with a standing queue send it back to DRAIN.
 - **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
-  ``LOSS_MARGIN`` *while* a queue stands is congestion: the estimate is cut to ``CUT`` of itself and the
-  probe cycle restarts at a cruise phase. Loss without a queue is the channel's, the FEC's business: those
+  ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
+  round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
+  rate (the link was busy all round), or of itself if that is lower (never below ``DEEPEST_CUT`` of it),
+  and the probe cycle restarts at a cruise phase. Loss without a queue is the channel's, the FEC's business: those
   rounds set the floor (an average of their loss). Repaired losses count: the counters are the receiver's.
 - **Forecast** (Sprout's cautious forecast): the ``FORECAST_QUANTILE`` of the last ``FORECAST_ROUNDS``
   samples that were not app-limited, never above the estimate; the starting rate until
