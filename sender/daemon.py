@@ -315,7 +315,10 @@ class SenderDaemon:
             speed_from = await self._ask_speed(handoff, destination)
         peer = self.peers.get(address)
         loss = self.path_loss.measured(address)
+        plan_rate_bps, rate_from = self._planning_rate(address)
         handoff.report["planner_inputs"] = {  # what the planner predicts from: measured, or a prior
+            "rate_mbps": round((plan_rate_bps or (spec.rate_mbps or self.rate_mbps) * 1e6) / 1e6, 3),
+            "rate_from": rate_from,
             "receiver_speed": speed_from if peer.receiver else "stored curve",
             "rtt_ms": round(1000 * (peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s), 3),
             "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
@@ -323,7 +326,8 @@ class SenderDaemon:
             "loss_from": "measured" if loss is not None else "none measured yet",
         }
         prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
-                                            secrets.randbits(32), peer, loss or 0.0, force=True)
+                                            secrets.randbits(32), peer, loss or 0.0, plan_rate_bps,
+                                            force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
         if prepared.planner is not None:
@@ -346,17 +350,26 @@ class SenderDaemon:
         self.peers.record_query(destination.address, answer.receiver, answer.rtt_s)
         return "stated by the receiver (asked before this first handoff)"
 
+    def _planning_rate(self, address: str) -> tuple[float | None, str]:
+        """The rate the planner divides by for a handoff to ``address`` and where it comes from: under
+        ``path``, the cautious forecast of that receiver's controller once a handoff there measured it."""
+        link = self._paths.get(address) if self.rate_control == "path" else None
+        if link is None or link.controller is None or not link.controller.rounds:
+            return None, "told (link.rate_mbps or the request's rate_mbps)"
+        rate = link.controller
+        return rate.forecast_bps, f"forecast of the path's measured rate ({rate.rounds} round trips)"
+
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int,
-                     peer: PeerNumbers, loss: float) -> Prepared:
+                     peer: PeerNumbers, loss: float, plan_rate_bps: float | None = None) -> Prepared:
         """Worker thread: the profile by name (this node's profile directory), then the KV. The planner
-        predicts with what past handoffs to this receiver measured (``peer``, ``loss``), priors where none
-        did."""
+        predicts with what past handoffs to this receiver measured (``peer``, ``loss``, the path's
+        forecast rate ``plan_rate_bps``), priors where none did."""
         profile = self.profiles.load(profile_name, self.identity.geometry.n_layers)
         n = spec.inputs.synthetic_tokens
         rtt_s = peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s
         precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, rtt_s,
                                      spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
-                                     spec.deadline_ms, peer.receiver, loss)
+                                     spec.deadline_ms, peer.receiver, loss, plan_rate_bps)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

@@ -76,6 +76,14 @@ class PrecisionRequest:
     receiver: ReceiverModel | None = None
     # The path's loss as earlier handoffs to this receiver measured it (0: none measured yet).
     loss: float = 0.0
+    # The rate the planner divides by: the path's cautious forecast where the sender measures it
+    # (``PathRate.forecast_bps``); None: ``rate_bps``. A ``rho`` deadline stays on ``rate_bps`` (the told
+    # rate defines it; the receiver's deadline does not move with the sender's estimate).
+    plan_rate_bps: float | None = None
+
+    @property
+    def planning_rate_bps(self) -> float:
+        return self.rate_bps if self.plan_rate_bps is None else self.plan_rate_bps
 
     def deadline_s(self, n_tokens: int, geometry: KVGeometry) -> float | None:
         owd_s = self.rtt_s / 2
@@ -172,7 +180,7 @@ def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest, 
     if request.precision == NATIVE:
         return NATIVE, None
     geometry = identity.geometry
-    return choose_mix(request.precision, n_tokens, geometry, request.rate_bps, request.rtt_s,
+    return choose_mix(request.precision, n_tokens, geometry, request.planning_rate_bps, request.rtt_s,
                       request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss,
                       question_tokens=question_tokens)
 
@@ -214,7 +222,8 @@ def prepare_model(
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
         auto_modes = AUTO_MODES if request.receiver is not None else AUTO_MODES_UNSTATED
         choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
-                             request.rate_bps, request.rtt_s, request.receiver, block_tokens=BLOCK_TOKENS,
+                             request.planning_rate_bps, request.rtt_s, request.receiver,
+                             block_tokens=BLOCK_TOKENS,
                              auto_modes=auto_modes,
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
                              loss=request.loss, question_tokens=len(question_ids))

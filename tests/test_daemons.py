@@ -1088,26 +1088,34 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
     identity = synthetic_identity(SMALL)
     link = EmulatorConfig(DirectionSpec(10e6, 0.005, queue_packets=100), DirectionSpec(10e6, 0.005), seed=1)
 
-    async def main(control: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def main(control: str, handoffs: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
+        reports = []
         async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
             tx = SenderDaemon(identity, PSK, rate_mbps=40, owd_ms=5, scheme="heuristic", rate_control=control)
-            h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=768), relay.listen_address,
-                                      rho=None, deadline_ms=1500, generate=False))
-            report = await _wait(h)
+            for _ in range(handoffs):
+                h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=768), relay.listen_address,
+                                          rho=None, deadline_ms=1500, generate=False))
+                reports.append(await _wait(h))
+                if reports[-1]["outcome"] != "done":
+                    break
             stats = relay.stats()["forward"]
             await tx.close()
         await rx.close()
-        return report, stats
+        return reports, stats
 
-    measured, queue = run(main("path"))
+    (measured, *later), queue = run(main("path", handoffs=2))
     assert measured["outcome"] == "done", measured
+    assert measured["planner_inputs"]["rate_from"].startswith("told"), measured["planner_inputs"]
+    # The next handoff to that receiver plans on the path's forecast, not on the told 40 Mbit/s.
+    assert later[0]["planner_inputs"]["rate_from"].startswith("forecast"), later[0]["planner_inputs"]
+    assert 5 <= later[0]["planner_inputs"]["rate_mbps"] <= 13, later[0]["planner_inputs"]
     rate = measured["path_rate"]
     assert 7 <= rate["estimate_mbps"] <= 13 and rate["min_rtt_ms"] >= 10, rate
     assert queue["queue_dropped"] <= 0.05 * queue["received"], queue
     assert measured["recovered_utility"] >= 0.9, measured
-    told, flooded = run(main("fixed"))
+    (told,), flooded = run(main("fixed"))
     assert "path_rate" not in told
     assert flooded["queue_dropped"] > 0.3 * flooded["received"], flooded
     # The FEC took the self-inflicted loss for the channel's and spent repairs on it.
