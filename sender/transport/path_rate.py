@@ -27,8 +27,9 @@ Theory of operation:
   ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
   round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
   rate (the link was busy all round), or of itself if that is lower (never below ``DEEPEST_CUT`` of it),
-  and the probe cycle restarts at a cruise phase. Loss without a queue is the channel's, the FEC's business: those
-  rounds set the floor (an average of their loss). Repaired losses count: the counters are the receiver's.
+  and the probe cycle restarts at a cruise phase. Loss without a queue is the channel's, the FEC's
+  business: those rounds set the floor (an average of their loss). Repaired losses count: the counters
+  are the receiver's.
 - **Forecast** (Sprout's cautious forecast): the ``FORECAST_QUANTILE`` of the last ``FORECAST_ROUNDS``
   samples that were not app-limited, never above the estimate; the starting rate until
   ``FORECAST_MIN_SAMPLES`` exist. The session counts the slots left before its deadline at this rate.
