@@ -148,6 +148,15 @@ def eval_cmd(
         typer.Option(help="Variants of the fidelity stage, with native (the reference) "
                      "[native,int8,int8-int4,int4,int2,auto,split]."),
     ] = None,
+    trace_files: Annotated[
+        str | None,
+        typer.Option(help="Mahimahi rate traces for the trace cells, comma-separated, or 'none' [every file "
+                     "in $PFEC_TRACES_DIR, else in ../shared/traces beside the checkout; small none]."),
+    ] = None,
+    trace_realizations: Annotated[
+        int | None, typer.Option(help="Realizations (each from its own start in the trace) per trace cell "
+                                 "(0 skips) [6; small 6].")
+    ] = None,
     jobs: Annotated[int, typer.Option(help="Worker processes for the utility sweep.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations and the workload.")] = 1,
     small: Annotated[
@@ -161,10 +170,12 @@ def eval_cmd(
     """The paper's experiments on this code: utility, task score, ablation, overhead -> docs/RESULTS.md."""
     # first statement, so locals() holds only the options
     given = {k: v for k, v in locals().items() if v is not None and k not in ("small", "as_json", "jobs")}
-    from pfec.lab.eval.config import SMALL, EvalConfig, parse_configs  # deferred: numba
+    from pfec.lab.eval.config import SMALL, EvalConfig, default_trace_files, parse_configs  # deferred: numba
     from pfec.lab.eval.evaluate import run_eval  # deferred: numba
 
     overrides = {"jobs": jobs, "seed": seed, "command": _command_line(small, given), **_config_fields(given)}
+    if trace_files is None and not small:
+        overrides["trace_files"] = default_trace_files()
     try:
         if configs is not None:
             overrides["configs"] = parse_configs(configs)
@@ -182,7 +193,7 @@ def eval_cmd(
 # EvalConfig fields that take an option's value as typed.
 _PLAIN_OPTIONS = ("realizations", "headline_realizations", "profile", "tokens", "task_prompts",
                   "overhead_realizations", "reliable_realizations", "grid_realizations", "precision_prompts",
-                  "scheduler_realizations")
+                  "scheduler_realizations", "trace_realizations")
 
 
 def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +212,13 @@ def _config_fields(given: dict[str, Any]) -> dict[str, Any]:
     for key in ("schemes", "task_schemes", "congestion", "grid_schemes", "precision_variants"):
         if key in given:
             fields[key] = tuple(parse_names(given[key]))
+    if "trace_files" in given:
+        text = given["trace_files"].strip()
+        files = () if text.lower() == "none" else tuple(parse_names(text))
+        absent = [f for f in files if not Path(f).is_file()]
+        if absent:
+            raise fail(f"--trace-files: {', '.join(absent)} is not a file")
+        fields["trace_files"] = files
     profile = given.get("profile")
     if profile not in (None, "synthetic") and not Path(str(profile)).is_file():
         raise fail(f"--profile {profile!r} is not a file; give a profile JSON or 'synthetic'")

@@ -15,6 +15,7 @@ from pfec.lab.sim.rate_trace import (
     markov_trace,
     parse_rate_trace,
     queue_limit_bytes,
+    rotated,
     step_trace,
 )
 
@@ -211,3 +212,13 @@ def test_emulate_refuses_trace_options_without_a_trace_and_names_a_bad_line(tmp_
     assert res.exit_code != 0 and "rate-scale" in res.output, res.output
     res = runner.invoke(app, ["sim", "--rate-trace", str(bad), "--scheme", "heuristic"])
     assert res.exit_code != 0 and "bad.up:3" in res.output, res.output
+
+
+def test_a_rotated_trace_starts_later_in_the_same_period_and_keeps_every_opportunity() -> None:
+    trace = step_trace([10.0, 40.0], 1.0)  # 1 s at 10 Mbit/s, then 1 s at 40
+    moved = rotated(trace, 1.0)
+    assert moved.period_ms == trace.period_ms and moved.opportunities_ms.size == trace.opportunities_ms.size
+    assert moved.mean_rate_bps == pytest.approx(trace.mean_rate_bps)
+    first, second = moved.rates_bps(1.0)
+    assert first == pytest.approx(40e6, rel=0.02) and second == pytest.approx(10e6, rel=0.02)
+    assert rotated(trace, 0.0) is trace and rotated(trace, 2.0) is trace  # a whole period: the same start

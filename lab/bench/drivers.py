@@ -33,6 +33,8 @@ def machine_info() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # What else ran: a real-time figure from a busy machine says little about the code.
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 

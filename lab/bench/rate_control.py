@@ -39,6 +39,43 @@ UTILITY_TARGET: Final = 0.93
 DROP_TARGET: Final = 0.03
 
 
+async def relay_handoff(
+    link: EmulatorConfig, told_mbps: float, control: str, tokens: int, deadline_ms: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One synthetic-KV handoff (scheme heuristic, repairs until the deadline) from a sender daemon told
+    ``told_mbps`` through the relay emulator ``link``: (the sender's report, the relay's forward counters)."""
+    identity = synthetic_identity(DEFAULT_GEOMETRY)
+    rx = ReceiverDaemon(identity, PSK)
+    await rx.start("127.0.0.1", 0)
+    try:
+        async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
+            tx = SenderDaemon(identity, PSK, rate_mbps=told_mbps, owd_ms=link.forward.owd_s * 1000,
+                              scheme="heuristic", rate_control=control)
+            try:
+                h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), relay.listen_address,
+                                          rho=None, deadline_ms=deadline_ms, generate=False))
+                await asyncio.wait_for(h.done.wait(), 60 + deadline_ms / 1000)
+                return h.view(), relay.stats()["forward"]
+            finally:
+                await tx.close()
+    finally:
+        await rx.close()
+
+
+def handoff_row(report: dict[str, Any], forward: dict[str, Any]) -> dict[str, Any]:
+    """What a bench row keeps of one relayed handoff."""
+    path = report.get("path_rate") or {}
+    return {
+        "outcome": report.get("outcome"),
+        "recovered_utility": report.get("recovered_utility"),
+        "start": report.get("start"),
+        "queue_drop_share": forward["queue_dropped"] / max(1, forward["received"]),
+        "queue_delay_ms_p95": forward["queue_delay_ms_p95"],
+        "estimate_mbps": path.get("estimate_mbps"),
+        "congestion_events": path.get("congestion_events"),
+    }
+
+
 async def _handoff(
     link_mbps: float,
     told_mbps: float,
@@ -48,7 +85,6 @@ async def _handoff(
     deadline_ms: float,
     rtt_ms: float,
 ) -> dict[str, Any]:
-    identity = synthetic_identity(DEFAULT_GEOMETRY)
     owd = rtt_ms / 2000
     queue = max(8, round(link_mbps * 1e6 / 8 * QUEUE_MS / 1000 / DATAGRAM_BYTES))
     link = EmulatorConfig(
@@ -56,49 +92,9 @@ async def _handoff(
         DirectionSpec(link_mbps * 1e6, owd),
         seed=seed,
     )
-    rx = ReceiverDaemon(identity, PSK)
-    await rx.start("127.0.0.1", 0)
-    try:
-        async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
-            tx = SenderDaemon(
-                identity,
-                PSK,
-                rate_mbps=told_mbps,
-                owd_ms=owd * 1000,
-                scheme="heuristic",
-                rate_control=control,
-            )
-            try:
-                h = tx.submit(
-                    HandoffSpec(
-                        ContextInput(synthetic_tokens=tokens),
-                        relay.listen_address,
-                        rho=None,
-                        deadline_ms=deadline_ms,
-                        generate=False,
-                    )
-                )
-                await asyncio.wait_for(h.done.wait(), 60 + deadline_ms / 1000)
-                report = h.view()
-                forward = relay.stats()["forward"]
-            finally:
-                await tx.close()
-    finally:
-        await rx.close()
-    path = report.get("path_rate") or {}
-    return {
-        "link_mbps": link_mbps,
-        "told_mbps": told_mbps,
-        "control": control,
-        "seed": seed,
-        "outcome": report.get("outcome"),
-        "recovered_utility": report.get("recovered_utility"),
-        "start": report.get("start"),
-        "queue_drop_share": forward["queue_dropped"] / max(1, forward["received"]),
-        "queue_delay_ms_p95": forward["queue_delay_ms_p95"],
-        "estimate_mbps": path.get("estimate_mbps"),
-        "congestion_events": path.get("congestion_events"),
-    }
+    report, forward = await relay_handoff(link, told_mbps, control, tokens, deadline_ms)
+    return {"link_mbps": link_mbps, "told_mbps": told_mbps, "control": control, "seed": seed,
+            **handoff_row(report, forward)}
 
 
 def run_rate_control_bench(

@@ -8,6 +8,7 @@ report (``report``), so none of those imports another for a name.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,11 @@ class EvalConfig:
     precision_prompts: int = 32  # fidelity stage prompts (0 skips it)
     precision_rhos: tuple[float, ...] = PRECISION_RHOS
     precision_variants: tuple[str, ...] = PRECISION_VARIANTS
+    # Trace cells (lab/eval/traces.py): Mahimahi files, each scaled to trace_target_mbps and at its own rate.
+    trace_files: tuple[str, ...] = ()
+    trace_target_mbps: float = 100.0
+    trace_rho: float = 0.8
+    trace_realizations: int = 6  # per trace cell, each from its own start in the trace (0 skips them)
     command: str = "pfec eval"
 
     def __post_init__(self) -> None:
@@ -156,6 +162,8 @@ class EvalConfig:
                 raise ValueError(f"--congestion {cc!r}: use {' or '.join(CONGESTION_CONTROLS)}")
         if any(rtt < 0 for rtt in self.grid_rtts_ms) or any(t < 1 for t in self.grid_tokens):
             raise ValueError("--grid-rtts must be >= 0 ms and --grid-tokens >= 1")
+        if self.trace_realizations < 0 or not self.trace_target_mbps > 0 or not self.trace_rho > 0:
+            raise ValueError("--trace-realizations must be >= 0, --trace-target-mbps and the trace rho > 0")
         if self.precision_prompts < 0:
             raise ValueError(f"--precision-prompts must be >= 0 (0 skips it), got {self.precision_prompts}")
         bad = [v for v in self.precision_variants if v not in PRECISION_VARIANTS]
@@ -233,6 +241,16 @@ SMALL = EvalConfig(
     scheduler_realizations=2,
     command="pfec eval --small",
 )
+
+
+def default_trace_files() -> tuple[str, ...]:
+    """The trace files ``pfec eval`` uses unless told: ``$PFEC_TRACES_DIR``, else a ``shared/traces``
+    folder beside the checkout (the LTE traces of the development machines), else none."""
+    folder = Path(os.environ.get("PFEC_TRACES_DIR") or REPO.parent / "shared" / "traces")
+    if not folder.is_dir():
+        return ()
+    return tuple(str(p) for p in sorted(folder.iterdir())
+                 if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".md", ".txt"))
 
 
 def parse_configs(text: str) -> tuple[tuple[str, str], ...]:

@@ -47,6 +47,7 @@ from pfec.lab.eval.config import (
 )
 from pfec.lab.eval.overhead import overhead
 from pfec.lab.eval.sweep import grid_sweep, reliable_sweep, utility_sweep
+from pfec.lab.eval.traces import trace_sweep
 from pfec.lab.reporting.progress import StageProgress
 from pfec.lab.sim.channel import GilbertElliott, realization_rng, write_trace
 from pfec.lab.sim.simulate import whole_deadline_base
@@ -73,6 +74,9 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
     t0 = time.perf_counter()
     reliable_sweep(cfg, [s for s in available if s in RELIABLE], cells, progress)
     stages["reliable"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    traces = trace_sweep(cfg, available, progress)
+    stages["traces"] = time.perf_counter() - t0
     substitutes = {
         name: FALLBACK[name]
         for name in (*cfg.task_schemes, *ABLATION_SCHEMES)
@@ -101,6 +105,7 @@ def run_eval(cfg: EvalConfig, progress: StageProgress | None = None) -> dict[str
         "substitutes": substitutes,
         "cells": cells,
         "grid": grid,
+        "traces": traces,
         "task": task,
         "ablation": ablation(cells, task, available),
         "overhead": overhead_rows,

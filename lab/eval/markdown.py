@@ -14,6 +14,7 @@ from typing import Any
 from pfec.lab.eval.config import ABLATION_RHOS, FALLBACK, GRID_AUTO, PAPER, RESULTS_BEGIN, RESULTS_END
 from pfec.lab.eval.figures import config_spec, scheme_label
 from pfec.lab.eval.precision_report import precision_section
+from pfec.lab.eval.traces import trace_section
 from pfec.lab.reporting.stats import mean_ci95
 from pfec.lab.reporting.text import budget_label
 from pfec.lab.train.held_out import render_markdown
@@ -62,6 +63,7 @@ def render_section(result: dict[str, Any], paths: dict[str, str], md_dir: Path) 
     parts += _reliable_table(result)
     parts += _claims(result)
     parts += _grid_section(result, paths, md_dir)
+    parts += trace_section(result.get("traces", {"skipped": "not in this run"}))
     parts += _paper_comparison(result)
     parts += _task_tables(result, paths, md_dir)
     parts += precision_section(result.get("precision", {"skipped": "not in this run"}))

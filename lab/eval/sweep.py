@@ -31,7 +31,7 @@ from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.simulate import Handoff, RunResult, SimConfig, forward_losses, prepare, report, run_scheme
 from pfec.sender.transport.repair_plan import warm_up
 
-__all__ = ["check_pairing", "grid_sweep", "reliable_sweep", "utility_sweep"]
+__all__ = ["check_pairing", "grid_sweep", "reliable_sweep", "run_realizations", "utility_sweep"]
 
 CellKey = Hashable  # unique within one `pfec eval` run: ("sweep", i), ("grid", i), ...
 _WORKER_HANDOFF: dict[CellKey, Handoff] = {}
@@ -80,6 +80,19 @@ def _map(
             results.append(result)
             on_done()
     return results
+
+
+def run_realizations(tasks: list[SweepTask], jobs: int, stage: str, progress: StageProgress | None = None,
+                     ) -> list[tuple[CellKey, list[RunResult | str]]]:
+    """Every task's schemes on its realization, over ``jobs`` worker processes, ticking ``stage``."""
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(stage, done[0], len(tasks))
+
+    return _map(tasks, _run_realization, jobs, tick)
 
 
 def _cells(cfg: EvalConfig, profile: UtilityProfile) -> list[tuple[str, float, SimConfig]]:

@@ -38,6 +38,7 @@ __all__ = [
     "markov_trace",
     "parse_rate_trace",
     "queue_limit_bytes",
+    "rotated",
     "step_trace",
 ]
 
@@ -153,6 +154,17 @@ def queue_limit_bytes(trace: RateTrace, queue_ms: float | None = None, queue_byt
     if not (math.isfinite(ms) and ms > 0):
         raise ValueError(f"queue depth must be > 0 ms, got {ms!r}")
     return max(math.ceil(trace.bytes_per_opportunity), math.ceil(trace.mean_rate_bps / 8 * ms / 1000))
+
+
+def rotated(trace: RateTrace, offset_s: float) -> RateTrace:
+    """The same looped trace started ``offset_s`` into its period (at the first opportunity there), so
+    short handoffs can meet different stretches of one trace; the period and every opportunity are kept."""
+    if offset_s % (trace.period_ms / 1000) == 0:
+        return trace
+    times = trace.opportunities_ms
+    at = int(times[trace.first_at_or_after(offset_s % (trace.period_ms / 1000)) % times.size])
+    shifted = np.where(times > at, times - at, times - at + trace.period_ms)
+    return RateTrace(np.sort(shifted), trace.period_ms, trace.scale, f"{trace.name} from {at / 1000:g} s")
 
 
 def _trace_from_rates(rates_mbps: npt.NDArray[np.float64], name: str) -> RateTrace:
