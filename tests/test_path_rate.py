@@ -192,3 +192,27 @@ def test_sim_config_refuses_a_bad_rate_control_or_told_rate() -> None:
         SimConfig(loss=Bernoulli(0.0), rate_control="bbr")
     with pytest.raises(ValueError, match="told_rate_mbps"):
         SimConfig(loss=Bernoulli(0.0), told_rate_mbps=0.0)
+
+
+def test_the_controller_cost_replay_makes_the_calls_the_handoff_made() -> None:
+    """`pfec bench codec`'s controller row replays a simulated handoff's calls on a fresh controller: the
+    replay must end where the handoff's own controller ended, or it timed something else."""
+    from pfec.common.sched.policies import get_scheme
+    from pfec.lab.bench.controller_cost import RecordingPathRate, _replay
+    from pfec.lab.sim.handoff import prepare
+    from pfec.lab.sim.path_link import path_rate, sender_budget
+    from pfec.lab.sim.simulate import run_once
+
+    handoff = prepare(SimConfig(loss=GilbertElliott(0.001, 0.5, 0.02, 0.1), rho=0.8, tokens=192,
+                                told_rate_mbps=50.0, rate_control="path"))
+    budget = sender_budget(handoff)
+    recorder = path_rate(handoff, budget, RecordingPathRate)
+    assert isinstance(recorder, RecordingPathRate)
+    run = run_once(handoff, get_scheme("heuristic"), 0, controller=recorder)
+    assert run.rate_end is not None and run.rate_end["rounds"] == recorder.rounds > 0
+    names = {name for name, _ in recorder.calls}
+    assert {"on_packet_sent", "pacing_bps", "on_packets_delivered", "plan_slot_s"} <= names
+    fresh = path_rate(handoff, budget)
+    assert fresh is not None and _replay(fresh, recorder.calls) > 0
+    assert (fresh.estimate_bps, fresh.rounds, fresh.phase) == (recorder.estimate_bps, recorder.rounds,
+                                                               recorder.phase)

@@ -49,13 +49,14 @@ def sender_budget(handoff: Handoff) -> LinkBudget:
     return dataclasses.replace(budget, rate_bps=told, slot_s=slot_seconds(handoff.plan.symbol_size, told))
 
 
-def path_rate(handoff: Handoff, budget: LinkBudget) -> PathRate | None:
-    """A fresh controller for one simulated handoff under ``rate_control="path"`` (None: fixed)."""
+def path_rate(handoff: Handoff, budget: LinkBudget, kind: type[PathRate] = PathRate) -> PathRate | None:
+    """A fresh controller (of ``kind``) for one simulated handoff under ``rate_control="path"`` (None:
+    fixed)."""
     cfg = handoff.config
     if cfg.rate_control != "path":
         return None
     datagram_bytes = round(budget.slot_s * budget.rate_bps / 8)
-    return PathRate(budget.rate_bps, datagram_bytes, loss_prior=cfg.sender_loss_prior)
+    return kind(budget.rate_bps, datagram_bytes, loss_prior=cfg.sender_loss_prior)
 
 
 def path_fields(link: SimLink) -> dict[str, Any]:

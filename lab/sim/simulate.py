@@ -156,7 +156,10 @@ def seeded_random_bytes(seed: int, realization: int, side: str) -> Callable[[int
     return random.Random(f"pfec-sim/{seed}/{realization}/{side}").randbytes
 
 
-def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = True) -> RunResult:
+def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = True,
+             controller: PathRate | None = None) -> RunResult:
+    """One scheme on one realization. ``controller``: under ``rate_control = path``, the controller to run
+    instead of a fresh one (a bench records its calls)."""
     cfg = handoff.config
     send = handoff.send_queue(scheme.order)
     cpu = CpuMeter(time.perf_counter_ns)
@@ -176,7 +179,7 @@ def run_once(handoff: Handoff, scheme: Scheme, realization: int, verify: bool = 
     if cfg.mode == "local":
         return _local_result(handoff, scheme, realization)
     budget = sender_budget(handoff)
-    rate = path_rate(handoff, budget)
+    rate = path_rate(handoff, budget) if controller is None or cfg.rate_control != "path" else controller
     sender = assemble_sender(session_id, send, budget, setup, cpu, rate)
     endpoint = ReceiverEndpoint(
         SIM_PSK,

@@ -96,6 +96,7 @@ class PathRate:
     """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
 
     __slots__ = (
+        "_cap_packets",
         "_capped",
         "_cycle",
         "_delivered",
@@ -184,20 +185,26 @@ class PathRate:
         self._standing = 0  # consecutive rounds with a standing queue
         self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
+        self._cap_packets = 0.0  # in flight beyond this: trickle (pacing_bps)
+        self._refresh_cap()
 
     # ------------------------------------------------------------------ what the session and adapters read
     @property
     def pacing_bps(self) -> float:
         """The rate to send at now: the phase's, down to a trickle while more is in flight than
         ``CWND_GAIN`` round trips at that rate (BBR's cwnd cap: what is sent before feedback says how
-        fast the path is, a start told far too much above all, is bounded by it)."""
-        rtt = self._rtt_prior if self.min_rtt == math.inf else self.min_rtt
-        gain = CWND_GAIN if self._samples else FIRST_WINDOW_GAIN  # before a sample the rate is a guess
-        cap = gain * max(self.pace_bps, self.estimate_bps) * rtt / (8 * self.datagram_bytes)
-        if self._packets_sent - self._delivered - self._lost < max(CWND_MIN_PACKETS, cap):
+        fast the path is, a start told far too much above all, is bounded by it). Read per datagram: the
+        cap in packets is kept current by ``_refresh_cap`` wherever its inputs move."""
+        if self._packets_sent - self._delivered - self._lost < self._cap_packets:
             return self.pace_bps
         self._capped = True
         return self.pace_bps * TRICKLE_GAIN
+
+    def _refresh_cap(self) -> None:
+        rtt = self._rtt_prior if self.min_rtt == math.inf else self.min_rtt
+        gain = CWND_GAIN if self._samples else FIRST_WINDOW_GAIN  # before a sample the rate is a guess
+        cap = gain * max(self.pace_bps, self.estimate_bps) * rtt / (8 * self.datagram_bytes)
+        self._cap_packets = max(CWND_MIN_PACKETS, cap)
 
     @property
     def slot_s(self) -> float:
@@ -252,6 +259,7 @@ class PathRate:
     def on_rtt_measurement(self, now: float, rtt: float) -> None:
         if rtt < self.min_rtt or now - self.min_rtt_at > MIN_RTT_WINDOW_S:
             self.min_rtt, self.min_rtt_at = rtt, now
+            self._refresh_cap()
         self.srtt = rtt if self.srtt == 0 else 0.875 * self.srtt + 0.125 * rtt
         self._round_min_rtt = min(self._round_min_rtt, rtt)
 
@@ -295,6 +303,7 @@ class PathRate:
             self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
         self._step_phase(sample, app_limited, congested, now)
         self._update_forecast()
+        self._refresh_cap()
 
     def _note_loss(self, now: float, lost: int, delivered: int) -> None:
         window = self._recent_loss
@@ -395,6 +404,7 @@ class PathRate:
         self._recent_loss.clear()
         self.last_delivery_at = None
         self.breaker_reason = None
+        self._refresh_cap()
 
     def _clamp(self, rate_bps: float) -> float:
         rate = max(MIN_RATE_BPS, rate_bps)
