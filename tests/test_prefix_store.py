@@ -9,7 +9,7 @@ from pfec.common.plan.prefix_store import MAX_SALT_CHARS, PrefixStore
 
 def test_lookup_finds_the_longest_common_prefix_of_the_requests_salt_only() -> None:
     store: PrefixStore[str] = PrefixStore(max_bytes=1000, max_entries=8, ttl_s=60)
-    assert store.put("", [1, 2, 3], "short", 10, now=0)
+    assert store.put("", [1, 2, 3, 9], "branch", 10, now=0)
     assert store.put("", [1, 2, 3, 4, 5], "long", 10, now=0)
     assert store.put("tenant-b", [1, 2, 3, 4, 5, 6, 7], "other tenant", 10, now=0)
     match = store.lookup("", [1, 2, 3, 4, 5, 6, 7, 8], now=1)
@@ -23,6 +23,17 @@ def test_lookup_finds_the_longest_common_prefix_of_the_requests_salt_only() -> N
     assert store.lookup("tenant-c", [1, 2, 3, 4, 5, 6, 7], now=1) is None
     assert store.lookup("", [9, 1, 2], now=1) is None
     assert store.stats.hits == 3 and store.stats.misses == 2 and store.stats.cached_tokens == 11
+
+
+def test_a_new_entry_supersedes_the_entries_of_its_salt_it_extends() -> None:
+    store: PrefixStore[str] = PrefixStore(max_bytes=1000, max_entries=8, ttl_s=60)
+    store.put("a", [1, 2], "turn 1", 10, now=0)
+    store.put("b", [1, 2], "other salt", 10, now=0)
+    store.put("a", [1, 3], "a branch", 10, now=0)
+    store.put("a", [1, 2, 3, 4], "turn 2", 20, now=1)
+    assert len(store) == 3 and store.nbytes == 40 and store.stats.superseded == 1
+    match = store.lookup("a", [1, 2, 7], now=2)
+    assert match is not None and match.entry.value == "turn 2" and match.tokens == 2
 
 
 def test_byte_budget_and_entry_count_evict_the_least_recently_used() -> None:

@@ -58,6 +58,7 @@ class StoreStats:
     misses: int = 0
     cached_tokens: int = 0  # tokens served from entries instead of prefilled
     evictions: int = 0  # entries dropped for room, entry count or TTL
+    superseded: int = 0  # entries dropped because a new one of their salt starts with all their tokens
     refused: int = 0  # entries larger than the whole budget, never stored
 
 
@@ -109,6 +110,7 @@ class PrefixStore(Generic[V]):
         old = self._entries.pop(key, None)
         if old is not None:
             self.nbytes -= old.nbytes
+        self._supersede(salt, array)
         while self._entries and (self.nbytes + nbytes > self.max_bytes
                                  or len(self._entries) >= self.max_entries):
             self._evict_oldest()
@@ -142,6 +144,15 @@ class PrefixStore(Generic[V]):
         self.stats.hits += 1
         self.stats.cached_tokens += shared
         return Match(entry, shared)
+
+    def _supersede(self, salt: str, ids: npt.NDArray[np.int64]) -> None:
+        """Drop the entries of ``salt`` whose tokens all begin ``ids``: the new entry shares at least as
+        long a prefix with any request as they do (a conversation's next turn replaces its last)."""
+        covered = [k for k, e in self._entries.items()
+                   if e.salt == salt and e.n_tokens <= len(ids) and common_prefix(e.ids, ids) == e.n_tokens]
+        for key in covered:
+            self.nbytes -= self._entries.pop(key).nbytes
+        self.stats.superseded += len(covered)
 
     def expire(self, now: float) -> int:
         """Drop every entry unused for ``ttl_s``; returns how many went."""
