@@ -99,43 +99,37 @@ def complete(runtime: ModelRuntime, prompt_ids: Sequence[int], prefix: PartialKV
     started = time.perf_counter()
     base = crop(prefix, n_cached) if prefix is not None and n_cached else None
     with torch.inference_mode():
-        cache, masks, logits = _prefill_suffix(runtime, base, prompt_ids[n_cached:], n_cached)
+        cache, masks, logits = _start(runtime, base, prompt_ids[n_cached:], n_cached, sampling.max_tokens)
         prefill_s = time.perf_counter() - started
         decoded = _Decoder(runtime, sampling, on_text)
         fed = list(prompt_ids)
         token = decoded.pick(logits)
         ttft_s = time.perf_counter() - started
-        reserved, reserved_masks = _reserve(cache, masks, len(fed), sampling.max_tokens)
         while decoded.take(token):
             fed.append(token)
-            logits = _forward_rows(runtime, reserved_masks, reserved, [[token]], len(fed) - 1, last_only=True)
+            logits = _forward_rows(runtime, masks, cache, [[token]], len(fed) - 1, last_only=True)
             token = decoded.pick(logits)
-    kv = _leftover(reserved, masks, len(fed), base.mode if base is not None else "mask")
+    kv = _leftover(cache, None if base is None else base.row_masks, len(fed),
+                   base.mode if base is not None else "mask")
     return Completion(decoded.out, decoded.final_text(), decoded.finish_reason, len(prompt_ids), n_cached, kv,
                       fed, ttft_s, prefill_s)
 
 
-def _prefill_suffix(runtime: ModelRuntime, base: PartialKV | None, suffix: Sequence[int],
-                    start: int) -> tuple[DynamicCache, list[torch.Tensor | None] | None, torch.Tensor]:
-    """A new cache: the base's rows (copied by the first extension, never written) + the suffix's; and
-    the last position's logits."""
-    cache = DynamicCache()
-    masks = None
-    if base is not None:
-        for layer, (k, v) in enumerate(zip(base.keys, base.values, strict=True)):
-            cache.update(k, v, layer)
-        masks = base.row_masks
-    logits = _forward_rows(runtime, masks, cache, [list(suffix)], start, last_only=True)
-    return cache, masks, logits
-
-
-def _reserve(cache: DynamicCache, masks: list[torch.Tensor | None] | None, n: int,
-             room: int) -> tuple[DynamicCache, list[torch.Tensor | None] | None]:
-    """The cache moved once into buffers with ``room`` rows free, so each decoded token is written in place
-    (a ``DynamicCache`` concatenates, copying the whole cache per token)."""
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
-    kv = PartialKV([k for k, _ in layers], [v for _, v in layers], _padded(masks, n), n, "mask")
-    return _batch_cache([kv], room)
+def _start(runtime: ModelRuntime, base: PartialKV | None, suffix: Sequence[int], start: int,
+           room: int) -> tuple[DynamicCache, list[torch.Tensor | None] | None, torch.Tensor]:
+    """A cache with ``room`` rows free after the suffix (each decoded token is then written in place; a
+    ``DynamicCache`` concatenates, copying the whole cache per token), the suffix prefilled into it, and
+    the last position's logits. The base is copied once into the new buffers, never written."""
+    if base is None:
+        cache = DynamicCache()
+        logits = _forward_rows(runtime, None, cache, [list(suffix)], start, last_only=True)
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = PartialKV([k for k, _ in layers], [v for _, v in layers], None, len(suffix), "mask")
+        reserved, masks = _batch_cache([kv], room)
+        return reserved, masks, logits
+    reserved, masks = _batch_cache([base], len(suffix) + room)
+    logits = _forward_rows(runtime, masks, reserved, [list(suffix)], start, last_only=True)
+    return reserved, masks, logits
 
 
 def _padded(masks: list[torch.Tensor | None] | None, n: int) -> list[torch.Tensor | None] | None:
@@ -170,8 +164,9 @@ def extend(runtime: ModelRuntime, ids: Sequence[int], prefix: PartialKV | None, 
     if base is not None and n_cached == len(ids):
         return base
     with torch.inference_mode():
-        cache, masks, _ = _prefill_suffix(runtime, base, ids[n_cached:], n_cached)
-    return _leftover(cache, masks, len(ids), base.mode if base is not None else "mask")
+        cache, _, _ = _start(runtime, base, ids[n_cached:], n_cached, 0)
+    return _leftover(cache, None if base is None else base.row_masks, len(ids),
+                     base.mode if base is not None else "mask")
 
 
 class _Decoder:
