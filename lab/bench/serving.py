@@ -24,14 +24,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 TTFT_TARGET = 3.0  # cold / warm first-token time after a handoff
-_TOKEN = "bench-serving-token-0123456789abcdef"
+LOCAL_TOKEN = "bench-serving-token-0123456789abcdef"
 _PSK = bytes(range(64, 96))
 FOLLOW_UP = "Reply with the answer only, once more."
 SECOND_TURN = "Thank you. Could you say it one more time?"
 
 
 @dataclass
-class _Nodes:
+class LocalNodes:
     loop: asyncio.AbstractEventLoop
     rx: Any
     tx: Any
@@ -45,8 +45,9 @@ class _Nodes:
 
 
 @contextmanager
-def _nodes(rate_mbps: float) -> Iterator[_Nodes]:
-    """A receiver and a sender daemon with the default model, their control APIs on loopback TCP."""
+def local_nodes(rate_mbps: float = 100.0) -> Iterator[LocalNodes]:
+    """A receiver and a sender daemon with the default model in this process, their control APIs (and
+    so their /v1 APIs) on loopback TCP behind ``LOCAL_TOKEN`` (also the example's nodes)."""
     from pfec.common.codec import fec  # deferred: numba
     from pfec.common.model.runtime import load_runtime  # deferred: torch
     from pfec.common.node.control import ControlServer  # deferred: aiohttp
@@ -68,12 +69,12 @@ def _nodes(rate_mbps: float) -> Iterator[_Nodes]:
         tx = SenderDaemon(identity, _PSK, runtime=runtime, rate_mbps=rate_mbps, owd_ms=1)
         servers = [ControlServer(receiver_routes(rx)), ControlServer(sender_routes(tx))]
         for server in servers:
-            await server.start(None, ("127.0.0.1", 0), _TOKEN)
+            await server.start(None, ("127.0.0.1", 0), LOCAL_TOKEN)
         return rx, tx, servers
 
     rx, tx, servers = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
     base = [f"http://127.0.0.1:{s.tcp_port}" for s in servers]
-    nodes = _Nodes(loop, rx, tx, base[0] + "/v1", base[1] + "/v1", base[1], runtime.model_id)
+    nodes = LocalNodes(loop, rx, tx, base[0] + "/v1", base[1] + "/v1", base[1], runtime.model_id)
     try:
         yield nodes
     finally:
@@ -108,10 +109,10 @@ def _streamed(client: Any, model: str, messages: list[dict[str, str]], salt: str
             "prefix": (ext or {}).get("prefix"), "server_ttft_s": (ext or {}).get("server_ttft_s")}
 
 
-def _handoff(nodes: _Nodes, conversation_id: str) -> dict[str, Any]:
+def _handoff(nodes: LocalNodes, conversation_id: str) -> dict[str, Any]:
     from pfec.common.node.control import ControlClient  # deferred: aiohttp
 
-    client = ControlClient(url=nodes.tx_control, token=_TOKEN)
+    client = ControlClient(url=nodes.tx_control, token=LOCAL_TOKEN)
     receiver = "{}:{}".format(*nodes.rx.address)
     status, created = nodes.call(client.request("POST", "/handoffs", {
         "receiver": receiver, "conversation": {"id": conversation_id}, "precision": "native",
@@ -128,7 +129,7 @@ def _new_turn_tokens(runtime: Any, before: list[dict[str, str]], after: list[dic
     return len(serving.chat_ids(runtime, after)) - len(serving.chat_ids(runtime, before, False))
 
 
-def _one_run(nodes: _Nodes, seed: int, context_tokens: int, max_tokens: int) -> dict[str, Any]:
+def _one_run(nodes: LocalNodes, seed: int, context_tokens: int, max_tokens: int) -> dict[str, Any]:
     import openai  # deferred: the dev extra's client
 
     from pfec.common.model import llm  # deferred: torch
@@ -138,8 +139,8 @@ def _one_run(nodes: _Nodes, seed: int, context_tokens: int, max_tokens: int) -> 
     example = needle_qa(1, context_tokens, seed, count_tokens=lambda t: llm.count_tokens(runtime, t))[0]
     messages = [{"role": "system", "content": llm.DEFAULT_SYSTEM},
                 {"role": "user", "content": f"{example.context}\n\n{example.question}"}]
-    sender = openai.OpenAI(base_url=nodes.tx_url, api_key=_TOKEN, max_retries=0, timeout=600)
-    receiver = openai.OpenAI(base_url=nodes.rx_url, api_key=_TOKEN, max_retries=0, timeout=600)
+    sender = openai.OpenAI(base_url=nodes.tx_url, api_key=LOCAL_TOKEN, max_retries=0, timeout=600)
+    receiver = openai.OpenAI(base_url=nodes.rx_url, api_key=LOCAL_TOKEN, max_retries=0, timeout=600)
     salt = f"bench-{seed}"
     upstream = sender.chat.completions.create(model=nodes.model, messages=messages,  # type: ignore[arg-type]
                                               max_tokens=max_tokens, temperature=0,
@@ -181,7 +182,7 @@ def run_serving_bench(runs: int = 3, context_tokens: int = 1500, max_tokens: int
         raise ValueError("bench serving needs runs >= 1, context_tokens >= 64, max_tokens >= 1")
     load_before = os.getloadavg()
     rows = []
-    with _nodes(rate_mbps) as nodes:
+    with local_nodes(rate_mbps) as nodes:
         for seed in range(runs):
             rows.append(_one_run(nodes, seed, context_tokens, max_tokens))
             if progress is not None:
