@@ -10,8 +10,8 @@ After the README's set-up (``./scripts/setup.sh``):
 starts a receiver and a sender daemon in this process (the embedded default model, real UDP on
 loopback). Against running daemons instead (their control APIs on TCP, the bearer token in a file):
 
-    .venv/bin/python examples/agents_langgraph.py --sender http://SENDER:8401 \\
-        --receiver-api http://RECEIVER:8402 --receiver-udp RECEIVER:7400 --token-file token
+    .venv/bin/python examples/agents_langgraph.py --sender http://SENDER:7481 \\
+        --receiver-api http://RECEIVER:7480 --receiver-udp RECEIVER:7400 --token-file token
 
 The writer's response says how many prompt tokens came from the handed-off cache
 (``usage.prompt_tokens_details.cached_tokens``) and which handoff they came from (``pfec.prefix``).
