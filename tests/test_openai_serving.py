@@ -192,6 +192,9 @@ def test_a_conversation_handed_off_continues_on_the_receiver_from_its_cache(node
     unknown = {"receiver": target, "conversation": {"id": "chatcmpl-none"}}
     status, bad = nodes.lt.call(control.request("POST", "/handoffs", unknown))
     assert status == 404 and "conversation.id" in bad["error"]
+    nobody = {"receiver": target, "conversation": {"messages": messages, "cache_salt": "nobody"}}
+    status, bad = nodes.lt.call(control.request("POST", "/handoffs", nobody))
+    assert status == 404 and "conversation.cache_salt" in bad["error"], bad
     status, created = nodes.lt.call(control.request("POST", "/handoffs", {
         "receiver": target, "conversation": {"id": upstream.id}, "rho": 4.0, "precision": "native",
         "handoff_mode": "handoff"}))
@@ -212,5 +215,22 @@ def test_a_conversation_handed_off_continues_on_the_receiver_from_its_cache(node
     # Without the conversation's salt the handed-off cache is not reachable.
     stranger = _ask(receiver, nodes.model, follow)
     assert stranger.usage.prompt_tokens_details.cached_tokens < 16
+    # The same conversation again, quantised (int8): the receiver serves it from the dequantised cache and
+    # says so; the next turn reuses that entry (it supersedes nothing of another salt).
+    status, created = nodes.lt.call(control.request("POST", "/handoffs", {
+        "receiver": target, "conversation": {"messages": messages, "cache_salt": "team-b"}, "rho": 4.0,
+        "precision": "int8", "handoff_mode": "handoff"}))
+    assert status == 404  # team-b never served it on the sender: nothing to hand over without a prefill
+    upstream_b = _ask(sender, nodes.model, messages, extra_body={"cache_salt": "team-b"})
+    status, created = nodes.lt.call(control.request("POST", "/handoffs", {
+        "receiver": target, "conversation": {"id": upstream_b.id}, "rho": 4.0, "precision": "int8",
+        "handoff_mode": "handoff"}))
+    status, report_b = nodes.lt.call(control.request("GET", f"/handoffs/{created['id']}?wait=1"))
+    assert report_b["outcome"] == "done" and report_b["precision"] == "int8", report_b
+    follow_b = [*messages, {"role": "assistant", "content": upstream_b.choices[0].message.content},
+                {"role": "user", "content": "Say it again in capitals."}]
+    quantised = _ask(receiver, nodes.model, follow_b, extra_body={"cache_salt": "team-b"})
+    assert quantised.usage.prompt_tokens_details.cached_tokens == report_b["n_tokens"]
+    assert quantised.model_extra["pfec"]["prefix"]["precision"] == "int8"
     metrics = nodes.rx.metrics.exposition().decode()
     assert 'pfec_receiver_prefix_cache_lookups_total{outcome="hit"}' in metrics

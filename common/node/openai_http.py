@@ -155,7 +155,12 @@ class OpenAIFace:
         """Worker thread: tokenise, check the context, look up the store, complete, keep the cache."""
         from pfec.common.model import serving  # deferred: torch
 
-        ids = render()
+        try:
+            ids = render()
+        except ValueError as exc:  # no chat template, no tokenizer
+            raise ServingError("messages", str(exc)) from None
+        if not ids:
+            raise ServingError("prompt", "the prompt is empty once tokenised")
         room = self.runtime.max_context - len(ids)
         if room < limit:
             raise ServingError("messages", f"the prompt is {len(ids)} tokens; with max_tokens = {limit} it "
