@@ -174,7 +174,8 @@ class SenderDaemon:
         # Prefill and the full-KV answer: one thread, a bounded queue (POST /handoffs answers 503 when full).
         self.worker = ModelWorker("pfec-prefill", self.limits.worker_queue, self.limits.worker_stuck_s)
         # The OpenAI API for the upstream agent; its conversations' caches are what POST /handoffs can name.
-        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits)
+        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits,
+                                                            max_json_depth=self.limits.max_json_depth)
         self._waiting: set[str] = set()  # handoffs admitted whose prepare job is not submitted yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()

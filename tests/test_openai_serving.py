@@ -157,6 +157,17 @@ def test_bad_requests_get_a_4xx_naming_the_parameter(nodes: Nodes) -> None:
         with pytest.raises(error) as caught:
             client.chat.completions.create(**body)
         assert caught.value.body["param"].startswith(param), (extra, caught.value.body)  # type: ignore[union-attr]
+    # Bodies nested past the depth limit or past the size limit, and non-JSON, over plain HTTP.
+    async def raw(data: bytes) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        async with aiohttp.ClientSession(headers=headers) as session, session.post(
+                nodes.rx_url + "/chat/completions", data=data) as response:
+            return response.status, await response.json(content_type=None)
+
+    deep = b'{"model": "m", "messages": ' + b"[" * 40 + b"]" * 40 + b"}"
+    for data, status in ((deep, 400), (b"not json", 400), (b'{"x": "' + b"a" * (2 << 20) + b'"}', 413)):
+        got, answer = nodes.lt.call(raw(data))
+        assert got == status and answer["error"]["message"], (got, answer)
     # Unauthenticated over TCP: 401.
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=nodes.rx_url, api_key="wrong", max_retries=0).models.list()
@@ -234,3 +245,31 @@ def test_a_conversation_handed_off_continues_on_the_receiver_from_its_cache(node
     assert quantised.model_extra["pfec"]["prefix"]["precision"] == "int8"
     metrics = nodes.rx.metrics.exposition().decode()
     assert 'pfec_receiver_prefix_cache_lookups_total{outcome="hit"}' in metrics
+
+
+def test_a_client_leaving_mid_stream_frees_the_node(nodes: Nodes) -> None:
+    url = nodes.rx_url + "/chat/completions"
+    body = {"model": nodes.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 64, "temperature": 0, "stream": True}
+
+    async def leave() -> tuple[int, int]:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            response = await session.post(url, json=body)
+            seen = 0
+            async for line in response.content:
+                seen += line.startswith(b"data: ")
+                if seen >= 3:  # the role chunk and two pieces of text
+                    break
+            response.close()
+        face = nodes.rx.face
+        assert face is not None
+        for _ in range(200):  # the job stops at its next token once the client is gone
+            if face.in_flight == 0 and nodes.rx.worker.pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        return face.in_flight, nodes.rx.worker.pending
+
+    assert nodes.lt.call(leave()) == (0, 0)
+    again = _ask(nodes.client(nodes.rx_url), nodes.model, [{"role": "user", "content": "hi"}])
+    assert again.choices[0].finish_reason in ("stop", "length")

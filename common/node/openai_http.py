@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import secrets
 import threading
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from pfec.common.model.serving import Completion
 
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+log = logging.getLogger("pfec.openai")
 CONVERSATIONS_KEPT = 1024
 DEFAULT_ALIAS = "default"  # a client may name the node's model this way too
 
@@ -106,12 +108,14 @@ class OpenAIFace:
     """One node's OpenAI-compatible API over its model, model worker and prefix store."""
 
     def __init__(self, runtime: ModelRuntime, worker: ModelWorker, metrics: NodeMetrics,
-                 limits: _CommonLimits, clock: Callable[[], float] = time.monotonic) -> None:
+                 limits: _CommonLimits, clock: Callable[[], float] = time.monotonic,
+                 max_json_depth: int = MAX_JSON_DEPTH) -> None:
         self.runtime = runtime
         self.worker = worker
         self.metrics = metrics
         self.limits = limits
         self.clock = clock
+        self.max_json_depth = max_json_depth
         self.model_id = runtime.model_id
         self.store: PrefixStore[PartialKV] = PrefixStore(
             limits.prefix_cache_bytes, limits.prefix_cache_entries, limits.prefix_cache_ttl_s)
@@ -190,7 +194,7 @@ class OpenAIFace:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pfec"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        parsed = await _read(request, ChatCompletionRequest)
+        parsed = await _read(request, ChatCompletionRequest, self.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
         messages = parsed.rendered()
@@ -203,7 +207,7 @@ class OpenAIFace:
         return await self._run(request, parsed, render, messages)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = await _read(request, CompletionRequest)
+        parsed = await _read(request, CompletionRequest, self.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
         prompt = parsed.prompt
@@ -253,6 +257,9 @@ class OpenAIFace:
                 served = await future
             except ServingError as exc:
                 return _error(exc)
+            except asyncio.CancelledError:  # the client went away: the job runs out (max_tokens bounds it)
+                future.add_done_callback(_consume)
+                raise
             self._record(cid, parsed.salt, messages, served.completion.text)
             return web.json_response(self._body(served, cid, parsed.model, chat))
         finally:
@@ -328,8 +335,15 @@ class OpenAIFace:
                     getter.cancel()
             served = await future
         except (ConnectionResetError, asyncio.CancelledError):
-            job.gone.set()
+            job.gone.set()  # the worker stops at its next token
+            future.add_done_callback(_consume)
             raise
+        except Exception:  # the headers are out: end the stream with an error event, never a 500 page
+            log.exception("%s failed mid-stream", cid)
+            failed = openai_error("generation failed (see the node's log)", None, "server_error")
+            await _send(response, failed)
+            await response.write_eof()
+            return response
         done = served.completion
         self._record(cid, parsed.salt, messages, done.text)
         await _send(response, chunk.finish(done.finish_reason))
@@ -370,6 +384,12 @@ class _Chunks:
         return {**self.head, "choices": [], "usage": counts, "pfec": extension}
 
 
+def _consume(future: asyncio.Future[Served]) -> None:
+    """Retrieve the outcome of a job nobody awaits any more (its client left)."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
@@ -379,7 +399,7 @@ def _error(exc: ServingError) -> web.Response:
     return web.json_response(openai_error(str(exc), exc.param, kind), status=exc.status)
 
 
-async def _read(request: web.Request, model: type[R]) -> R | web.Response:
+async def _read(request: web.Request, model: type[R], max_depth: int) -> R | web.Response:
     """The body validated strictly as ``model``: 413 over the control API's body limit, 400 for JSON
     nested past the depth limit, not JSON, or any field out of bounds (the first bad field named)."""
     limit = request.config_dict.get(MAX_BODY_KEY, 1 << 20)
@@ -391,9 +411,9 @@ async def _read(request: web.Request, model: type[R]) -> R | web.Response:
     except web.HTTPRequestEntityTooLarge:
         return web.json_response(openai_error(f"request body is above the {limit}-byte limit"), status=413)
     depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
+    if depth > max_depth:
         return web.json_response(openai_error(f"request body nests JSON {depth} levels deep, above the limit "
-                                              f"of {MAX_JSON_DEPTH}"), status=400)
+                                              f"of {max_depth}"), status=400)
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
