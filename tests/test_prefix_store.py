@@ -23,6 +23,9 @@ def test_lookup_finds_the_longest_common_prefix_of_the_requests_salt_only() -> N
     assert store.lookup("tenant-c", [1, 2, 3, 4, 5, 6, 7], now=1) is None
     assert store.lookup("", [9, 1, 2], now=1) is None
     assert store.stats.hits == 3 and store.stats.misses == 2 and store.stats.cached_tokens == 11
+    assert store.lookup("", [1, 2, 3, 4], now=2, count=False) is not None  # upkeep: not a request
+    assert store.lookup("", [7], now=2, count=False) is None
+    assert store.stats.hits == 3 and store.stats.misses == 2
 
 
 def test_a_new_entry_supersedes_the_entries_of_its_salt_it_extends() -> None:

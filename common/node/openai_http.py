@@ -150,6 +150,21 @@ class OpenAIFace:
         self.keep(salt, ids, kv, match.entry.info)
         return ids, kv, match.tokens, dict(match.entry.info)
 
+    def settle(self, salt: str, messages: Sequence[Mapping[str, str]]) -> int:
+        """Worker thread, after a chat completion: extend its stored cache to the conversation as the next
+        turn renders it (the reply's last token, never fed, and the template's end-of-turn marker: a few
+        tokens), so the next turn prefills only its own. Returns the tokens prefilled (0: nothing to do, or
+        nothing of it stored any more)."""
+        from pfec.common.model import serving  # deferred: torch
+
+        ids = serving.chat_ids(self.runtime, messages, add_generation_prompt=False)
+        match = self.store.lookup(salt, ids, self.clock(), count=False)
+        if match is None or match.tokens >= len(ids) or len(ids) > self.runtime.max_context:
+            return 0
+        kv = serving.extend(self.runtime, ids, match.entry.value, match.tokens)
+        self.keep(salt, ids, kv, match.entry.info)
+        return len(ids) - match.tokens
+
     def conversation(self, conversation_id: str) -> Conversation | None:
         return self.conversations.get(conversation_id)
 
@@ -274,13 +289,19 @@ class OpenAIFace:
         return web.json_response(body, status=503, headers={"Retry-After": str(retry)})
 
     def _record(self, cid: str, salt: str, messages: list[dict[str, str]] | None, reply: str) -> None:
-        """Remember a chat completion's conversation (a handoff may name it by id)."""
+        """Remember a chat completion's conversation (a handoff may name it by id) and queue its cache's
+        upkeep (``settle``) behind it in the worker; skipped when the worker is full."""
         if messages is None:
             return
         turn = ({"role": "assistant", "content": reply},)
-        self.conversations[cid] = Conversation(cid, salt, (*messages, *turn))
+        conversation = self.conversations[cid] = Conversation(cid, salt, (*messages, *turn))
         while len(self.conversations) > CONVERSATIONS_KEPT:
             self.conversations.popitem(last=False)
+        try:
+            settled = self.worker.submit(self.settle, salt, conversation.messages)
+        except WorkerBusy:
+            return
+        settled.add_done_callback(_consume)
 
     def _body(self, served: Served, cid: str, model: str, chat: bool) -> dict[str, Any]:
         done = served.completion
@@ -384,10 +405,13 @@ class _Chunks:
         return {**self.head, "choices": [], "usage": counts, "pfec": extension}
 
 
-def _consume(future: asyncio.Future[Served]) -> None:
-    """Retrieve the outcome of a job nobody awaits any more (its client left)."""
-    if not future.cancelled():
-        future.exception()
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a job nobody awaits (its client left; a cache's upkeep)."""
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is not None and not isinstance(exc, _Disconnected):
+        log.warning("a serving job nobody awaited failed: %r", exc)
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

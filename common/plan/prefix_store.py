@@ -118,11 +118,12 @@ class PrefixStore(Generic[V]):
         self.nbytes += nbytes
         return True
 
-    def lookup(self, salt: str, ids: Sequence[int], now: float,
-               max_tokens: int | None = None) -> Match[V] | None:
+    def lookup(self, salt: str, ids: Sequence[int], now: float, max_tokens: int | None = None,
+               count: bool = True) -> Match[V] | None:
         """The entry of ``salt`` sharing the longest common prefix with ``ids`` (at most ``max_tokens`` of
         it counted: a caller that must compute at least one token passes ``len(ids) - 1``), marked used;
-        None (a miss) when no entry of this salt shares a token. Counts the hit or miss."""
+        None (a miss) when no entry of this salt shares a token. Counts the hit or miss (unless ``count``
+        is false: the node's own upkeep, not a request)."""
         _check_salt(salt)
         self.expire(now)
         request = np.asarray(ids, dtype=np.int64)
@@ -135,14 +136,15 @@ class PrefixStore(Generic[V]):
             if shared > 0 and (best is None or shared > best[0]):
                 best = (shared, key)
         if best is None:
-            self.stats.misses += 1
+            self.stats.misses += count
             return None
         shared, key = best
         entry = self._entries[key]
         entry.last_used = now
         self._entries.move_to_end(key)
-        self.stats.hits += 1
-        self.stats.cached_tokens += shared
+        if count:
+            self.stats.hits += 1
+            self.stats.cached_tokens += shared
         return Match(entry, shared)
 
     def _supersede(self, salt: str, ids: npt.NDArray[np.int64]) -> None:

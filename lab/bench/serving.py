@@ -231,6 +231,6 @@ def write_serving_bench(result: dict[str, Any], out_dir: Path) -> None:
     met = "met" if summary["meets_target"] else "not met"
     lines += ["", f"Median TTFT ratio {summary['ttft_ratio_median']} (target >= "
               f"{summary['target_ttft_ratio']}: {met}); cached_tokens equal to the handed-off context in "
-              f"every run: {summary['cached_equals_handed_off_all']}. A second turn prefills its new turn "
-              "and what the last reply never fed (its last token at max_tokens, the end-of-turn marker).", ""]
+              f"every run: {summary['cached_equals_handed_off_all']}. Second turn: the tokens it prefilled "
+              "against its new turn's.", ""]
     (out_dir / "serving.md").write_text("\n".join(lines))
