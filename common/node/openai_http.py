@@ -174,15 +174,16 @@ class OpenAIFace:
         """Worker thread: tokenise, check the context, look up the store, complete, keep the cache."""
         from pfec.common.model import serving  # deferred: torch
 
+        field = "messages" if cid.startswith("chatcmpl") else "prompt"
         try:
             ids = render()
         except ValueError as exc:  # no chat template, no tokenizer
-            raise ServingError("messages", str(exc)) from None
+            raise ServingError(field, str(exc)) from None
         if not ids:
-            raise ServingError("prompt", "the prompt is empty once tokenised")
+            raise ServingError(field, "the prompt is empty once tokenised")
         room = self.runtime.max_context - len(ids)
         if room < limit:
-            raise ServingError("messages", f"the prompt is {len(ids)} tokens; with max_tokens = {limit} it "
+            raise ServingError(field, f"the prompt is {len(ids)} tokens; with max_tokens = {limit} it "
                                f"exceeds the model's {self.runtime.max_context}-token context")
         match = self.store.lookup(salt, ids, self.clock(), max_tokens=len(ids) - 1)
         job.mark_started()
