@@ -239,6 +239,20 @@ def test_a_conversation_handed_off_continues_on_the_receiver_from_its_cache(node
     quantised = _ask(receiver, nodes.model, follow_b, extra_body={"cache_salt": "team-b"})
     assert quantised.usage.prompt_tokens_details.cached_tokens == report_b["n_tokens"]
     assert quantised.model_extra["pfec"]["prefix"]["precision"] == "int8"
+    # A deadline too short for the whole cache (rho 0.4 at 20 Mbit/s, no repair): a partial cache, served
+    # with its mask at the context's full length, and the response says what it was built from.
+    upstream_c = _ask(sender, nodes.model, messages, extra_body={"cache_salt": "team-c"})
+    status, created = nodes.lt.call(control.request("POST", "/handoffs", {
+        "receiver": target, "conversation": {"id": upstream_c.id}, "rho": 0.4, "rate_mbps": 20,
+        "scheme": "priority", "precision": "native", "handoff_mode": "handoff"}))
+    status, report_c = nodes.lt.call(control.request("GET", f"/handoffs/{created['id']}?wait=1"))
+    assert report_c["outcome"] == "done" and 0 < report_c["recovered_utility"] < 1, report_c
+    follow_c = [*messages, {"role": "assistant", "content": upstream_c.choices[0].message.content},
+                {"role": "user", "content": "Say it again in capitals."}]
+    partial = _ask(receiver, nodes.model, follow_c, extra_body={"cache_salt": "team-c"})
+    assert partial.usage.prompt_tokens_details.cached_tokens == report_c["n_tokens"]
+    built_from = partial.model_extra["pfec"]["prefix"]
+    assert built_from["recovered_utility"] == pytest.approx(report_c["receiver_recovered_utility"])
     metrics = nodes.rx.metrics.exposition().decode()
     assert 'pfec_receiver_prefix_cache_lookups_total{outcome="hit"}' in metrics
 
