@@ -16,7 +16,9 @@ from typing import Any, TypeVar
 import aiohttp
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from pfec.cli.app import app
 from pfec.common.codec import fec
 from pfec.common.model import llm, serving
 from pfec.common.model.runtime import runtime_identity
@@ -253,6 +255,11 @@ def test_a_conversation_handed_off_continues_on_the_receiver_from_its_cache(node
     assert partial.usage.prompt_tokens_details.cached_tokens == report_c["n_tokens"]
     built_from = partial.model_extra["pfec"]["prefix"]
     assert built_from["recovered_utility"] == pytest.approx(report_c["receiver_recovered_utility"])
+    # The CLI names a conversation the same way.
+    cli = CliRunner().invoke(app, ["handoff", "--receiver", target, "--conversation", upstream.id,
+                                   "--socket", str(nodes.tx_sock), "--precision", "native",
+                                   "--mode", "handoff", "--rho", "4"])
+    assert cli.exit_code == 0 and "tokens handed over (0 prefilled for it" in cli.output, cli.output
     metrics = nodes.rx.metrics.exposition().decode()
     assert 'pfec_receiver_prefix_cache_lookups_total{outcome="hit"}' in metrics
 
