@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pfec.cli import bench_path, kv, lab, node, plan
+from pfec.cli import bench_path, bench_serving, kv, lab, node, plan
 from pfec.cli import eval as eval_commands
 from pfec.cli.handoff import handoff_cmd
 
@@ -58,6 +58,7 @@ bench_app.command("flood")(lab.bench_flood_cmd)
 bench_app.command("breakeven")(lab.bench_breakeven_cmd)
 bench_app.command("rate-control")(bench_path.bench_rate_control_cmd)
 bench_app.command("traces")(bench_path.bench_traces_cmd)
+bench_app.command("serving")(bench_serving.bench_serving_cmd)
 app.add_typer(tune_app, name="tune")
 tune_app.command("flec-rt")(lab.tune_flec_rt_cmd)
 app.add_typer(sender_app, name="sender")

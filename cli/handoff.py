@@ -49,6 +49,9 @@ def handoff_cmd(
         "for synthetic KV) | handoff (the whole cache "
         "streams) | split (the receiver prefills the front while the back streams) | local (the receiver "
         "prefills everything, no KV sent).")] = "auto",
+    conversation: Annotated[str | None, typer.Option(
+        help="Hand over a conversation the sender served through its OpenAI API (the completion id it "
+        "returned) instead of a context and a question; the receiver continues it through its API.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -62,7 +65,13 @@ def handoff_cmd(
     body: dict[str, Any] = {"receiver": receiver, "reconstruction": reconstruction,
                             "full_kv_answer": full_kv_answer, "precision": precision,
                             "handoff_mode": mode}
-    if synthetic_tokens is not None:
+    if conversation is not None:
+        if context is not None or question is not None or synthetic_tokens is not None or full_kv_answer:
+            raise fail("--conversation hands over a conversation: no --context, --question, "
+                       "--synthetic-tokens or --full-kv-answer with it")
+        body.pop("full_kv_answer")
+        body["conversation"] = {"id": conversation}
+    elif synthetic_tokens is not None:
         body.update(synthetic_tokens=synthetic_tokens, generate=False)
     else:
         body.update(context=context, question=question)

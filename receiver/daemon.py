@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +39,11 @@ from pfec.common.events import CpuMeter
 from pfec.common.model.runtime import usable_cpus
 from pfec.common.node.config import LimitsConfig
 from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.openai_http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker
-from pfec.common.plan.handoff import ModelIdentity
+from pfec.common.plan.handoff import ModelIdentity, OfferApp
 from pfec.common.plan.receiver_speed import RecentPrefills
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR
 from pfec.common.wire.messages import MsgType, Offer, RefuseCode
@@ -50,6 +51,7 @@ from pfec.receiver.admission import admit
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.handoffs import Handoffs, SessionInfo
 from pfec.receiver.metrics import ReceiverMetrics
+from pfec.receiver.rebuild import Reconstructed
 from pfec.receiver.session import ReceiverConfig
 
 if TYPE_CHECKING:
@@ -117,12 +119,14 @@ class ReceiverDaemon:
         self._timer_at: float | None = None
         self._service_pending = False
         self.worker = ModelWorker("pfec-generate", self.limits.worker_queue, self.limits.worker_stuck_s)
+        # The OpenAI API on the control listeners, and its prefix cache store (handed-off contexts too).
+        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits)
         self._drops = DropExporter(self.metrics)
         self.handoffs = Handoffs(
             self.endpoint, identity, runtime, worker=self.worker, metrics=self.metrics, limits=self.limits,
             profiles=profiles or ProfileStore(DEFAULT_PROFILE_DIR), max_tokens=self.max_tokens,
             default_mode=default_mode, peers=self._peers, late_s=self.stats.deadline_late_s, clock=clock,
-            service=self._service, prefill_timed=self._on_prefill_timed,
+            service=self._service, prefill_timed=self._on_prefill_timed, keep=self._keep_prefix,
         )
         self._reaper: asyncio.TimerHandle | None = None
         self.prefill_speed: PrefillSpeed | None = None  # what its ACCEPTs state (measure_prefill_speed)
@@ -347,6 +351,21 @@ class ReceiverDaemon:
         self.speed_measured_at = clock()
         self.metrics.prefill_speed(speed.tokens_per_second())
         return speed
+
+    def _keep_prefix(self, sid: int, app: OfferApp, done: Reconstructed) -> bool:
+        """Worker thread: a conversation handoff's rebuilt context becomes a prefix cache entry of its salt,
+        with what it was built from (the response's ``pfec.prefix``)."""
+        if self.face is None or app.prefix is None or done.kv is None:
+            return False
+        info = {"handoff_id": f"{sid:016x}", "recovered_utility": done.utility, "precision": done.precision,
+                "precision_utility": done.precision_utility}
+        kept = self.face.keep(app.prefix.salt, app.prefix.context_ids, done.kv, info)
+        self._loop_call(self.face.export_metrics)
+        return kept
+
+    def _loop_call(self, fn: Callable[[], None]) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(fn)
 
     def _on_prefill_timed(self, timed: Sequence[tuple[int, int, float]]) -> None:
         """A front's chunks, timed as they ran (beside the stream they met): the stated speed from now on

@@ -124,6 +124,7 @@ class Handoffs:
         clock: Callable[[], float],
         service: Callable[[float], None],
         prefill_timed: Callable[[Sequence[tuple[int, int, float]]], None] | None = None,
+        keep: Callable[[int, OfferApp, Reconstructed], bool] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
@@ -139,6 +140,7 @@ class Handoffs:
         self.clock = clock
         self.service = service
         self.prefill_timed = prefill_timed  # told each front's timed chunks (the daemon's stated speed)
+        self.keep = keep  # stores a conversation's rebuilt context (worker thread; the OpenAI face's store)
         self.sessions: dict[int, SessionInfo] = {}
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
         self.jobs: set[asyncio.Future[Reconstructed]] = set()
@@ -292,7 +294,7 @@ class Handoffs:
             front.stop.set()  # the front job ends after its chunk; the rebuild runs next in the same worker
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
         try:
-            job = self.worker.submit(reconstruct, self.runtime, self.identity, info.app, info.profile,
+            job = self.worker.submit(self._rebuild, event.session_id, info.app, info.profile,
                                      event.decoded_esis, event.store, info.stream, front,
                                      force=front is not None)
         except WorkerBusy as exc:
@@ -300,6 +302,15 @@ class Handoffs:
             return
         self.jobs.add(job)
         job.add_done_callback(lambda fut: self._on_generated(event.session_id, at, fut))
+
+    def _rebuild(self, sid: int, app: OfferApp, profile: UtilityProfile | None, decoded: np.ndarray,
+                 store: np.ndarray, stream: StreamPlan | None, front: Front | None) -> Reconstructed:
+        """Worker thread: ``reconstruct``, then a conversation's context goes to the prefix cache store."""
+        done = reconstruct(self.runtime, self.identity, app, profile, decoded, store, stream, front)
+        if done.kv is not None and self.keep is not None:
+            done.kept = self.keep(sid, app, done)
+        done.kv = None  # the store holds it (or refused it): the session's record does not
+        return done
 
     def _result_without_rebuild(self, event: DeadlineReached, late: float, error: str) -> None:
         """Answer with an error RESULT so the session still ends (RESULT, then CLOSE or retries)."""
@@ -338,6 +349,8 @@ class Handoffs:
         result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode)
         record = _record(sid, **result.__dict__)
         record.pop("blocks_bitmap", None)
+        if info.app is not None and info.app.prefix is not None:
+            record["prefix_kept"] = done.kept
         info.result = record
         info.state = "result_sent"
         self.results.append(record)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +115,8 @@ class Reconstructed:
     computed_tokens: int | None = None  # split / local: the prefix [0, c) computed here
     blocks_computed: int | None = None
     blocks_received: int | None = None
+    kv: PartialKV | None = None  # the rebuilt context, kept when the OFFER names a conversation (prefix)
+    kept: bool = False  # the prefix cache store took it
 
     @classmethod
     def failed(cls, exc: Exception) -> Reconstructed:
@@ -175,7 +177,7 @@ def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, a
     received = file_by_fragment(plan, decoded_esis, store)
     utility = None
     complete = received.complete_blocks
-    split: dict[str, int] = {}
+    split: dict[str, Any] = {}
     if front is not None:
         computed = _computed_blocks(len(complete), app.n_tokens, front.tokens)
         split = {"computed_tokens": front.tokens, "blocks_computed": int(computed.sum()),
@@ -185,20 +187,23 @@ def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, a
     if profile is not None:
         utility = recovered_utility(profile.block_utilities(plan), complete)
     done = Reconstructed(complete, utility, Rebuilt(None, None, None), NATIVE, utility, levels, **split)
-    if not app.generate or runtime is None:
+    if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
 
     started = time.perf_counter()
     kv = llm.rebuild_from_symbols(runtime, plan, received.store, received.have, app.mode)
     if front is None:
+        if _keep(done, kv, app):
+            return done
         gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
         done.rebuilt = Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s)
         return done
     if front.cache is not None:
         kv = llm.join_prefix(kv, front.cache, front.tokens)
     kv.rebuild_s = time.perf_counter() - started
-    done.rebuilt = _generate(runtime, kv, app)
+    if not _keep(done, kv, app):
+        done.rebuilt = _generate(runtime, kv, app)
     return done
 
 
@@ -223,7 +228,7 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     score = score_stream(plan, have, utilities, stream.fidelity)
     usable, block_utility, levels = score.usable, score.block_utility, score.level_counts()
     precision_utility = score.precision_utility
-    split: dict[str, int] = {}
+    split: dict[str, Any] = {}
     if front is not None:
         computed = _computed_blocks(len(usable), app.n_tokens, front.tokens)
         received = usable & ~computed
@@ -239,7 +244,7 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
                  "blocks_received": int(received.sum())}
     done = Reconstructed(usable, block_utility, Rebuilt(None, None, None), stream.mix, precision_utility,
                          levels, **split)
-    if not app.generate or runtime is None:
+    if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
 
@@ -248,8 +253,17 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     if front is not None and front.cache is not None:
         kv = llm.join_prefix(kv, front.cache, front.tokens)
     kv.rebuild_s = time.perf_counter() - started
-    done.rebuilt = _generate(runtime, kv, app)
+    if not _keep(done, kv, app):
+        done.rebuilt = _generate(runtime, kv, app)
     return done
+
+
+def _keep(done: Reconstructed, kv: PartialKV, app: OfferApp) -> bool:
+    """A conversation's context (``app.prefix``) is kept for the node's prefix cache store; True when
+    nothing is to be generated from it here (a conversation handoff asks no question)."""
+    if app.prefix is not None:
+        done.kv = kv
+    return not app.generate
 
 
 def _generate(runtime: ModelRuntime, kv: PartialKV, app: OfferApp) -> Rebuilt:
@@ -268,7 +282,7 @@ def _reconstruct_local(runtime: ModelRuntime | None, identity: ModelIdentity, ap
     done = Reconstructed(every, 1.0 if profile is not None else None, Rebuilt(None, None, None), "none", 1.0,
                          {"computed": n_blocks}, computed_tokens=app.n_tokens, blocks_computed=n_blocks,
                          blocks_received=0)
-    if not app.generate or runtime is None:
+    if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
 
@@ -277,7 +291,8 @@ def _reconstruct_local(runtime: ModelRuntime | None, identity: ModelIdentity, ap
     compute_front(runtime, front, lambda _tokens: None)
     kv = llm.partial_from_cache(front.cache, None, app.mode, app.n_tokens)
     kv.rebuild_s = time.perf_counter() - started
-    done.rebuilt = _generate(runtime, kv, app)
+    if not _keep(done, kv, app):
+        done.rebuilt = _generate(runtime, kv, app)
     return done
 
 

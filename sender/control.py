@@ -7,8 +7,10 @@ typed and bounded, first statically here, then by the daemon's configured limits
 context, maximum budget), and every error names its field (422). The receiver address is resolved once,
 off the loop, and refused (422) when it is multicast, broadcast, unspecified or link-local unless
 ``limits.allow_destinations`` lists it. The profile is a name in the sender's profile directory, never a
-path. A full model worker queue answers 503. The server, the bearer token, the body size and depth bounds
-and the client are ``common/node/control.py``.
+path. A full model worker queue answers 503. ``conversation`` names a conversation the sender served
+through its OpenAI API (``/v1/...``, ``common/node/openai_http.py``): its cache goes over as is (only what
+its prefix cache store lacks is prefilled), with its cache salt, and the receiver continues it. The
+server, the bearer token, the body size and depth bounds and the client are ``common/node/control.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +24,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
+from pfec.common.node.openai_http import ServingError
+from pfec.common.node.openai_models import MAX_ID_CHARS
+from pfec.common.node.openai_models import ChatMessage as OpenAIMessage
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO, MAX_REPAIR_FRACTION
 from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TOKEN_ID
+from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
-from pfec.sender.kv import ContextInput
+from pfec.sender.kv import ContextInput, Prefilled
 
 MAX_TEXT_CHARS = 1 << 22  # a context's characters (the body size bounds it first)
 MAX_MESSAGES = 1024
@@ -41,6 +47,23 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class ConversationRef(BaseModel):
+    """A conversation this sender served through its OpenAI API: the completion id it returned, or the
+    messages (the assistant's replies included) with the cache salt they were served under."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS,
+                           description="The id a /v1/chat/completions response returned.")
+    messages: list[OpenAIMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+
+    @model_validator(mode="after")
+    def _one(self) -> ConversationRef:
+        if (self.id is None) == (self.messages is None):
+            raise ValueError("give exactly one of id and messages")
+        return self
 
 
 class HandoffRequest(BaseModel):
@@ -60,6 +83,9 @@ class HandoffRequest(BaseModel):
                                           description="Pre-tokenised context.")
     question_ids: list[int] | None = Field(default=None, max_length=MAX_QUESTION_TOKENS,
                                            description="Pre-tokenised question + chat template tail.")
+    conversation: ConversationRef | None = Field(
+        default=None, description="Hand over a conversation's cache (no question): the receiver keeps it "
+        "under the conversation's cache salt for the requests that continue it.")
     synthetic_tokens: int | None = Field(default=None, gt=0, le=MAX_IDS,
                                          description="No model: hand off random KV of this many tokens "
                                          "(at most limits.max_context_tokens).")
@@ -112,11 +138,15 @@ class HandoffRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_form(self) -> HandoffRequest:
-        forms = [n for n in ("context", "messages", "context_ids", "synthetic_tokens")
+        forms = [n for n in ("context", "messages", "context_ids", "synthetic_tokens", "conversation")
                  if getattr(self, n) is not None]
         if len(forms) != 1:
-            raise ValueError(f"give exactly one of context, messages, context_ids, synthetic_tokens "
-                             f"(got {', '.join(forms) or 'none'})")
+            raise ValueError(f"give exactly one of context, messages, context_ids, synthetic_tokens, "
+                             f"conversation (got {', '.join(forms) or 'none'})")
+        if self.conversation is not None and (self.question is not None or self.question_ids is not None
+                                              or self.full_kv_answer):
+            raise ValueError("a conversation handoff asks no question (no question, question_ids or "
+                             "full_kv_answer): the receiver continues the conversation through its API")
         if self.context_ids is not None and self.question_ids is None:
             raise ValueError("context_ids needs question_ids")
         if (self.context is not None or self.messages is not None) and not self.question:
@@ -148,10 +178,11 @@ class HandoffRequest(BaseModel):
         body = "\n\n".join(m.content for m in self.messages if m.role != "system")
         return body, system
 
-    def spec(self, destination: Destination | None = None) -> HandoffSpec:
+    def spec(self, destination: Destination | None = None, prefilled: Prefilled | None = None) -> HandoffSpec:
         """The daemon's view of this request (rho defaults to ``DEFAULT_RHO`` without a deadline)."""
         context, system = self.context_text()
         inputs = ContextInput(
+            prefilled=prefilled,
             context=context,
             question=self.question,
             context_ids=tuple(self.context_ids) if self.context_ids else None,
@@ -173,7 +204,7 @@ class HandoffRequest(BaseModel):
             max_new_tokens=self.max_new_tokens,
             full_kv_answer=self.full_kv_answer,
             profile=self.profile,
-            generate=self.generate,
+            generate=self.generate and self.conversation is None,
             repair_budget=self.repair_budget,
             destination=destination,
             precision=self.precision,
@@ -184,6 +215,38 @@ class HandoffRequest(BaseModel):
 def _field_error(status: int, field: str, message: str) -> web.Response:
     text = message if message.startswith(f"{field}:") else f"{field}: {message}"
     return json_error(status, text, fields=[{"field": field, "message": text}])
+
+
+async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled | web.Response:
+    """The named conversation's cache, made whole in the model worker (only what the store lacks is
+    prefilled: the end of the last turn), or the 404/422/503 to answer instead."""
+    face = daemon.face
+    if face is None:
+        return _field_error(422, "conversation", "this sender runs without a model")
+    salt = ref.cache_salt or ""
+    if ref.id is not None:
+        known = face.conversation(ref.id)
+        if known is None:
+            return _field_error(404, "conversation.id", f"no conversation {ref.id!r} on this sender")
+        if ref.cache_salt is not None and ref.cache_salt != known.salt:
+            return _field_error(422, "conversation.cache_salt", "the conversation was served under another "
+                                "cache salt")
+        salt, messages = known.salt, [dict(m) for m in known.messages]
+    else:
+        assert ref.messages is not None
+        messages = [m.rendered() for m in ref.messages]
+    try:
+        ids, kv, cached, _origin = await daemon.worker.submit(face.conversation_cache, salt, messages)
+    except ServingError as exc:
+        field = "conversation.cache_salt" if exc.param == "cache_salt" else "conversation"
+        return _field_error(exc.status, field, str(exc))
+    except WorkerBusy as exc:
+        return json_error(503, str(exc))
+    except ValueError as exc:  # longer than the model's context
+        return _field_error(422, "conversation", str(exc))
+    finally:
+        face.export_metrics()
+    return Prefilled(salt, tuple(ids), kv, cached)
 
 
 def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
@@ -208,8 +271,14 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
             destination = await daemon.destination(parsed.spec())
         except DestinationRefused as exc:
             return _field_error(422, "receiver", str(exc))
+        prefilled = None
+        if parsed.conversation is not None:
+            found = await _conversation(daemon, parsed.conversation)
+            if isinstance(found, web.Response):
+                return found
+            prefilled = found
         try:
-            handoff = daemon.submit(parsed.spec(destination))
+            handoff = daemon.submit(parsed.spec(destination, prefilled))
         except WorkerBusy as exc:
             return json_error(503, str(exc))
         return web.json_response({"id": handoff.id, "state": handoff.state}, status=202)
@@ -232,4 +301,5 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
         web.get("/handoffs", list_handoffs),
         web.get("/handoffs/{id}", get_handoff),
         *node_routes(daemon),
+        *(daemon.face.routes() if daemon.face is not None else []),
     ]

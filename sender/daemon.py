@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
 from pfec.common.node.config import SenderLimitsConfig
+from pfec.common.node.openai_http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
 from pfec.common.node.worker import ModelWorker, WorkerBusy
@@ -172,6 +173,9 @@ class SenderDaemon:
         self.profiles = profiles or ProfileStore(DEFAULT_PROFILE_DIR)
         # Prefill and the full-KV answer: one thread, a bounded queue (POST /handoffs answers 503 when full).
         self.worker = ModelWorker("pfec-prefill", self.limits.worker_queue, self.limits.worker_stuck_s)
+        # The OpenAI API for the upstream agent; its conversations' caches are what POST /handoffs can name.
+        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits,
+                                                            max_json_depth=self.limits.max_json_depth)
         self._waiting: set[str] = set()  # handoffs admitted whose prepare job is not submitted yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -417,7 +421,8 @@ class SenderDaemon:
         app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
                        spec.max_new_tokens, self.identity.model_id, generate,
                        None if stream is None else stream.offer,
-                       None if split is None else SplitOffer(split.meeting_token, split.context_ids))
+                       None if split is None else SplitOffer(split.meeting_token, split.context_ids),
+                       prepared.prefix)
         blob = app.encode()
         parts = len(split_app(blob, MsgType.OFFER))
         if parts > MAX_OFFER_PARTS:
@@ -442,6 +447,12 @@ class SenderDaemon:
         link = self._link_for(destination.address, budget, setup.loss_prior)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns), link.controller)
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
+        prefilled = spec.inputs.prefilled
+        if prefilled is not None:  # what the receiver will hold for the conversation
+            handoff.report["conversation"] = {
+                "n_tokens": len(prefilled.context_ids), "cached_tokens": prefilled.cached_tokens,
+                "prefilled_tokens": len(prefilled.context_ids) - prefilled.cached_tokens,
+                "cache_salt": bool(prefilled.salt)}
         fraction = setup.repair_budget
         handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
         return PacedTransfer(handoff, session, link, self.metrics)

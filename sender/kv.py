@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.breakeven import ReceiverModel
-from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity
+from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity, PrefixOffer
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, KVGeometry
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
@@ -44,13 +44,32 @@ from pfec.common.plan.stream import (
 from pfec.common.plan.utility import UtilityProfile, fifo_order, utility_order
 
 if TYPE_CHECKING:
-    from pfec.common.model.kvcache import KVCache
+    from pfec.common.model.kvcache import KVCache, PartialKV
     from pfec.common.model.llm import ModelRuntime
+
+
+class Prefilled:
+    """A conversation's cache, made whole by the OpenAI face before the handoff (its salt goes with it):
+    the handoff streams it without prefilling again. The cache is handed over once (``take``), so a kept
+    handoff record holds no KV."""
+
+    def __init__(self, salt: str, context_ids: tuple[int, ...], kv: PartialKV, cached_tokens: int) -> None:
+        self.salt = salt
+        self.context_ids = context_ids
+        self.cached_tokens = cached_tokens  # of context_ids, found in the store (the rest prefilled)
+        self._kv: PartialKV | None = kv
+
+    def take(self) -> KVCache:
+        if self._kv is None:
+            raise ValueError("the conversation's cache was already handed over")
+        kv, self._kv = self._kv, None
+        return kv.fresh_cache()
 
 
 @dataclass(frozen=True)
 class ContextInput:
-    """The context and question, as text or as token ids (exactly one form each)."""
+    """The context and question, as text or as token ids (exactly one form each), or a conversation's
+    prefilled cache (no question: the receiver keeps it for the requests that continue it)."""
 
     context: str | None = None
     question: str | None = None
@@ -58,6 +77,7 @@ class ContextInput:
     question_ids: tuple[int, ...] | None = None
     system: str | None = None
     synthetic_tokens: int | None = None  # no model: random KV of this many tokens
+    prefilled: Prefilled | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +149,7 @@ class Prepared:
     stream: Stream | None = None  # a quantised mix; None: the plan's native fragments
     planner: dict[str, Any] | None = None  # choose_mix's / choose_mode's view
     split: Split | None = None  # a split or local handoff (None: the whole cache streams)
+    prefix: PrefixOffer | None = None  # a conversation's context: the receiver keeps it under its salt
 
     @property
     def precision(self) -> str:
@@ -187,6 +208,8 @@ def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest, 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(context ids, question ids): given directly, or rendered with the model's chat template."""
+    if inp.prefilled is not None:
+        return inp.prefilled.context_ids, ()
     if inp.context_ids is not None and inp.question_ids is not None:
         return tuple(inp.context_ids), tuple(inp.question_ids)
     from pfec.common.model import llm  # deferred: torch
@@ -228,11 +251,12 @@ def prepare_model(
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
                              loss=request.loss, question_tokens=len(question_ids))
         if choice.mode != "handoff":
-            return _prepare_split(runtime, context_ids, question_ids, plan, utilities, order, profile_name,
-                                  keep_cache, choice, identity)
+            return _prepare_split(runtime, inp, context_ids, question_ids, plan, utilities, order,
+                                  profile_name, keep_cache, choice, identity)
     started = time.perf_counter()
-    cache, _ = llm.prefill(runtime, context_ids)
+    cache = _context_cache(runtime, inp, context_ids)
     prefill_s = time.perf_counter() - started
+    prefix = None if inp.prefilled is None else PrefixOffer(inp.prefilled.salt, context_ids)
     planner: dict[str, Any] | None
     if choice is not None and choice.mix is not None:
         mix, planner = choice.mix, choice.view
@@ -242,26 +266,49 @@ def prepare_model(
         queue = _order(plan, utilities, order)
         symbols = llm.serialise_symbols(runtime, cache, plan, queue)
         return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
-                        cache if keep_cache else None, planner=planner)
+                        cache if keep_cache else None, planner=planner, prefix=prefix)
     stream = plan_stream(identity, plan.n_tokens, mix, utilities, order)
     started = time.perf_counter()
     symbols = llm.serialise_stream(runtime, cache, stream.plan)
     stream.quantise_s = time.perf_counter() - started
     queue = np.arange(stream.plan.n_symbols, dtype=np.int64)
     return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
-                    cache if keep_cache else None, stream=stream, planner=planner)
+                    cache if keep_cache else None, stream=stream, planner=planner, prefix=prefix)
 
 
-def _prepare_split(runtime: ModelRuntime, context_ids: tuple[int, ...], question_ids: tuple[int, ...],
-                   plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str, profile_name: str,
-                   keep_cache: bool, choice: ModeChoice, identity: ModelIdentity) -> Prepared:
-    """A split (the back's quantised stream, each symbol's token end) or a local prefill (nothing)."""
+def _context_cache(runtime: ModelRuntime, inp: ContextInput, context_ids: Sequence[int]) -> KVCache:
+    """The context's cache: a conversation's prefilled one, else a prefill here."""
+    from pfec.common.model import llm  # deferred: torch
+
+    if inp.prefilled is not None:
+        return inp.prefilled.take()
+    cache, _ = llm.prefill(runtime, context_ids)
+    return cache
+
+
+def _prepare_split(runtime: ModelRuntime, inp: ContextInput, context_ids: tuple[int, ...],
+                   question_ids: tuple[int, ...], plan: BlockPlan, utilities: npt.NDArray[np.float64],
+                   order: str, profile_name: str, keep_cache: bool, choice: ModeChoice,
+                   identity: ModelIdentity) -> Prepared:
+    """A split (the back's quantised stream, each symbol's token end) or a local prefill (nothing); a
+    conversation's prefix goes with either (the receiver keeps what it rebuilt)."""
+    prepared = _prepare_split_kv(runtime, inp, context_ids, question_ids, plan, utilities, order,
+                                 profile_name, keep_cache, choice, identity)
+    if inp.prefilled is not None:
+        prepared.prefix = PrefixOffer(inp.prefilled.salt, context_ids)
+    return prepared
+
+
+def _prepare_split_kv(runtime: ModelRuntime, inp: ContextInput, context_ids: tuple[int, ...],
+                      question_ids: tuple[int, ...], plan: BlockPlan, utilities: npt.NDArray[np.float64],
+                      order: str, profile_name: str, keep_cache: bool, choice: ModeChoice,
+                      identity: ModelIdentity) -> Prepared:
     from pfec.common.model import llm  # deferred: torch
 
     cache, prefill_s = None, 0.0
     if choice.mode == "split" or keep_cache:  # local needs no KV here (only for the full-KV answer)
         started = time.perf_counter()
-        cache, _ = llm.prefill(runtime, context_ids)
+        cache = _context_cache(runtime, inp, context_ids)
         prefill_s = time.perf_counter() - started
     width = plan.symbol_size
     if choice.mode == "local":

@@ -339,6 +339,27 @@ class _CommonLimits(_Section):
         default=300.0, gt=0, le=86_400,
         description="A model job running longer than this turns /readyz red (/healthz stays liveness).",
     )
+    serving_queue: int = Field(
+        default=4, ge=1, le=1024,
+        description="OpenAI API requests (/v1/...) waiting or running on the model worker before new ones "
+        "get 503 with Retry-After (generation runs one request at a time).",
+    )
+    max_completion_tokens: int = Field(
+        default=512, ge=1, le=1 << 16,
+        description="Largest max_tokens an OpenAI API request may ask for (400 above).",
+    )
+    prefix_cache_bytes: int = Field(
+        default=512 * MIB, ge=0, le=1 << 40,
+        description="Byte budget of the prefix cache store (handed-off contexts and each turn's cache, "
+        "reused by requests that start with them); 0 keeps nothing.",
+    )
+    prefix_cache_entries: int = Field(
+        default=32, ge=0, le=65536, description="Most entries the prefix cache store holds (LRU beyond)."
+    )
+    prefix_cache_ttl_s: float = Field(
+        default=900.0, gt=0, le=7 * 86_400,
+        description="A prefix cache entry unused for this long is dropped.",
+    )
 
 
 class SenderLimitsConfig(_CommonLimits):

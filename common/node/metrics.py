@@ -13,6 +13,7 @@ before the first event. Names carry base units (``_seconds``, ``_bytes``); count
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import ClassVar, Final
@@ -28,6 +29,7 @@ from prometheus_client import (
 )
 from prometheus_client.process_collector import ProcessCollector
 
+from pfec.common.plan.prefix_store import StoreStats
 from pfec.common.wire.messages import TYPE_MASK, MsgType
 
 DATAGRAM_TYPES: Final = ("source", "repair", "ack", "offer", "accept", "refuse", "result", "close", "done",
@@ -97,6 +99,19 @@ class NodeMetrics:
         self._torch_threads = Gauge(
             "pfec_torch_threads", "Torch intra-op threads set at start-up (model.torch_threads, default the "
             "usable CPUs; 0: no model).", registry=self.registry)
+        # The OpenAI face's prefix cache store (common/node/openai_http.py) and its refusals.
+        self._prefix_lookups = self.counter("prefix_cache_lookups", "Prefix cache lookups of OpenAI API "
+                                            "requests (and conversation handoffs), by outcome.", ["outcome"])
+        self.precreate(self._prefix_lookups, ("hit", "miss"))
+        self._prefix_tokens = self.counter("prefix_cache_cached_tokens", "Prompt tokens served from the "
+                                           "prefix cache instead of prefilled.")
+        self._prefix_evictions = self.counter("prefix_cache_evictions", "Prefix cache entries dropped for "
+                                              "room, entry count or TTL (not those a longer turn replaced).")
+        self._prefix_bytes = self.gauge("prefix_cache_bytes", "Bytes the prefix cache store holds.")
+        self._prefix_entries = self.gauge("prefix_cache_entries", "Entries the prefix cache store holds.")
+        self._serving_refused = self.counter("serving_refused", "OpenAI API requests answered 503 (the "
+                                             "serving queue or the model worker was full).")
+        self._prefix_seen = StoreStats()
         # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
         self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
         self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
@@ -159,6 +174,22 @@ class NodeMetrics:
     def torch_threads(self, threads: int) -> None:
         """Torch's intra-op thread count as set at start-up (0 without a model)."""
         self._torch_threads.set(max(0, int(threads)))
+
+    def prefix_cache(self, stats: StoreStats, nbytes: int, entries: int) -> None:
+        """Export the store's counters (the increase since the last call) and its size."""
+        seen = self._prefix_seen
+        for family, now, before in ((self._prefix_lookups.labels("hit"), stats.hits, seen.hits),
+                                    (self._prefix_lookups.labels("miss"), stats.misses, seen.misses),
+                                    (self._prefix_tokens, stats.cached_tokens, seen.cached_tokens),
+                                    (self._prefix_evictions, stats.evictions, seen.evictions)):
+            if now > before:
+                family.inc(now - before)
+        self._prefix_seen = dataclasses.replace(stats)
+        self._prefix_bytes.set(nbytes)
+        self._prefix_entries.set(entries)
+
+    def serving_refused(self) -> None:
+        self._serving_refused.inc()
 
     def recovered_utility(self, utility: float) -> None:
         self._utility.observe(min(1.0, max(0.0, utility)))

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
+from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.stream import PrecisionOffer
 from pfec.common.plan.utility import (
     SHIPPED_PROFILE,
@@ -206,6 +207,36 @@ class SplitOffer:
 
 
 @dataclass(frozen=True)
+class PrefixOffer:
+    """A conversation's part of the OFFER: the receiver keeps the rebuilt context as a prefix cache of the
+    conversation, keyed by its token ids and the conversation's cache salt (``prefix_store``), for the
+    requests that continue it.
+
+    JSON: ``{"salt": <at most MAX_SALT_CHARS characters, "" for none>, "ids": [<n_tokens token ids>]}``;
+    absent from a question/answer handoff's blob (which is then as before)."""
+
+    salt: str
+    context_ids: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"salt": self.salt, "ids": list(self.context_ids)}
+
+    @classmethod
+    def from_json(cls, data: object, n_tokens: int) -> PrefixOffer:
+        """Typed and bounded against the OFFER's context; ValueError naming the bad field."""
+        if not isinstance(data, dict) or set(data) != {"salt", "ids"}:
+            raise ValueError("OFFER prefix: expected an object with salt and ids")
+        salt, ids = data["salt"], data["ids"]
+        if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
+            raise ValueError(f"OFFER prefix salt: expected a string of at most {MAX_SALT_CHARS} characters")
+        if not isinstance(ids, list) or len(ids) != n_tokens:
+            raise ValueError(f"OFFER prefix ids: expected the context's {n_tokens} token ids")
+        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"OFFER prefix ids: expected token ids in 0..{MAX_TOKEN_ID}")
+        return cls(salt, tuple(ids))
+
+
+@dataclass(frozen=True)
 class OfferApp:
     """The OFFER's application blob: what the receiver needs to rebuild and generate."""
 
@@ -219,12 +250,13 @@ class OfferApp:
     generate: bool = True
     precision: PrecisionOffer | None = None  # None: native fragments (the blob is then as before)
     split: SplitOffer | None = None  # None: the whole cache streams (the blob is then as before)
+    prefix: PrefixOffer | None = None  # a conversation's context, kept by the receiver as a prefix cache
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["question_ids"] = list(self.question_ids)
         data["v"] = APP_VERSION
-        for name, part in (("precision", self.precision), ("split", self.split)):
+        for name, part in (("precision", self.precision), ("split", self.split), ("prefix", self.prefix)):
             if part is None:
                 del data[name]
             else:
@@ -275,9 +307,11 @@ class OfferApp:
         split = None if split_data is None else SplitOffer.from_json(split_data, n_tokens)
         if split is not None and split.meeting_token == n_tokens and offer is not None:
             raise ValueError("OFFER split: a local prefill (m = n_tokens) streams nothing (no precision)")
+        prefix_data = data.get("prefix")
+        prefix = None if prefix_data is None else PrefixOffer.from_json(prefix_data, n_tokens)
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
                    max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
-                   split=split)
+                   split=split, prefix=prefix)
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:

@@ -41,6 +41,11 @@ def format_handoff_report(report: dict[str, Any]) -> str:
     ]
     if "full_kv_answer" in report:
         lines.append(f"  full-KV answer: {report['full_kv_answer']!r}")
+    conversation = report.get("conversation")
+    if conversation:
+        lines.append(f"  conversation: {conversation['n_tokens']} tokens handed over "
+                     f"({conversation['prefilled_tokens']} prefilled for it, the rest from the sender's "
+                     "prefix cache); the receiver continues it through its /v1 API")
     if report.get("failure"):
         lines.append(f"  failure: {report['failure']}")
     return "\n".join(lines)

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible face of a node: ``POST /v1/chat/completions`` (server-sent events with
+``stream``), ``POST /v1/completions`` and ``GET /v1/models``, mounted on the daemon's control API
+listeners (the UNIX socket; TCP behind the bearer token), so agent frameworks reach the node's model
+through the API they already speak.
+
+Every prompt is looked up in the node's ``PrefixStore`` (its salt only) and only the tokens no stored
+cache holds are prefilled: ``usage.prompt_tokens_details.cached_tokens`` says how many were served from
+it, and the extension field ``pfec`` where they came from (a handoff: its session id, recovered utility and
+precision; an earlier turn: the completion id). Each completion's cache (prompt + the tokens fed) is stored
+for the next turn; the receiver stores each rebuilt handoff cache the same way (``keep``).
+
+Generation runs in the daemon's bounded model worker, one request at a time; at most
+``limits.serving_queue`` requests wait or run, beyond that a 503 with ``Retry-After``. The store and the
+conversations are touched only in that worker thread (``PrefixStore``'s one owner). Errors are OpenAI's
+error body: 400 naming the parameter, 404 for an unknown model, 413 for a body over the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from pfec.common.node.config_models import _CommonLimits
+from pfec.common.node.control import MAX_BODY_KEY, MAX_JSON_DEPTH
+from pfec.common.node.metrics import NodeMetrics
+from pfec.common.node.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    openai_error,
+    usage,
+)
+from pfec.common.node.worker import ModelWorker, WorkerBusy
+from pfec.common.plan.handoff import json_depth
+from pfec.common.plan.prefix_store import PrefixStore
+
+if TYPE_CHECKING:
+    from pfec.common.model.kvcache import PartialKV
+    from pfec.common.model.llm import ModelRuntime
+    from pfec.common.model.serving import Completion
+
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+log = logging.getLogger("pfec.openai")
+CONVERSATIONS_KEPT = 1024
+DEFAULT_ALIAS = "default"  # a client may name the node's model this way too
+
+
+class ServingError(ValueError):
+    """A request the node cannot serve: the parameter, the reason and the HTTP status."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class _Disconnected(Exception):
+    """The streaming client went away: the job stops at its next token."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A completion the node served, as the next turn (or a handoff naming it) sees it."""
+
+    id: str
+    salt: str
+    messages: tuple[Mapping[str, str], ...]  # the request's messages and the assistant's reply
+
+
+@dataclass
+class Served:
+    """What the worker job returns to the handler."""
+
+    completion: Completion
+    origin: dict[str, Any] = field(default_factory=dict)  # where the cached tokens came from
+
+
+@dataclass
+class _Job:
+    """A request's hop between the loop and the worker thread."""
+
+    loop: asyncio.AbstractEventLoop
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    texts: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    gone: threading.Event = field(default_factory=threading.Event)
+
+    def mark_started(self) -> None:  # worker thread
+        self.loop.call_soon_threadsafe(self.started.set)
+
+    def on_text(self, text: str) -> None:  # worker thread
+        if self.gone.is_set():
+            raise _Disconnected
+        self.loop.call_soon_threadsafe(self.texts.put_nowait, text)
+
+
+class OpenAIFace:
+    """One node's OpenAI-compatible API over its model, model worker and prefix store."""
+
+    def __init__(self, runtime: ModelRuntime, worker: ModelWorker, metrics: NodeMetrics,
+                 limits: _CommonLimits, clock: Callable[[], float] = time.monotonic,
+                 max_json_depth: int = MAX_JSON_DEPTH) -> None:
+        self.runtime = runtime
+        self.worker = worker
+        self.metrics = metrics
+        self.limits = limits
+        self.clock = clock
+        self.max_json_depth = max_json_depth
+        self.model_id = runtime.model_id
+        self.store: PrefixStore[PartialKV] = PrefixStore(
+            limits.prefix_cache_bytes, limits.prefix_cache_entries, limits.prefix_cache_ttl_s)
+        self.conversations: OrderedDict[str, Conversation] = OrderedDict()
+        self.in_flight = 0
+        self._ids = itertools.count(1)
+        self._recent_s = 1.0  # a request's recent duration, for Retry-After
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ worker thread: the store
+    def keep(self, salt: str, ids: Sequence[int], kv: PartialKV, info: Mapping[str, Any]) -> bool:
+        """Store a cache over ``ids`` (a rebuilt handoff, a completion's leftover). Worker thread."""
+        from pfec.common.model.serving import kv_nbytes  # deferred: torch
+
+        return self.store.put(salt, list(ids), kv, kv_nbytes(kv), self.clock(), info)
+
+    def conversation_cache(self, salt: str, messages: Sequence[Mapping[str, str]],
+                           ) -> tuple[list[int], PartialKV, int, dict[str, Any]]:
+        """A conversation's cache made whole for a handoff: (its token ids as the next turn renders them,
+        the cache over them, how many were already cached, where those came from). ServingError when no
+        cache of its salt starts it (nothing to hand over without prefilling it all again). Worker
+        thread; the whole cache is stored back (the next lookup finds it)."""
+        from pfec.common.model import serving  # deferred: torch
+
+        ids = serving.chat_ids(self.runtime, messages, add_generation_prompt=False)
+        match = self.store.lookup(salt, ids, self.clock())
+        if match is None:
+            raise ServingError("cache_salt" if salt else "conversation",
+                               f"no cached prefix of this conversation under cache salt {salt!r}: serve it "
+                               "through /v1/chat/completions on this node first", 404)
+        kv = serving.extend(self.runtime, ids, match.entry.value, match.tokens)
+        self.keep(salt, ids, kv, match.entry.info)
+        return ids, kv, match.tokens, dict(match.entry.info)
+
+    def settle(self, salt: str, messages: Sequence[Mapping[str, str]]) -> int:
+        """Worker thread, after a chat completion: extend its stored cache to the conversation as the next
+        turn renders it (the reply's last token, never fed, and the template's end-of-turn marker: a few
+        tokens), so the next turn prefills only its own. Returns the tokens prefilled (0: nothing to do, or
+        nothing of it stored any more)."""
+        from pfec.common.model import serving  # deferred: torch
+
+        ids = serving.chat_ids(self.runtime, messages, add_generation_prompt=False)
+        match = self.store.lookup(salt, ids, self.clock(), count=False)
+        if match is None or match.tokens >= len(ids) or len(ids) > self.runtime.max_context:
+            return 0
+        kv = serving.extend(self.runtime, ids, match.entry.value, match.tokens)
+        self.keep(salt, ids, kv, match.entry.info)
+        return len(ids) - match.tokens
+
+    def conversation(self, conversation_id: str) -> Conversation | None:
+        return self.conversations.get(conversation_id)
+
+    def _serve(self, job: _Job, render: Callable[[], list[int]], salt: str, limit: int,
+               stops: tuple[str, ...], temperature: float, top_p: float, seed: int | None,
+               cid: str) -> Served:
+        """Worker thread: tokenise, check the context, look up the store, complete, keep the cache."""
+        from pfec.common.model import serving  # deferred: torch
+
+        field = "messages" if cid.startswith("chatcmpl") else "prompt"
+        try:
+            ids = render()
+        except ValueError as exc:  # no chat template, no tokenizer
+            raise ServingError(field, str(exc)) from None
+        if not ids:
+            raise ServingError(field, "the prompt is empty once tokenised")
+        room = self.runtime.max_context - len(ids)
+        if room < limit:
+            raise ServingError(field, f"the prompt is {len(ids)} tokens; with max_tokens = {limit} it "
+                               f"exceeds the model's {self.runtime.max_context}-token context")
+        match = self.store.lookup(salt, ids, self.clock(), max_tokens=len(ids) - 1)
+        job.mark_started()
+        sampling = serving.Sampling(limit, temperature, top_p, seed, stops)
+        prefix, n_cached = (match.entry.value, match.tokens) if match is not None else (None, 0)
+        done = serving.complete(self.runtime, ids, prefix, n_cached, sampling, job.on_text)
+        origin = dict(match.entry.info) if match is not None else {}
+        self.keep(salt, done.fed_ids, done.kv, {**origin, "completion_id": cid})
+        return Served(done, origin)
+
+    # ------------------------------------------------------------------ loop: routes
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self._models),
+            web.post("/v1/chat/completions", self._chat),
+            web.post("/v1/completions", self._completions),
+        ]
+
+    def _model_names(self) -> tuple[str, ...]:
+        return (self.model_id, DEFAULT_ALIAS)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pfec"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        parsed = await _read(request, ChatCompletionRequest, self.max_json_depth)
+        if isinstance(parsed, web.Response):
+            return parsed
+        messages = parsed.rendered()
+
+        def render() -> list[int]:
+            from pfec.common.model import serving  # deferred: torch
+
+            return serving.chat_ids(self.runtime, messages)
+
+        return await self._run(request, parsed, render, messages)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = await _read(request, CompletionRequest, self.max_json_depth)
+        if isinstance(parsed, web.Response):
+            return parsed
+        prompt = parsed.prompt
+
+        def render() -> list[int]:
+            from pfec.common.model import serving  # deferred: torch
+
+            return serving.text_ids(self.runtime, prompt)
+
+        return await self._run(request, parsed, render, None)
+
+    def _checked_limit(self, parsed: ChatCompletionRequest | CompletionRequest) -> int:
+        cap = self.limits.max_completion_tokens
+        limit = parsed.limit if parsed.limit is not None else min(cap, 256)
+        if limit > cap:
+            raise ServingError(parsed.limit_field, f"{parsed.limit_field}: {limit}, above this node's "
+                               f"limits.max_completion_tokens ({cap})")
+        if parsed.model not in self._model_names():
+            raise ServingError("model", f"model {parsed.model!r} is not served here (this node serves "
+                               f"{self.model_id!r})", 404)
+        return limit
+
+    async def _run(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
+                   render: Callable[[], list[int]],
+                   messages: list[dict[str, str]] | None) -> web.StreamResponse:
+        try:
+            limit = self._checked_limit(parsed)
+        except ServingError as exc:
+            return _error(exc)
+        if self.in_flight >= self.limits.serving_queue:
+            return self._busy(f"{self.in_flight} requests wait or run (limits.serving_queue = "
+                              f"{self.limits.serving_queue})")
+        chat = messages is not None
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):06d}{secrets.token_hex(6)}"
+        job = _Job(asyncio.get_running_loop())
+        try:
+            future = self.worker.submit(self._serve, job, render, parsed.salt, limit, parsed.stops,
+                                        parsed.temperature, parsed.top_p, parsed.seed, cid)
+        except WorkerBusy as exc:
+            return self._busy(str(exc))
+        self.in_flight += 1
+        began = time.monotonic()
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, job, future, cid, chat, messages)
+            try:
+                served = await future
+            except ServingError as exc:
+                return _error(exc)
+            except asyncio.CancelledError:  # the client went away: the job runs out (max_tokens bounds it)
+                future.add_done_callback(_consume)
+                raise
+            self._record(cid, parsed.salt, messages, served.completion.text)
+            return web.json_response(self._body(served, cid, parsed.model, chat))
+        finally:
+            self.in_flight -= 1
+            self._recent_s = 0.5 * self._recent_s + 0.5 * (time.monotonic() - began)
+            self.export_metrics()
+
+    def _busy(self, why: str) -> web.Response:
+        retry = max(1, math.ceil(self._recent_s * max(1, self.in_flight)))
+        self.metrics.serving_refused()
+        body = openai_error(f"this node is busy: {why}; retry later", None, "server_error", "overloaded")
+        return web.json_response(body, status=503, headers={"Retry-After": str(retry)})
+
+    def _record(self, cid: str, salt: str, messages: list[dict[str, str]] | None, reply: str) -> None:
+        """Remember a chat completion's conversation (a handoff may name it by id) and queue its cache's
+        upkeep (``settle``) behind it in the worker; skipped when the worker is full."""
+        if messages is None:
+            return
+        turn = ({"role": "assistant", "content": reply},)
+        conversation = self.conversations[cid] = Conversation(cid, salt, (*messages, *turn))
+        while len(self.conversations) > CONVERSATIONS_KEPT:
+            self.conversations.popitem(last=False)
+        try:
+            settled = self.worker.submit(self.settle, salt, conversation.messages)
+        except WorkerBusy:
+            return
+        settled.add_done_callback(_consume)
+
+    def _body(self, served: Served, cid: str, model: str, chat: bool) -> dict[str, Any]:
+        done = served.completion
+        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        return {"id": cid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model, "choices": [choice],
+                "usage": usage(done.prompt_tokens, len(done.token_ids), done.cached_tokens),
+                "pfec": self._extension(served, cid)}
+
+    @staticmethod
+    def _extension(served: Served, cid: str) -> dict[str, Any]:
+        done = served.completion
+        origin = served.origin
+        return {"conversation_id": cid, "cached_tokens": done.cached_tokens,
+                "prefill_tokens": done.prompt_tokens - done.cached_tokens,
+                "server_ttft_s": round(done.ttft_s, 6),
+                "prefix": {k: origin[k] for k in ("handoff_id", "recovered_utility", "precision",
+                                                   "precision_utility", "completion_id") if k in origin}
+                if origin else None}
+
+    async def _stream(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
+                      job: _Job, future: asyncio.Future[Served], cid: str, chat: bool,
+                      messages: list[dict[str, str]] | None) -> web.StreamResponse:
+        """Server-sent events: the first chunk once the job has started (errors before it are plain
+        400s), one per piece of text, the finish reason, usage (with ``stream_options.include_usage``)."""
+        started: asyncio.Future[Any] = asyncio.ensure_future(job.started.wait())
+        await asyncio.wait([started, future], return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if future.done() and future.exception() is not None:
+            exc = future.exception()
+            if isinstance(exc, ServingError):
+                return _error(exc)
+            raise exc  # type: ignore[misc]  # the JSON 500 middleware answers
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk = _Chunks(cid, parsed.model, chat)
+        try:
+            if chat:
+                await _send(response, chunk.delta({"role": "assistant", "content": ""}))
+            while not (future.done() and job.texts.empty()):
+                getter: asyncio.Future[Any] = asyncio.ensure_future(job.texts.get())
+                await asyncio.wait([getter, future], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    text = getter.result()
+                    await _send(response, chunk.delta({"content": text} if chat else text))
+                else:
+                    getter.cancel()
+            served = await future
+        except (ConnectionResetError, asyncio.CancelledError):
+            job.gone.set()  # the worker stops at its next token
+            future.add_done_callback(_consume)
+            raise
+        except Exception:  # the headers are out: end the stream with an error event, never a 500 page
+            log.exception("%s failed mid-stream", cid)
+            failed = openai_error("generation failed (see the node's log)", None, "server_error")
+            await _send(response, failed)
+            await response.write_eof()
+            return response
+        done = served.completion
+        self._record(cid, parsed.salt, messages, done.text)
+        await _send(response, chunk.finish(done.finish_reason))
+        if parsed.include_usage:
+            counts = usage(done.prompt_tokens, len(done.token_ids), done.cached_tokens)
+            await _send(response, chunk.usage(counts, self._extension(served, cid)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def export_metrics(self) -> None:
+        """The store's counters and size, as the node's metrics."""
+        self.metrics.prefix_cache(self.store.stats, self.store.nbytes, len(self.store))
+
+
+class _Chunks:
+    """The stream's chunk objects (``chat.completion.chunk`` or ``text_completion``)."""
+
+    def __init__(self, cid: str, model: str, chat: bool) -> None:
+        self.head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self.chat = chat
+
+    def delta(self, part: dict[str, str] | str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
+        choice.update({"delta": part} if self.chat else {"text": part})
+        return {**self.head, "choices": [choice]}
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return {**self.head, "choices": [choice]}
+
+    def usage(self, counts: dict[str, Any], extension: dict[str, Any]) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": counts, "pfec": extension}
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of a job nobody awaits (its client left; a cache's upkeep)."""
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is not None and not isinstance(exc, _Disconnected):
+        log.warning("a serving job nobody awaited failed: %r", exc)
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _error(exc: ServingError) -> web.Response:
+    kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+    return web.json_response(openai_error(str(exc), exc.param, kind), status=exc.status)
+
+
+async def _read(request: web.Request, model: type[R], max_depth: int) -> R | web.Response:
+    """The body validated strictly as ``model``: 413 over the control API's body limit, 400 for JSON
+    nested past the depth limit, not JSON, or any field out of bounds (the first bad field named)."""
+    limit = request.config_dict.get(MAX_BODY_KEY, 1 << 20)
+    if request.content_length is not None and request.content_length > limit:
+        return web.json_response(openai_error(f"request body of {request.content_length} bytes is above the "
+                                              f"{limit}-byte limit"), status=413)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response(openai_error(f"request body is above the {limit}-byte limit"), status=413)
+    depth = json_depth(raw)
+    if depth > max_depth:
+        return web.json_response(openai_error(f"request body nests JSON {depth} levels deep, above the limit "
+                                              f"of {max_depth}"), status=400)
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        return web.json_response(_validation_error(exc), status=400)
+
+
+def _validation_error(exc: ValidationError) -> dict[str, Any]:
+    errors = exc.errors()
+    if any(e["type"] == "json_invalid" for e in errors):
+        return openai_error("request body is not JSON (send one JSON object, UTF-8)")
+    first = errors[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    reason = "not supported here" if first["type"] == "extra_forbidden" else str(first["msg"]).removeprefix(
+        "Value error, ")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return openai_error(f"{param or 'request'}: {reason}{more}", param)
