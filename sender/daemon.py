@@ -143,7 +143,7 @@ class SenderDaemon:
         limits: SenderLimitsConfig | None = None,
         profiles: ProfileStore | None = None,
         loss_prior: float = DEFAULT_LOSS_PRIOR,
-        rate_control: str = "fixed",
+        rate_control: str = "path",
         max_rate_mbps: float | None = None,
     ) -> None:
         get_scheme(scheme)

@@ -232,7 +232,8 @@ def test_partial_delivery_scores_like_the_blocks_received() -> None:
     async def main() -> dict[str, Any]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1,
+                          rate_control="fixed")  # the told rate is the link (loopback is faster)
         h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=2048), rx.address, rho=0.4, generate=False))
         report = await _wait(h)
         await tx.close()
@@ -255,7 +256,8 @@ def test_pacing_holds_the_link_rate() -> None:
     async def main() -> tuple[dict[str, Any], dict[str, float]]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", loss_prior=0.2)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", loss_prior=0.2,
+                          rate_control="fixed")  # told rate = the link (loopback is faster)
         h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=512), rx.address, rho=3.0, generate=False))
         report = await _wait(h)
         where = report["receiver_address"]
@@ -280,7 +282,8 @@ def test_receiver_killed_mid_stream_sender_reports_and_recovers() -> None:
 
     async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         address = tuple(await asyncio.get_running_loop().run_in_executor(None, child.wait_ready))
-        tx = SenderDaemon(identity, PSK, rate_mbps=10, owd_ms=1, result_wait_s=0.3)
+        tx = SenderDaemon(identity, PSK, rate_mbps=10, owd_ms=1, result_wait_s=0.3,
+                          rate_control="fixed")  # told rate = the link (loopback is faster)
         h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=1024), address, deadline_ms=800,
                                   rho=None, generate=False))
         while h.state != "streaming":
@@ -720,7 +723,8 @@ def test_quantised_partial_delivery_credits_blocks_at_the_level_that_arrived() -
     async def main() -> dict[str, Any]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1, scheme="priority", result_wait_s=1,
+                          rate_control="fixed")  # told rate = the link (loopback is faster)
         h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=2048), rx.address, rho=0.2, generate=False,
                                   precision="int4"))
         report = await _wait(h)

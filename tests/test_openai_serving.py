@@ -77,8 +77,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         rx = ReceiverDaemon(identity, PSK, runtime=runtime,
                             limits=LimitsConfig(serving_queue=1, max_completion_tokens=64))
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, PSK, runtime=runtime, rate_mbps=400, owd_ms=1,
-                          limits=SenderLimitsConfig(max_completion_tokens=64))
+        tx = SenderDaemon(identity, PSK, runtime=runtime, rate_mbps=400, owd_ms=1, rate_control="fixed",
+                          limits=SenderLimitsConfig(max_completion_tokens=64))  # told rate = the link
         servers = [ControlServer(receiver_routes(rx)), ControlServer(sender_routes(tx))]
         await servers[0].start(None, ("127.0.0.1", 0), TOKEN)
         await servers[1].start(sock, ("127.0.0.1", 0), TOKEN)

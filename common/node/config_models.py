@@ -249,11 +249,11 @@ class LinkConfig(_Section):
         description="Expected one-way delay, ms (budgets the OFFER's deadline).",
     )
     rate_control: Literal["fixed", "path"] = Field(
-        default="fixed",
-        description="fixed (default): pace every handoff at rate_mbps. path: measure the path "
-        "(sender/transport/path_rate.py): rate_mbps is the estimate the first handoff to a receiver starts "
-        "from, later ones start from what the previous measured; one controller per receiver, shared by "
-        "concurrent handoffs.",
+        default="path",
+        description="path (default): measure the path (sender/transport/path_rate.py): rate_mbps is the "
+        "estimate the first handoff to a receiver starts from, later ones start from what the previous "
+        "measured; one controller per receiver, shared by concurrent handoffs. fixed: pace every handoff at "
+        "rate_mbps (the paper's open loop).",
     )
     max_rate_mbps: float | None = Field(
         default=None, gt=0, le=400_000,

@@ -131,8 +131,10 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
+    # Fixed: each cell tells its link's rate (a measuring sender would carry one cell's estimate into the
+    # next cell's link of another rate: the same receiver address).
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
-                          owd_ms=cfg.rtt_ms / 2)
+                          owd_ms=cfg.rtt_ms / 2, rate_control="fixed")
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)

@@ -66,7 +66,8 @@ def local_nodes(rate_mbps: float = 100.0) -> Iterator[LocalNodes]:
     async def start() -> tuple[Any, Any, list[ControlServer]]:
         rx = ReceiverDaemon(identity, _PSK, runtime=runtime)
         await rx.start("127.0.0.1", 0)
-        tx = SenderDaemon(identity, _PSK, runtime=runtime, rate_mbps=rate_mbps, owd_ms=1)
+        tx = SenderDaemon(identity, _PSK, runtime=runtime, rate_mbps=rate_mbps, owd_ms=1,
+                          rate_control="fixed")  # loopback: the told rate is the link
         servers = [ControlServer(receiver_routes(rx)), ControlServer(sender_routes(tx))]
         for server in servers:
             await server.start(None, ("127.0.0.1", 0), LOCAL_TOKEN)

@@ -69,7 +69,7 @@ def loopback_sender(rate_mbps: float) -> SenderDaemon:
     warm_up()
     _, identity = load_runtime("synthetic")
     return SenderDaemon(identity, LOOPBACK_PSK, rate_mbps=rate_mbps, owd_ms=1.0, scheme="heuristic",
-                        result_wait_s=2.0)
+                        result_wait_s=2.0, rate_control="fixed")  # the bench's offered rate, on loopback
 
 
 async def run_handoffs(daemon: SenderDaemon, address: tuple[str, int], handoffs: int, tokens: int, *,
