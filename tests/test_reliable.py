@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
+from pfec.lab.baselines.endpoints import _warm_up
 from pfec.lab.baselines.reliable import (
     HANDSHAKE_STALL_MS,
     QUIC_STACKS,
@@ -181,6 +182,13 @@ def test_each_quic_stack_delivers_a_small_handoff_through_the_relay(stack: str) 
     assert run["sender_state"]["cwnd_bytes"] > 0 and 0 < run["sender_cpu_share"] < 2
     with pytest.raises(ValueError, match="QUIC stack 'quiche'"):
         run_reliable("quic", _small(rho=1.0), 1, quic_stack="quiche")
+
+
+@pytest.mark.parametrize("stack", QUIC_STACKS)
+def test_the_endpoints_warm_up_handshake_completes_in_memory(stack: str, tmp_path: Path) -> None:
+    ca, cert, key = run_certificates(str(tmp_path))
+    assert _warm_up({"stack": stack, "ca": ca, "cert": cert, "key": key})
+    assert not _warm_up({"stack": stack, "ca": cert, "cert": cert, "key": key})  # CA unknown: refused
 
 
 # --------------------------------------------------------------------------- a rate-trace link

@@ -2,7 +2,8 @@
 
 A bulk transfer with the QUIC baseline's own endpoints (``endpoints``, one run: ``runs.quic_run``): the
 reliable baseline's payload (the default model's cache of ``tokens`` tokens, natural order) on one stream,
-for ``seconds`` from the first Initial or until all of it arrived, on each path of ``BENCH_PATHS``:
+for ``seconds`` from the first Initial or until all of it arrived, on each path of ``BENCH_PATHS`` (the
+stacks take turns run by run, so that the machine's load falls on both alike; each run records the load):
 
 * ``relay``: the relay emulator at ``rate_mbps`` each way, RTT ``rtt_ms``, 1,000-datagram drop-tail
   queues, no loss: what the baseline rows' link is without loss;
@@ -14,8 +15,9 @@ rate (emulated bytes, lost included, over the receive span, as ``reliable``'s li
 each endpoint's CPU from its ready line to its result line and that CPU over the transfer's span (t0 ->
 the endpoint's last event: ~1 means the stack is CPU-bound; the receiver's span ends at its last byte,
 its CPU at its result line, so its share leans high); the sender's final congestion window and smoothed
-RTT. A stack keeps up when its lossless relay goodput is at least ``KEEPS_UP`` of the link's rate. Every
-run is quoted; nothing is best-of.
+RTT; each endpoint's CPU per MB delivered (the load-independent cost: times the link's rate, the cores
+the two endpoints need, ``endpoint_cores_at_link_rate``). A stack keeps up when its lossless relay goodput
+is at least ``KEEPS_UP`` of the link's rate. Every run is quoted; nothing is best-of.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def _run_row(sent: dict[str, Any], received: dict[str, Any], stats: dict[str, An
         "sender_cpu_s": round(tx_cpu, 3),
         "receiver_cpu_s": round(rx_cpu, 3),
         "sender_cpu_share": round(tx_cpu / (float(sent["ended"]) - t0), 3),
+        "sender_cpu_ms_per_mb": round(tx_cpu * 1e3 / (got / 1e6), 2) if got else None,
+        "receiver_cpu_ms_per_mb": round(rx_cpu * 1e3 / (got / 1e6), 2) if got else None,
         "receiver_cpu_share": round(rx_cpu / (last - t0), 3) if last > t0 else None,
         "emulator_cpu_s": round(emulator_cpu_s, 3),
         "forward_lost": int(fwd["lost"]),
@@ -83,6 +87,11 @@ def _run_row(sent: dict[str, Any], received: dict[str, Any], stats: dict[str, An
     }
 
 
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r[key] is not None and math.isfinite(r[key])]
+    return round(float(np.mean(values)), 2) if values else None
+
+
 def _cell(stack: str, path: str, runs: list[dict[str, Any]], rate_mbps: float) -> dict[str, Any]:
     goodput = [r["goodput_mbps"] for r in runs]
     shares = [max(r["sender_cpu_share"], r["receiver_cpu_share"] or 0.0) for r in runs]
@@ -92,6 +101,12 @@ def _cell(stack: str, path: str, runs: list[dict[str, Any]], rate_mbps: float) -
         "goodput_mbps_min": min(goodput), "goodput_mbps_max": max(goodput),
         "goodput_of_link": None if path == "loopback" else round(float(np.mean(goodput)) / rate_mbps, 3),
         "busiest_endpoint_cpu_share_mean": round(float(np.mean(shares)), 3),
+        "sender_cpu_ms_per_mb_mean": _mean_of(runs, "sender_cpu_ms_per_mb"),
+        "receiver_cpu_ms_per_mb_mean": _mean_of(runs, "receiver_cpu_ms_per_mb"),
+        # Cores the two endpoints would need at the link's rate at that cost per byte (load-independent).
+        "endpoint_cores_at_link_rate": round((_mean_of(runs, "sender_cpu_ms_per_mb") or 0)
+                                             + (_mean_of(runs, "receiver_cpu_ms_per_mb") or 0), 2)
+                                       * rate_mbps / 8 / 1000,
         "completed_runs": sum(r["complete"] for r in runs),
         "runs": runs,
     }  # fmt: skip
@@ -103,23 +118,17 @@ def _config(path: str, tokens: int, rate_mbps: float, rtt_ms: float, seconds: fl
                      tokens=tokens, seed=seed)  # fmt: skip
 
 
-def _transfers(stack: str, path: str, runs: int, config: SimConfig, tick: Callable[[], None]
-               ) -> list[dict[str, Any]]:
+def _transfer(stack: str, path: str, r: int, config: SimConfig, payload: str, certs: tuple[str, str, str]
+              ) -> dict[str, Any]:
+    """Transfer ``r`` of ``stack`` on ``path`` (realization r of the path's loss)."""
     handoff = prepare(config)
-    out = []
-    with tempfile.TemporaryDirectory(prefix="pfec-bench-quic-") as tmp:
-        payload = os.path.join(tmp, "payload.bin")
-        Path(payload).write_bytes(stream_bytes(handoff, "natural"))
-        certs = run_certificates(tmp)
-        for r in range(runs):
-            link = None if path == "loopback" else emulator_config(config, r)
-            cpu0 = time.process_time()
-            sent, received, stats = run_event_loop(quic_run(handoff, payload, link, certs, stack))
-            emulator_cpu = time.process_time() - cpu0 if link is not None else 0.0
-            out.append({"realization": r, **_run_row(sent, received, stats, handoff.deadline_s, emulator_cpu,
-                                                     len_payload(handoff))})  # fmt: skip
-            tick()
-    return out
+    link = None if path == "loopback" else emulator_config(config, r)
+    load = os.getloadavg()[0]
+    cpu0 = time.process_time()
+    sent, received, stats = run_event_loop(quic_run(handoff, payload, link, certs, stack))
+    emulator_cpu = time.process_time() - cpu0 if link is not None else 0.0
+    row = _run_row(sent, received, stats, handoff.deadline_s, emulator_cpu, len_payload(handoff))
+    return {"realization": r, "load_1m_before": round(load, 2), **row}
 
 
 def run_quic_bench(
@@ -148,16 +157,23 @@ def run_quic_bench(
         if progress is not None:
             progress(done, total)
 
-    cells = []
-    for stack in stacks:
-        for path in BENCH_PATHS:
-            config = _config(path, tokens, rate_mbps, rtt_ms, seconds, seed)
-            cells.append(_cell(stack, path, _transfers(stack, path, runs, config, tick), rate_mbps))
+    configs = {path: _config(path, tokens, rate_mbps, rtt_ms, seconds, seed) for path in BENCH_PATHS}
+    done_runs: dict[tuple[str, str], list[dict[str, Any]]] = {(s, p): [] for s in stacks for p in BENCH_PATHS}
+    with tempfile.TemporaryDirectory(prefix="pfec-bench-quic-") as tmp:
+        payload = os.path.join(tmp, "payload.bin")
+        Path(payload).write_bytes(stream_bytes(prepare(configs["relay"]), "natural"))
+        certs = run_certificates(tmp)
+        for r in range(runs):  # stacks interleaved run by run: the machine's load falls on both alike
+            for stack in stacks:
+                for path in BENCH_PATHS:
+                    done_runs[stack, path].append(_transfer(stack, path, r, configs[path], payload, certs))
+                    tick()
+    cells = [_cell(s, p, done_runs[s, p], rate_mbps) for s in stacks for p in BENCH_PATHS]
     keeps_up = {c["stack"]: c["goodput_of_link"] >= KEEPS_UP for c in cells if c["path"] == "relay"}
-    payload = len_payload(prepare(_config("relay", tokens, rate_mbps, rtt_ms, 1, seed)))
+    payload_bytes = len_payload(prepare(configs["relay"]))
     inputs = {"stacks": list(stacks), "runs": runs, "tokens": tokens, "rate_mbps": rate_mbps,
               "rtt_ms": rtt_ms, "seconds": seconds, "seed": seed, "loss_ge": MAIN_LOSS,
-              "payload_bytes": payload, "queue_packets": DEFAULT_QUEUE_PACKETS,
+              "payload_bytes": payload_bytes, "queue_packets": DEFAULT_QUEUE_PACKETS,
               "datagram_bytes": QUIC_DATAGRAM}  # fmt: skip
     load_after = os.getloadavg()
     return {
@@ -185,8 +201,8 @@ def format_quic_bench(result: dict[str, Any]) -> str:
         f"{load['after']} after.",
         "",
         "| stack | path | goodput Mbit/s mean [min, max] | of the link | busiest endpoint CPU share | "
-        "complete | final cwnd B | srtt ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "CPU ms/MB sender / receiver | cores at the link rate | complete | final cwnd B | srtt ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cells"]:
         cwnd = [r["cwnd_bytes"] for r in c["runs"] if r["cwnd_bytes"] is not None]
@@ -195,11 +211,15 @@ def format_quic_bench(result: dict[str, Any]) -> str:
         lines.append(
             f"| {c['stack_version']} | {c['path']} | {c['goodput_mbps_mean']:.1f} "
             f"[{c['goodput_mbps_min']:.1f}, {c['goodput_mbps_max']:.1f}] | {share} | "
-            f"{c['busiest_endpoint_cpu_share_mean']:.2f} | "
+            f"{c['busiest_endpoint_cpu_share_mean']:.2f} | {c['sender_cpu_ms_per_mb_mean']} / "
+            f"{c['receiver_cpu_ms_per_mb_mean']} | {c['endpoint_cores_at_link_rate']:.2f} | "
             f"{c['completed_runs']}/{len(c['runs'])} | {' / '.join(f'{w:.0f}' for w in cwnd)} | "
             f"{' / '.join(f'{s:.0f}' for s in srtt)} |"
         )
     verdict = ", ".join(f"{s}: {'yes' if ok else 'no'}" for s, ok in result["keeps_up"].items())
     lines += ["", f"Keeps up (lossless relay goodput >= {result['keeps_up_threshold']:.0%} of the link): "
-              f"{verdict}. CPU share: an endpoint's CPU over the transfer's span (~1: CPU-bound).", ""]
+              f"{verdict}. CPU share: an endpoint's CPU over the transfer's span (~1: CPU-bound; on a "
+              "loaded machine a starved process waits with a low share). CPU ms/MB: each endpoint's CPU per "
+              "MB delivered; cores at the link rate: what sender and receiver together would need at the "
+              "relay's rate at that cost (the emulator's CPU not included).", ""]
     return "\n".join(lines)
