@@ -320,3 +320,23 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(
         rx.wait()
     assert result["bytes"] == len(payload.read_bytes()) and result["intact"]
     assert waited < deadline_s + AFTER_DEADLINE_S + 5.0 < READY_TIMEOUT_S, waited
+
+
+# --------------------------------------------------------------------------- pfec bench quic
+
+
+def test_the_quic_bench_measures_each_path_and_renders(tmp_path: Path) -> None:
+    from pfec.lab.baselines.stack_bench import BENCH_PATHS, format_quic_bench, run_quic_bench
+
+    result = run_quic_bench(("qh3",), runs=1, tokens=32, seconds=1.0)
+    cells = {c["path"]: c for c in result["cells"]}
+    assert set(cells) == set(BENCH_PATHS) and set(result["keeps_up"]) == {"qh3"}
+    lossless = cells["relay"]["runs"][0]
+    assert lossless["complete"] and lossless["intact"] and lossless["goodput_mbps"] > 0
+    assert lossless["forward_lost"] == 0 and cells["relay-ge"]["runs"][0]["forward_lost"] > 0
+    assert cells["loopback"]["runs"][0]["wire_rate_mbps"] is None  # no emulator counted anything
+    assert lossless["sender_cpu_ms_per_mb"] > 0 and cells["relay"]["goodput_of_link"] is not None
+    page = format_quic_bench({**result, "machine": {"cpu": "test", "cores": 2}})
+    assert "| qh3 2.1.0 native | relay-ge |" in page and "Keeps up" in page
+    with pytest.raises(ValueError, match="stacks"):
+        run_quic_bench(("msquic",))

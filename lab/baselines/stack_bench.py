@@ -69,7 +69,8 @@ def _run_row(sent: dict[str, Any], received: dict[str, Any], stats: dict[str, An
         "bytes": got,
         "complete": got == total,
         "goodput_mbps": round(got * 8 / (last - connected) / 1e6, 2) if last > connected else 0.0,
-        "wire_rate_mbps": round(wire * 8 / span_rx / 1e6, 2) if span_rx > 0 else None,
+        # None on loopback: no emulator counted the wire
+        "wire_rate_mbps": round(wire * 8 / span_rx / 1e6, 2) if span_rx > 0 and wire else None,
         "sender_cpu_s": round(tx_cpu, 3),
         "receiver_cpu_s": round(rx_cpu, 3),
         "sender_cpu_share": round(tx_cpu / (float(sent["ended"]) - t0), 3),
