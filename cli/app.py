@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pfec.cli import bench_path, bench_serving, kv, lab, node, plan
+from pfec.cli import bench_path, bench_serving, kv, lab, node, plan, transports
 from pfec.cli import eval as eval_commands
 from pfec.cli.handoff import handoff_cmd
 
@@ -45,7 +45,7 @@ app.command("sim")(lab.sim_cmd)
 app.command("handoff")(handoff_cmd)
 app.command("demo")(lab.demo_cmd)
 app.command("train")(lab.train_cmd)
-app.command("reliable")(lab.reliable_cmd)
+app.command("reliable")(transports.reliable_cmd)
 app.command("plan")(plan.plan_cmd)
 
 app.add_typer(bench_app, name="bench")
@@ -59,6 +59,7 @@ bench_app.command("breakeven")(lab.bench_breakeven_cmd)
 bench_app.command("rate-control")(bench_path.bench_rate_control_cmd)
 bench_app.command("traces")(bench_path.bench_traces_cmd)
 bench_app.command("serving")(bench_serving.bench_serving_cmd)
+bench_app.command("quic")(transports.bench_quic_cmd)
 app.add_typer(tune_app, name="tune")
 tune_app.command("flec-rt")(lab.tune_flec_rt_cmd)
 app.add_typer(sender_app, name="sender")

@@ -1,4 +1,4 @@
-"""The lab's commands: `pfec sim`, `demo`, `emulate`, `reliable`, `train`, `bench ...` and `tune ...`.
+"""The lab's commands: `pfec sim`, `demo`, `emulate`, `train`, `bench ...` and `tune ...`.
 
 Each parses its options, calls the lab module that does the work and prints the result (one JSON object on
 stdout with ``--json``; progress always on stderr). The lab modules that pull numba, torch or the daemons
@@ -51,8 +51,8 @@ from pfec.lab.emulator.emulate import emulate
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss
 from pfec.lab.emulator.netns import NetnsSpec
 from pfec.lab.reporting.progress import progress_line
-from pfec.lab.reporting.text import format_reliable_summary, format_sim_table
-from pfec.lab.sim.channel import Bernoulli, parse_loss_spec
+from pfec.lab.reporting.text import format_sim_table
+from pfec.lab.sim.channel import parse_loss_spec
 
 MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
@@ -289,55 +289,6 @@ def emulate_cmd(
         for name in ("forward", "reverse"):
             typer.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in stats[name].items()), err=True)
         typer.echo(f"cpu {stats['cpu_s']} s over {stats['elapsed_s']} s", err=True)
-
-
-def reliable_cmd(
-    proto: Annotated[str, typer.Option(
-        help="tcp | quic (the paper's: natural order) | priority-tcp | priority-quic (ours: utility order); "
-        "TCP is kernel TCP between namespaces (root), QUIC is aioquic.")] = "tcp",
-    congestion: Annotated[str | None, typer.Option(
-        help="Kernel TCP congestion control: cubic | bbr [the kernel's default]; TCP only.")] = None,
-    rho: Annotated[
-        float, typer.Option(help="Deadline as (D - T_ow) / T_ser, as in `pfec sim`.")
-    ] = DEFAULT_RHO,
-    loss: Annotated[
-        str, typer.Option(help="Forward loss: none | ge:EG,EB,PGB,PBG | bernoulli:P")
-    ] = MAIN_LOSS,
-    rate_mbps: Annotated[float, typer.Option(help="Emulated link rate, each direction.")] = DEFAULT_RATE_MBPS,
-    rtt_ms: RttOpt = DEFAULT_RTT_MS,
-    tokens: TokensOpt = 1536,
-    realizations: Annotated[int, typer.Option(help="Loss realizations (paired with `pfec sim`).")] = 3,
-    seed: SeedOpt = 1,
-    as_json: JsonOpt = False,
-) -> None:
-    """The handoff over a real reliable transport (kernel TCP or QUIC) through the link emulator."""
-    from pfec.lab.baselines.reliable import (  # deferred: numba (keeps `pfec --help` fast)
-        RELIABLE_SCHEMES,
-        run_reliable,
-    )
-    from pfec.lab.sim.simulate import SimConfig  # deferred: numba
-
-    if proto not in RELIABLE_SCHEMES:
-        raise fail(f"--proto {proto!r}: use one of {', '.join(RELIABLE_SCHEMES)}")
-    if congestion is not None and congestion not in ("cubic", "bbr"):
-        raise fail(f"--congestion {congestion!r}: use cubic or bbr")
-    if congestion is not None and RELIABLE_SCHEMES[proto].protocol != "tcp":
-        raise fail(f"--congestion applies to kernel TCP only, not to --proto {proto} (aioquic's is fixed)")
-    try:
-        loss_model = Bernoulli(0.0) if loss.strip().lower() == "none" else parse_loss_spec(loss)
-        config = SimConfig(loss=loss_model, rate_mbps=rate_mbps, rtt_ms=rtt_ms, rho=rho, tokens=tokens,
-                           seed=seed)
-        if seed < 0 or realizations < 1:
-            raise ValueError(f"--seed must be >= 0 and --realizations >= 1, got {seed} and {realizations}")
-        result = run_reliable(proto, config, realizations, progress=progress_line(f"reliable {proto}"),
-                              congestion_control=congestion)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        hint = "; run as root or use --proto quic" if RELIABLE_SCHEMES[proto].protocol == "tcp" else ""
-        raise fail(f"{exc}{hint}") from None
-    result["inputs"]["loss"] = loss
-    typer.echo(json.dumps(result, indent=2) if as_json else format_reliable_summary(result, proto))
 
 
 # --------------------------------------------------------------------------- learning and tuning

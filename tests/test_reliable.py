@@ -1,4 +1,5 @@
-"""Reliable baselines: prefix scoring; real kernel TCP and aioquic handoffs through the link emulator."""
+"""Reliable baselines: prefix scoring; real kernel TCP and QUIC (qh3, aioquic) handoffs through the link
+emulator, at a fixed rate and on a rate trace."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from pfec.cli.app import app
+from pfec.lab.baselines.endpoints import _warm_up
 from pfec.lab.baselines.reliable import (
     HANDSHAKE_STALL_MS,
+    QUIC_STACKS,
     RELIABLE_SCHEMES,
     ReliableRun,
     _aggregate,
@@ -22,8 +25,10 @@ from pfec.lab.baselines.reliable import (
     score_prefix,
     stream_bytes,
 )
+from pfec.lab.baselines.runs import emulator_config, run_certificates
 from pfec.lab.emulator.netns import netns_available
 from pfec.lab.sim.channel import Bernoulli
+from pfec.lab.sim.rate_trace import load_rate_trace
 from pfec.lab.sim.simulate import SimConfig, prepare
 
 _NETNS_OK, _NETNS_WHY = netns_available()
@@ -105,7 +110,7 @@ def test_reliable_schemes_name_their_order() -> None:
 
 def _run(handshake_ms: float, utility: float = 0.0, realization: int = 0) -> ReliableRun:
     return ReliableRun(realization, 0, utility, 0, 0, handshake_ms, None, 0.0, 0, 0, 0, 0.0, 0.0, 0.0, "bbr",
-                       True, {})  # fmt: skip
+                       True, {}, 0.1)  # fmt: skip
 
 
 def test_a_stalled_handshake_is_an_outlier_kept_in_the_mean() -> None:
@@ -160,8 +165,66 @@ def test_quic_small_handoff_without_loss_delivers_everything_via_cli() -> None:
     s = out["schemes"]["quic"]
     assert s["recovered_utility_mean"] == pytest.approx(1.0), s["runs"]
     assert s["in_order_bytes_mean"] == s["payload_bytes"] and s["payload_intact"]
-    assert s["congestion_control"] == ["aioquic reno"] and s["emulator_mode"] == "relay"
+    assert s["congestion_control"] == ["qh3 2.1.0 native"] and s["emulator_mode"] == "relay"
+    assert s["quic_stack"] == "qh3" and "QUIC (qh3)" in s["definition"]
     assert s["handshake_ms_mean"] >= 18.0  # at least one emulated RTT
+
+
+@pytest.mark.parametrize("stack", QUIC_STACKS)
+def test_each_quic_stack_delivers_a_small_handoff_through_the_relay(stack: str) -> None:
+    out = run_reliable("priority-quic", _small(deadline_ms=3000.0), 1, quic_stack=stack)
+    s = out["schemes"]["priority-quic"]
+    assert s["recovered_utility_mean"] == pytest.approx(1.0), s["runs"]
+    assert s["payload_intact"] and s["completed_runs"] == 1 and s["emulator_mode"] == "relay"
+    assert s["congestion_control"][0].startswith(f"{stack} ") and s["quic_stack"] == stack
+    assert s["forward_packets_mean"] >= s["payload_bytes"] / 1400  # every datagram crossed the relay
+    run = s["runs"][0]
+    assert run["sender_state"]["cwnd_bytes"] > 0 and 0 < run["sender_cpu_share"] < 2
+    with pytest.raises(ValueError, match="QUIC stack 'quiche'"):
+        run_reliable("quic", _small(rho=1.0), 1, quic_stack="quiche")
+
+
+@pytest.mark.parametrize("stack", QUIC_STACKS)
+def test_the_endpoints_warm_up_handshake_completes_in_memory(stack: str, tmp_path: Path) -> None:
+    ca, cert, key = run_certificates(str(tmp_path))
+    assert _warm_up({"stack": stack, "ca": ca, "cert": cert, "key": key})
+    assert not _warm_up({"stack": stack, "ca": cert, "cert": cert, "key": key})  # CA unknown: refused
+
+
+# --------------------------------------------------------------------------- a rate-trace link
+
+
+def _slow_trace(tmp_path: Path) -> Path:
+    """A Mahimahi trace of one 1,500-byte opportunity per ms (12 Mbit/s), looping every 100 ms."""
+    path = tmp_path / "slow.trace"
+    path.write_text("".join(f"{ms}\n" for ms in range(1, 101)))
+    return path
+
+
+def test_the_rate_trace_and_queue_reach_the_emulators_forward_link(tmp_path: Path) -> None:
+    trace = load_rate_trace(_slow_trace(tmp_path), 2.0)
+    link = emulator_config(_small(rho=1.0, rate_trace=trace, queue_bytes=30_000), 3, queue_packets=50)
+    assert link.forward.rate_trace is trace and link.forward.queue_bytes == 30_000
+    assert link.reverse.rate_trace is None and link.reverse.queue_packets == 50 and link.realization == 3
+    assert emulator_config(_small(rho=1.0), 0).forward.rate_trace is None
+    with pytest.raises(ValueError, match="queue_packets"):
+        run_reliable("quic", _small(rho=1.0), 1, queue_packets=0)
+
+
+@pytest.mark.parametrize("proto", ["quic", pytest.param("tcp", marks=needs_netns)])
+def test_a_handoff_on_a_slow_rate_trace_takes_the_traces_time(proto: str, tmp_path: Path) -> None:
+    """Told 100 Mbit/s but on a 12 Mbit/s trace: the 737 KB stream needs ~0.5 s, not ~0.06 s."""
+    args = ["reliable", "--proto", proto, "--loss", "none", "--tokens", "32", "--rho", "40",
+            "--realizations", "1", "--rate-trace", str(_slow_trace(tmp_path)), "--rate-scale", "1",
+            "--queue-ms", "200", "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout[res.stdout.index("{") :])["schemes"][proto]
+    assert s["rate_trace"]["name"].endswith("slow.trace") and s["rate_trace"]["mean_rate_mbps"] == 12.0
+    assert s["recovered_utility_mean"] == pytest.approx(1.0) and s["payload_intact"]
+    at_trace_rate_ms = s["payload_bytes"] * 8 / 12e6 * 1000
+    assert s["completion_ms_mean"] > 0.8 * at_trace_rate_ms > 5 * s["payload_bytes"] * 8 / 100e6 * 1000
+    assert s["link_rate_achieved_mbps"] < 20.0
 
 
 @needs_netns
@@ -205,7 +268,10 @@ def test_bad_arguments_are_named() -> None:
     assert res.exit_code == 2 and "rho must be positive" in res.output
 
 
-def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stack", QUIC_STACKS)
+def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(
+    stack: str, tmp_path: Path
+) -> None:
     """A sender whose CONNECTION_CLOSE is lost (here: one that vanishes after sending) must not hold the
     run for the receiver's outer limit (~30 s of real time): like the TCP receiver, it reports
     AFTER_DEADLINE_S past the deadline counted from the handshake."""
@@ -214,19 +280,16 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tm
     import sys
     import time
 
-    from aioquic.asyncio.protocol import QuicConnectionProtocol
-    from aioquic.quic.configuration import QuicConfiguration
-    from aioquic.quic.connection import QuicConnection
+    from pfec.lab.baselines.endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S, quic_api
 
-    from pfec.lab.baselines.endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
-    from pfec.lab.baselines.reliable import _self_signed
-
-    cert, key = _self_signed(str(tmp_path))
+    api = quic_api({"stack": stack})
+    quic_protocol, quic_configuration, quic_connection = api.protocol, api.configuration, api.connection
+    ca, cert, key = run_certificates(str(tmp_path))
     payload = tmp_path / "payload.bin"
     payload.write_bytes(bytes(range(256)) * 64)
     deadline_s = 0.5
-    params = {"host": "127.0.0.1", "port": 0, "payload": str(payload), "total": 1 << 20,
-              "deadline_s": deadline_s, "cert": cert, "key": key}  # fmt: skip
+    params = {"stack": stack, "host": "127.0.0.1", "port": 0, "payload": str(payload), "total": 1 << 20,
+              "deadline_s": deadline_s, "ca": ca, "cert": cert, "key": key}  # fmt: skip
     rx = subprocess.Popen([sys.executable, "-m", "pfec.lab.baselines.endpoints", "quic-receiver",
                            json.dumps(params)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -234,11 +297,11 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tm
         port = int(json.loads(rx.stdout.readline())["port"])
 
         async def send_then_vanish() -> float:
-            cfg = QuicConfiguration(is_client=True, server_name="localhost")
-            cfg.load_verify_locations(cafile=cert)
+            cfg = quic_configuration(is_client=True, server_name="localhost")
+            cfg.load_verify_locations(cafile=ca)
             loop = asyncio.get_running_loop()
             transport, protocol = await loop.create_datagram_endpoint(
-                lambda: QuicConnectionProtocol(QuicConnection(configuration=cfg)),
+                lambda: quic_protocol(quic_connection(configuration=cfg)),
                 local_addr=("127.0.0.1", 0))
             protocol.connect(("127.0.0.1", port))
             await asyncio.wait_for(protocol.wait_connected(), 10)
@@ -257,3 +320,23 @@ def test_the_quic_receiver_gives_up_after_the_deadline_when_the_close_is_lost(tm
         rx.wait()
     assert result["bytes"] == len(payload.read_bytes()) and result["intact"]
     assert waited < deadline_s + AFTER_DEADLINE_S + 5.0 < READY_TIMEOUT_S, waited
+
+
+# --------------------------------------------------------------------------- pfec bench quic
+
+
+def test_the_quic_bench_measures_each_path_and_renders(tmp_path: Path) -> None:
+    from pfec.lab.baselines.stack_bench import BENCH_PATHS, format_quic_bench, run_quic_bench
+
+    result = run_quic_bench(("qh3",), runs=1, tokens=32, seconds=1.0)
+    cells = {c["path"]: c for c in result["cells"]}
+    assert set(cells) == set(BENCH_PATHS) and set(result["keeps_up"]) == {"qh3"}
+    lossless = cells["relay"]["runs"][0]
+    assert lossless["complete"] and lossless["intact"] and lossless["goodput_mbps"] > 0
+    assert lossless["forward_lost"] == 0 and cells["relay-ge"]["runs"][0]["forward_lost"] > 0
+    assert cells["loopback"]["runs"][0]["wire_rate_mbps"] is None  # no emulator counted anything
+    assert lossless["sender_cpu_ms_per_mb"] > 0 and cells["relay"]["goodput_of_link"] is not None
+    page = format_quic_bench({**result, "machine": {"cpu": "test", "cores": 2}})
+    assert "| qh3 2.1.0 native | relay-ge |" in page and "Keeps up" in page
+    with pytest.raises(ValueError, match="stacks"):
+        run_quic_bench(("msquic",))

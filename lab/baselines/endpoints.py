@@ -1,7 +1,11 @@
-"""The endpoint processes of the reliable-transport baselines (``reliable``): kernel TCP and QUIC (aioquic).
+"""The endpoint processes of the reliable-transport baselines (``reliable``): kernel TCP and QUIC.
 
-Each runs as ``python -m pfec.lab.baselines.endpoints ROLE JSON`` (stdlib imports only, aioquic for the
-QUIC roles), so the emulator, the sender and the receiver do not share one interpreter lock. A role reads
+QUIC runs on one of ``QUIC_STACKS`` (the parameter ``stack``): qh3 (aioquic's fork with a native packet
+core) or aioquic (pure Python); both expose aioquic's module layout and asyncio API, so one set of glue
+drives either. Each role runs as ``python -m pfec.lab.baselines.endpoints ROLE JSON`` (stdlib imports only,
+the QUIC stack for the QUIC roles), so the emulator, the sender and the receiver do not share one
+interpreter lock. Each QUIC endpoint warms its stack up with one in-memory handshake before its ready
+line (``_warm_up``: the one-time set-up is not the handoff's). A role reads
 its parameters from the JSON argument, prints one JSON "ready" line, and then one JSON result line; a
 sender waits for a "go" line on stdin between the two. Every line carries the process's CPU time so far.
 """
@@ -10,22 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import math
 import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["AFTER_DEADLINE_S", "QUIC_DATAGRAM", "READY_TIMEOUT_S", "ROLES"]
+__all__ = [
+    "AFTER_DEADLINE_S",
+    "QUIC_DATAGRAM",
+    "QUIC_STACKS",
+    "READY_TIMEOUT_S",
+    "ROLES",
+    "QuicApi",
+    "quic_api",
+]
 
 QUIC_DATAGRAM: Final = 1400  # bytes; wire.MAX_DATAGRAM, the simulator's datagram size
 READY_TIMEOUT_S: Final = 30.0
 AFTER_DEADLINE_S: Final = 1.0  # how long the receiver keeps reading after the deadline (rate metering)
 _CHUNK: Final = 1 << 18
 _SOCKET_BUFFER: Final = 8 << 20
+QUIC_STACKS: Final = ("qh3", "aioquic")  # import names; the first is the default
+_WARM_UP_ROUNDS: Final = 8  # client/server flights of the in-memory warm-up handshake
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -103,27 +119,122 @@ def _tcp_sender(p: dict[str, Any]) -> None:
     # Abort (RST): a handoff does not keep sending after its deadline.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") + bytes(4))
     sock.close()
-    _emit({"t0": t0, "connected": connected, "sent": sent, "congestion_control": congestion})
+    _emit({"t0": t0, "connected": connected, "ended": time.monotonic(), "sent": sent,
+           "congestion_control": congestion})
 
 
-# --------------------------------------------------------------------------- QUIC (aioquic)
-# aioquic is imported inside the QUIC roles (deferred: the TCP roles must not pay for it). The endpoints
+# --------------------------------------------------------------------------- QUIC (qh3 or aioquic)
+# The stack is imported inside the QUIC roles (deferred: the TCP roles must not pay for it). The endpoints
 # run on the stdlib loop: on uvloop (whose loop.time() is a coarser cached clock, see emulator_link) a
-# lossless direct run delivered 1.5 MB instead of 17 MB by the deadline.
+# lossless direct aioquic run delivered 1.5 MB instead of 17 MB by the deadline.
+
+
+def _stack(p: dict[str, Any]) -> str:
+    stack = str(p.get("stack", QUIC_STACKS[0]))
+    if stack not in QUIC_STACKS:
+        raise SystemExit(f"unknown QUIC stack {stack!r}: use one of {', '.join(QUIC_STACKS)}")
+    return stack
+
+
+@dataclass(frozen=True)
+class QuicApi:
+    """The parts of a stack the endpoints use (both stacks keep aioquic's names and module layout)."""
+
+    configuration: Any  # QuicConfiguration
+    connection: Any  # QuicConnection
+    protocol: Any  # asyncio QuicConnectionProtocol
+    server: Any  # asyncio QuicServer
+    events: Any  # the quic.events module
+
+
+def _qh3_api() -> QuicApi:
+    from qh3.asyncio.protocol import QuicConnectionProtocol  # deferred: qh3
+    from qh3.asyncio.server import QuicServer  # deferred: qh3
+    from qh3.quic import events  # deferred: qh3
+    from qh3.quic.configuration import QuicConfiguration  # deferred: qh3
+    from qh3.quic.connection import QuicConnection  # deferred: qh3
+
+    return QuicApi(QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events)
+
+
+def _aioquic_api() -> QuicApi:
+    from aioquic.asyncio.protocol import QuicConnectionProtocol  # deferred: aioquic
+    from aioquic.asyncio.server import QuicServer  # deferred: aioquic
+    from aioquic.quic import events  # deferred: aioquic
+    from aioquic.quic.configuration import QuicConfiguration  # deferred: aioquic
+    from aioquic.quic.connection import QuicConnection  # deferred: aioquic
+
+    return QuicApi(QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events)
+
+
+def quic_api(p: dict[str, Any]) -> QuicApi:
+    """The stack ``p["stack"]`` names (default ``QUIC_STACKS[0]``), imported now."""
+    return _qh3_api() if _stack(p) == "qh3" else _aioquic_api()
 
 
 def _quic_configuration(is_client: bool, p: dict[str, Any]) -> Any:
-    from aioquic.quic.configuration import QuicConfiguration  # deferred: aioquic
-
-    cfg = QuicConfiguration(is_client=is_client, max_datagram_size=QUIC_DATAGRAM)
+    cfg = quic_api(p).configuration(is_client=is_client, max_datagram_size=QUIC_DATAGRAM)
+    if hasattr(cfg, "probe_datagram_size"):  # qh3: no path-MTU probing, every datagram stays 1,400 B
+        cfg.probe_datagram_size = False
     # Flow control well above the bandwidth-delay product, so only congestion control limits the stream.
     cfg.max_data = cfg.max_stream_data = 16 << 20
     if is_client:
         cfg.server_name = "localhost"
-        cfg.load_verify_locations(cafile=p["cert"])
+        cfg.load_verify_locations(cafile=p["ca"])
     else:
         cfg.load_cert_chain(p["cert"], p["key"])
     return cfg
+
+
+def _warm_up(p: dict[str, Any]) -> bool:
+    """One in-memory handshake between a client and a server connection of the stack (no socket): pays
+    the stack's one-time set-up (qh3: ~36 ms at the first connect()) before the ready line, outside the
+    handoff's budget, as a node's long-lived stack would have. Both endpoints run it. True once the
+    client saw the handshake complete."""
+    api = quic_api(p)
+    client = api.connection(configuration=_quic_configuration(True, p))
+    server_cfg = _quic_configuration(False, p)
+    client_addr, server_addr = ("127.0.0.1", 1), ("127.0.0.1", 2)
+    now = time.monotonic()
+    client.connect(server_addr, now=now)
+    server = None
+    for _ in range(_WARM_UP_ROUNDS):
+        for data, _addr in client.datagrams_to_send(now=now):
+            if server is None:  # a server connection takes the client's first destination CID
+                server = api.connection(configuration=server_cfg,
+                                        original_destination_connection_id=_initial_dcid(data))
+            server.receive_datagram(data, client_addr, now=now)
+        if server is not None:
+            for data, _addr in server.datagrams_to_send(now=now):
+                client.receive_datagram(data, server_addr, now=now)
+        while (event := client.next_event()) is not None:
+            if isinstance(event, api.events.HandshakeCompleted):
+                return True
+        now += 0.001
+    return False
+
+
+def _initial_dcid(datagram: bytes) -> bytes:
+    """The destination connection ID of a long-header packet (RFC 9000 17.2): after flags and version."""
+    length = datagram[5]
+    return bytes(datagram[6 : 6 + length])
+
+
+def _sender_state(p: dict[str, Any], connection: Any, cfg: Any) -> dict[str, Any]:
+    """The sender's final congestion window, smoothed RTT and the stack's name: why a run was slow."""
+    stack = _stack(p)
+    name = f"{stack} {importlib.metadata.version(stack)}"
+    if stack == "aioquic":  # the recovery state is Python, read once
+        recovery = connection._loss
+        return {"cwnd_bytes": recovery.congestion_window, "srtt_ms": recovery._rtt_smoothed * 1000,
+                "congestion_control": f"{name} {cfg.congestion_control_algorithm}"}  # fmt: skip
+    core = connection._core  # qh3: the native core's recovery counters (None before any packet)
+    if core is None:
+        return {"congestion_control": f"{name} native"}
+    srtt = core.smoothed_rtt
+    return {"cwnd_bytes": core.congestion_window, "srtt_ms": math.nan if srtt is None else srtt * 1000,
+            "lost_packets": core.loss_total, "ptos": core.pto_total,
+            "congestion_control": f"{name} native"}  # fmt: skip
 
 
 def _udp_socket(host: str, port: int) -> socket.socket:
@@ -138,13 +249,10 @@ def _quic_receiver(p: dict[str, Any]) -> None:
 
 
 async def _quic_receiver_main(p: dict[str, Any]) -> None:
-    from aioquic.asyncio.protocol import QuicConnectionProtocol  # deferred: aioquic
-    from aioquic.asyncio.server import QuicServer  # deferred: aioquic
-    from aioquic.quic.events import (  # deferred: aioquic
-        ConnectionTerminated,
-        HandshakeCompleted,
-        StreamDataReceived,
-    )
+    api = quic_api(p)
+    quic_protocol, quic_server = api.protocol, api.server
+    handshake_completed, stream_data = api.events.HandshakeCompleted, api.events.StreamDataReceived
+    terminated = api.events.ConnectionTerminated
 
     total = int(p["total"])
     buf = bytearray(total)
@@ -152,13 +260,13 @@ async def _quic_receiver_main(p: dict[str, Any]) -> None:
     marks: dict[str, float] = {}
     done = asyncio.Event()
 
-    class Receiver(QuicConnectionProtocol):
+    class Receiver(quic_protocol):  # type: ignore[misc,valid-type]  # the stack's, chosen at run time
         def quic_event_received(self, event: Any) -> None:
             now = time.monotonic()
-            if isinstance(event, HandshakeCompleted):
+            if isinstance(event, handshake_completed):
                 marks["handshake"] = now
                 asyncio.get_running_loop().call_later(float(p["deadline_s"]) + AFTER_DEADLINE_S, done.set)
-            elif isinstance(event, StreamDataReceived):  # aioquic hands stream data over in order
+            elif isinstance(event, stream_data):  # both stacks hand stream data over in order
                 got = int(trace[-1][1]) if trace else 0
                 buf[got : got + len(event.data)] = event.data
                 trace.append([now, got + len(event.data)])
@@ -166,15 +274,16 @@ async def _quic_receiver_main(p: dict[str, Any]) -> None:
                     self._quic.send_stream_data(event.stream_id, b"ok", end_stream=True)
                     self.transmit()
                     done.set()
-            elif isinstance(event, ConnectionTerminated):
+            elif isinstance(event, terminated):
                 done.set()
 
     loop = asyncio.get_running_loop()
     sock = _udp_socket(p["host"], int(p["port"]))
     cfg = _quic_configuration(False, p)
     transport, _ = await loop.create_datagram_endpoint(
-        lambda: QuicServer(configuration=cfg, create_protocol=Receiver), sock=sock
+        lambda: quic_server(configuration=cfg, create_protocol=Receiver), sock=sock
     )
+    _warm_up(p)
     _emit({"ready": True, "port": sock.getsockname()[1]})
     # The sender closes the connection at its deadline, or after our "ok" once everything arrived. Its
     # CONNECTION_CLOSE can be lost (aioquic does not repeat it unprompted), so the handshake also arms a
@@ -200,16 +309,15 @@ def _quic_sender(p: dict[str, Any]) -> None:
 
 
 async def _quic_sender_main(p: dict[str, Any]) -> None:
-    from aioquic.asyncio.protocol import QuicConnectionProtocol  # deferred: aioquic
-    from aioquic.quic.connection import QuicConnection  # deferred: aioquic
-
+    api = quic_api(p)
     payload = Path(p["payload"]).read_bytes()
     deadline_s = float(p["deadline_s"])
     cfg = _quic_configuration(True, p)
     loop = asyncio.get_running_loop()
     sock = _udp_socket("127.0.0.1", 0)
-    connection = QuicConnection(configuration=cfg)
-    _, protocol = await loop.create_datagram_endpoint(lambda: QuicConnectionProtocol(connection), sock=sock)
+    connection = api.connection(configuration=cfg)
+    _, protocol = await loop.create_datagram_endpoint(lambda: api.protocol(connection), sock=sock)
+    _warm_up(p)
     _emit({"ready": True})
     await loop.run_in_executor(None, sys.stdin.readline)  # "go"
     t0 = time.monotonic()
@@ -226,17 +334,9 @@ async def _quic_sender_main(p: dict[str, Any]) -> None:
     protocol.close()  # at the deadline, or once the receiver confirmed everything
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(protocol.wait_closed(), 0.2)
-    recovery = connection._loss  # aioquic's recovery state, read once: why a run was slow
-    _emit(
-        {
-            "cwnd_bytes": recovery.congestion_window,
-            "srtt_ms": recovery._rtt_smoothed * 1000,
-            "t0": t0,
-            "connected": connected,
-            "sent": len(payload),
-            "congestion_control": f"aioquic {cfg.congestion_control_algorithm}",
-        }
-    )
+    ended = time.monotonic()
+    _emit({**_sender_state(p, connection, cfg), "t0": t0, "connected": connected, "ended": ended,
+           "sent": len(payload)})
 
 
 ROLES: Final[dict[str, Callable[[dict[str, Any]], None]]] = {

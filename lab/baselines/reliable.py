@@ -1,4 +1,4 @@
-"""Reliable-transport baselines: the handoff over real kernel TCP and real QUIC (aioquic), emulated link.
+"""Reliable-transport baselines: the handoff over real kernel TCP and real QUIC (qh3), emulated link.
 
 The payload is the simulator's (``pfec.lab.sim.handoff.prepare``): the same fragments, block utilities,
 deadline and bytes. The fragments go out as ONE in-order byte stream, in one of two orders
@@ -13,16 +13,19 @@ deadline and bytes. The fragments go out as ONE in-order byte stream, in one of 
   ``congestion_control`` names one the kernel offers (``cubic``, ``bbr``: see
   ``available_congestion_controls``); the sender reads the one its socket actually got (``TCP_CONGESTION``).
   Emulated sizes are whole IP packets.
-* QUIC: an aioquic client and server on loopback through the emulator's ``UdpRelay`` (relay mode, no
-  privileges), one bidirectional stream, a self-signed certificate made at run time (the client verifies it).
-  aioquic's default congestion control; ``max_datagram_size`` 1400 B, the simulator's datagram size.
+* QUIC: a client and server of one QUIC stack (``QUIC_STACKS``: qh3 by default, an aioquic fork with a
+  native packet core that keeps up with a 100 Mbit/s link here; aioquic, pure Python, on request) on
+  loopback through the emulator's ``UdpRelay`` (relay mode, no privileges), one bidirectional stream, a CA
+  and server certificate made at run time (the client verifies it). The stack's own congestion control
+  (neither offers BBR); ``max_datagram_size`` 1400 B, the simulator's datagram size, no path-MTU probing.
   Emulated sizes are UDP payloads (as in the simulator's slot model).
 
 The link: ``rate_mbps`` per direction, one-way delay RTT/2 each way, the config's loss model on the forward
 direction with the simulator's seed convention (``realization_rng(seed, r, "forward")``: the k-th packet
 crossing the forward link is lost when the simulator's k-th data datagram would be); the reverse direction
-is lossless unless ``config.reverse_loss`` is set. Each realization gets a fresh emulator (and, for TCP,
-fresh namespaces, so no cached TCP metrics carry over between realizations).
+is lossless unless ``config.reverse_loss`` is set. With ``config.rate_trace`` the forward rate follows the
+trace behind its drop-tail bottleneck (``config.queue_bytes``), as in the simulator. Each realization gets
+a fresh emulator (and, for TCP, fresh namespaces, so no cached TCP metrics carry over between realizations).
 
 Deadline clock: t0 is the instant the client starts the connection (TCP: ``connect()``, which sends the SYN;
 QUIC: the first Initial packet) — the simulator's "first transmission". The handshake is paid INSIDE the
@@ -32,54 +35,48 @@ receiver stamps each read in user space, so scheduling delay of the receiver pro
 transport (a conservative bias). Recovered utility = sum of U_b over blocks whose every fragment lies
 inside the in-order byte prefix received by t0 + D (utilities sum to 1, as in ``pfec.lab.sim.simulate``).
 
-The endpoints are subprocesses (``endpoints``, light imports) so that the emulator, sender and
-receiver do not share one interpreter lock; the emulator runs in the calling process on uvloop. This module
-is the driver: it prepares the payload, runs each realization through a fresh emulator, scores the
-in-order prefix and summarises the runs like ``lab.sim.simulate.report``. Runs whose handshake stalled (longer
-than ``HANDSHAKE_STALL_MS``, the initial retransmission timeout of a lost SYN or Initial, or never done by
-the deadline) stay in every mean and are listed under ``outliers``, with the median beside the mean.
+The endpoints are subprocesses (``endpoints``, light imports; one run of a pair: ``runs``) so that the
+emulator, sender and receiver do not share one interpreter lock; the emulator runs in the calling process on
+uvloop. This module is the driver: it prepares the payload, runs each realization through a fresh emulator,
+scores the in-order prefix and summarises the runs like ``lab.sim.simulate.report``. Runs whose handshake
+stalled (longer than ``HANDSHAKE_STALL_MS``, the initial retransmission timeout of a lost SYN or Initial,
+or never done by the deadline) stay in every mean and are listed under ``outliers``, with the median
+beside the mean.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import datetime
-import json
 import math
 import os
-import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import numpy as np
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from pfec.common.node.eventloop import run_event_loop
-from pfec.lab.baselines.endpoints import AFTER_DEADLINE_S, READY_TIMEOUT_S
-from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
-from pfec.lab.emulator.netns import (
-    NetnsSpec,
-    TunBridge,
-    netns_available,
-    setup_namespaces,
-    teardown_namespaces,
+from pfec.lab.baselines.endpoints import QUIC_STACKS
+from pfec.lab.baselines.runs import (
+    DEFAULT_QUEUE_PACKETS,
+    emulator_config,
+    len_payload,
+    quic_run,
+    run_certificates,
+    tcp_run,
 )
-from pfec.lab.emulator.relay import UdpRelay
+from pfec.lab.emulator.netns import netns_available
 from pfec.lab.reporting.stats import mean_ci95_fields
+from pfec.lab.sim.rate_trace import queue_limit_bytes
 from pfec.lab.sim.simulate import Handoff, SimConfig, prepare, report
 
 __all__ = [
+    "DEFAULT_QUIC_STACK",
     "HANDSHAKE_STALL_MS",
     "PROTOCOLS",
+    "QUIC_STACKS",
     "RELIABLE_SCHEMES",
     "PrefixScore",
     "ReliableRun",
@@ -95,6 +92,7 @@ PROTOCOLS: Final = ("tcp", "quic")
 # A handshake slower than this lost its SYN (Linux's initial RTO, RFC 6298 (2.1): 1 s) or its QUIC Initial
 # (RFC 9002's first PTO from a 333 ms initial RTT is about 1 s): a stall, reported as an outlier.
 HANDSHAKE_STALL_MS: Final = 1000.0
+DEFAULT_QUIC_STACK: Final = QUIC_STACKS[0]
 _CONGESTION_FILE: Final = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
 
@@ -106,7 +104,11 @@ class ReliableScheme:
     protocol: Proto
     order: StreamOrder
     paper_baseline: bool
-    definition: str
+    definition: str  # QUIC: says "{stack}", the QUIC stack a run names (``describe``)
+
+    def describe(self, quic_stack: str = "") -> str:
+        """The definition, naming the QUIC stack (``DEFAULT_QUIC_STACK`` when not given)."""
+        return self.definition.format(stack=quic_stack or DEFAULT_QUIC_STACK)
 
     @property
     def queue_order(self) -> str:
@@ -118,12 +120,11 @@ _PAPER = "the paper's {} baseline: {} carrying the cache in its natural (layer-m
 _OURS = "not the paper's (ours, stronger): {} carrying the cache in utility order"
 RELIABLE_SCHEMES: Final[dict[str, ReliableScheme]] = {
     "tcp": ReliableScheme("tcp", "tcp", "natural", True, _PAPER.format("TCP", "kernel TCP")),
-    "quic": ReliableScheme("quic", "quic", "natural", True, _PAPER.format("QUIC", "aioquic")),
+    "quic": ReliableScheme("quic", "quic", "natural", True, _PAPER.format("QUIC", "QUIC ({stack})")),
     "priority-tcp": ReliableScheme("priority-tcp", "tcp", "utility", False, _OURS.format("kernel TCP")),
-    "priority-quic": ReliableScheme("priority-quic", "quic", "utility", False, _OURS.format("aioquic")),
+    "priority-quic": ReliableScheme("priority-quic", "quic", "utility", False,
+                                    _OURS.format("QUIC ({stack})")),
 }
-_REPO_ROOT: Final = Path(__file__).resolve().parents[2]
-_LINE_LIMIT: Final = 64 << 20  # the receiver's result line holds one [time, bytes] row per read
 
 
 # --------------------------------------------------------------------------- scoring
@@ -172,11 +173,6 @@ def bytes_by(trace: list[list[float]], instant: float) -> int:
     return got
 
 
-def len_payload(handoff: Handoff) -> int:
-    """Bytes of the stream: every fragment, padded to the symbol size."""
-    return int(handoff.plan.n_fragments * handoff.plan.symbol_size)
-
-
 # --------------------------------------------------------------------------- orchestration
 
 
@@ -198,7 +194,8 @@ class ReliableRun:
     emulator_cpu_s: float
     congestion_control: str
     intact: bool  # the bytes received equal the payload's prefix
-    sender_state: dict[str, float]  # QUIC: aioquic's final congestion window and smoothed RTT
+    sender_state: dict[str, float]  # QUIC: the stack's final congestion window and smoothed RTT (, losses)
+    sender_cpu_share: float  # the sender's CPU from "go" to its end over that span: ~1 means CPU-bound
 
     @property
     def stall(self) -> str | None:
@@ -208,150 +205,6 @@ class ReliableRun:
         if self.handshake_ms > HANDSHAKE_STALL_MS:
             return f"handshake {self.handshake_ms:.0f} ms > {HANDSHAKE_STALL_MS:.0f} ms (lost SYN or Initial)"
         return None
-
-
-class _Endpoint:
-    """One endpoint subprocess: a JSON ready line, then a JSON result line on stdout."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, role: str) -> None:
-        self.proc = proc
-        self.role = role
-
-    @classmethod
-    async def start(cls, prefix: list[str], role: str, params: dict[str, Any]) -> _Endpoint:
-        env = dict(os.environ, PYTHONPATH=str(_REPO_ROOT))
-        proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "pfec.lab.baselines.endpoints", role, json.dumps(params),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            cwd=str(_REPO_ROOT), env=env, limit=_LINE_LIMIT,
-        )  # fmt: skip
-        return cls(proc, role)
-
-    async def line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        try:
-            raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        except TimeoutError:
-            raw = b""
-        if not raw:
-            err = b""
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 5.0)
-            if self.proc.returncode is not None and self.proc.stderr is not None:
-                err = await self.proc.stderr.read()
-            raise RuntimeError(f"{self.role} endpoint gave no output: {err.decode(errors='replace')[-2000:]}")
-        result: dict[str, Any] = json.loads(raw)
-        return result
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"go\n")
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        await self.proc.wait()
-
-
-async def _exchange(
-    receiver_cmd: tuple[list[str], str],
-    sender_cmd: tuple[list[str], str],
-    params: dict[str, Any],
-    front: Callable[[int], Awaitable[dict[str, Any]]],
-    deadline_s: float,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Start the receiver, point the sender at it (``front`` may remap the address), run, collect."""
-    rx = await _Endpoint.start(*receiver_cmd, params)
-    tx: _Endpoint | None = None
-    try:
-        ready = await rx.line(READY_TIMEOUT_S)
-        target = await front(int(ready["port"]))
-        tx = await _Endpoint.start(*sender_cmd, {**params, **target})
-        await tx.line(READY_TIMEOUT_S)
-        tx.go()
-        limit = deadline_s + AFTER_DEADLINE_S + READY_TIMEOUT_S
-        sent = await tx.line(limit)
-        if not math.isfinite(float(sent.get("connected", math.nan))):
-            # Not connected by the deadline (a lost SYN or Initial, or its answer): the receiver's stream
-            # cannot hold a byte, and its accept would only time out. Its CPU is not measured.
-            return sent, {"accepted": math.nan, "trace": [], "bytes": 0, "intact": True, "cpu_s": math.nan}
-        received = await rx.line(limit)
-        return sent, received
-    finally:
-        for ep in (tx, rx):
-            if ep is not None:
-                await ep.stop()
-
-
-def _emulator_config(config: SimConfig, realization: int) -> EmulatorConfig:
-    return EmulatorConfig(
-        forward=DirectionSpec(config.rate_bps, config.owd_s, config.loss),
-        reverse=DirectionSpec(config.rate_bps, config.owd_s, config.reverse_loss),
-        seed=config.seed,
-        realization=realization,
-    )
-
-
-async def _tcp_once(
-    handoff: Handoff, payload_path: str, realization: int, congestion_control: str | None
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    tag = uuid.uuid4().hex[:6]
-    spec = NetnsSpec(ns_a=f"pfr-a-{tag}", ns_b=f"pfr-b-{tag}")
-    params = {
-        "host": spec.addr_b,
-        "port": 0,
-        "payload": payload_path,
-        "total": len_payload(handoff),
-        "deadline_s": handoff.deadline_s,
-        "congestion_control": congestion_control or "",
-    }
-    setup_namespaces(spec)
-    try:
-        async with TunBridge(_emulator_config(handoff.config, realization), spec) as bridge:
-
-            async def same_address(port: int) -> dict[str, Any]:
-                return {"port": port}
-
-            sent, received = await _exchange(
-                (["ip", "netns", "exec", spec.ns_b], "tcp-receiver"),
-                (["ip", "netns", "exec", spec.ns_a], "tcp-sender"),
-                params, same_address, handoff.deadline_s,
-            )  # fmt: skip
-            return sent, received, bridge.stats()
-    finally:
-        teardown_namespaces(spec)
-
-
-async def _quic_once(
-    handoff: Handoff, payload_path: str, realization: int, cert: tuple[str, str]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    params = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "payload": payload_path,
-        "total": len_payload(handoff),
-        "deadline_s": handoff.deadline_s,
-        "cert": cert[0],
-        "key": cert[1],
-    }
-    relays: list[UdpRelay] = []
-
-    async def via_relay(port: int) -> dict[str, Any]:
-        relay = UdpRelay(_emulator_config(handoff.config, realization), ("127.0.0.1", 0), ("127.0.0.1", port))
-        await relay.start()
-        relays.append(relay)
-        host, relay_port = relay.listen_address
-        return {"host": host, "port": relay_port}
-
-    try:
-        sent, received = await _exchange(
-            ([], "quic-receiver"), ([], "quic-sender"), params, via_relay, handoff.deadline_s
-        )
-        return sent, received, relays[0].stats()
-    finally:
-        for relay in relays:
-            await relay.close()
 
 
 def _summarise(
@@ -386,8 +239,19 @@ def _summarise(
         emulator_cpu_s=cpu_s,
         congestion_control=str(sent["congestion_control"]),
         intact=bool(received["intact"]),
-        sender_state={k: float(sent[k]) for k in ("cwnd_bytes", "srtt_ms") if k in sent},
+        sender_state={k: float(sent[k]) for k in _SENDER_STATE if k in sent},
+        sender_cpu_share=_cpu_share(sent),
     )
+
+
+_SENDER_STATE: Final = ("cwnd_bytes", "srtt_ms", "lost_packets", "ptos")
+
+
+def _cpu_share(sent: dict[str, Any]) -> float:
+    """The sender's CPU from "go" (``ready_cpu_s``) to its result line, over t0 -> that line's instant."""
+    span = float(sent.get("ended", math.nan)) - float(sent["t0"])
+    cpu = float(sent["cpu_s"]) - float(sent.get("ready_cpu_s", 0.0))
+    return cpu / span if span > 0 else math.nan
 
 
 def _link_rate(trace: list[list[float]], fwd: dict[str, Any]) -> float:
@@ -401,30 +265,6 @@ def _link_rate(trace: list[list[float]], fwd: dict[str, Any]) -> float:
     span = trace[-1][0] - trace[0][0]
     wire = fwd["bytes_out"] * (fwd["delivered"] + fwd["lost"]) / fwd["delivered"]
     return float(wire * 8 / span / 1e6) if span > 0 else 0.0
-
-
-def _self_signed(directory: str) -> tuple[str, str]:
-    """A P-256 certificate for ``localhost``, made for this run only."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
-    Path(cert_path).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    Path(key_path).write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
 
 
 def available_congestion_controls() -> tuple[str, ...]:
@@ -448,7 +288,8 @@ def _check_scheme(name: str, congestion_control: str | None) -> ReliableScheme:
             raise ValueError(f"congestion control {congestion_control!r} is not offered by this kernel "
                              f"(available: {', '.join(offered) or 'unknown'})")  # fmt: skip
     elif congestion_control is not None:
-        raise ValueError(f"congestion_control applies to kernel TCP only, not to {name!r} (aioquic: fixed)")
+        raise ValueError(f"congestion_control applies to kernel TCP only, not to {name!r} (QUIC: its stack's "
+                         "own)")
     return scheme
 
 
@@ -458,32 +299,42 @@ def run_reliable(
     realizations: int,
     progress: Callable[[int, int], None] | None = None,
     congestion_control: str | None = None,
+    quic_stack: str = DEFAULT_QUIC_STACK,
+    queue_packets: int = DEFAULT_QUEUE_PACKETS,
 ) -> dict[str, Any]:
     """Carry the simulator's payload over real TCP or QUIC ``realizations`` times; a simulate()-like report.
 
     ``protocol`` is a ``RELIABLE_SCHEMES`` name (tcp, quic: natural order; priority-tcp, priority-quic:
     utility order); the report's scheme key is that name. ``congestion_control`` (TCP only): one of
-    ``available_congestion_controls()``, else the kernel's default.
-    Raises ValueError for a bad protocol, count or congestion control, OSError when TCP cannot create
+    ``available_congestion_controls()``, else the kernel's default. ``quic_stack`` (QUIC only): one of
+    ``QUIC_STACKS``. The emulated link is ``config``'s: ``rate_mbps`` each way behind drop-tail queues of
+    ``queue_packets`` datagrams, or with ``config.rate_trace`` a forward bottleneck following the trace
+    (``config.queue_bytes`` deep) and the reverse at ``rate_mbps``; the deadline is ``config``'s (rho of the
+    serialisation time at ``rate_mbps``).
+    Raises ValueError for a bad protocol, count, congestion control or stack, OSError when TCP cannot create
     namespaces (not root).
     """
     scheme = _check_scheme(protocol, congestion_control)
+    if quic_stack not in QUIC_STACKS:
+        raise ValueError(f"QUIC stack {quic_stack!r}: use one of {', '.join(QUIC_STACKS)}")
     proto = scheme.protocol
     if isinstance(realizations, bool) or not isinstance(realizations, int) or realizations < 1:
         raise ValueError(f"realizations must be an int >= 1, got {realizations!r}")
+    emulator_config(config, 0, queue_packets)  # a bad queue depth fails here, before any run
     handoff = prepare(config)
     runs: list[ReliableRun] = []
     with tempfile.TemporaryDirectory(prefix="pfec-reliable-") as tmp:
         payload_path = os.path.join(tmp, "payload.bin")
         Path(payload_path).write_bytes(stream_bytes(handoff, scheme.order))
         os.chmod(tmp, 0o755)  # the namespaced endpoints run as the same user; keep it readable anyway
-        cert = _self_signed(tmp) if proto == "quic" else ("", "")
+        certs = run_certificates(tmp) if proto == "quic" else ("", "", "")
         for r in range(realizations):
             cpu0 = time.process_time()
+            link = emulator_config(config, r, queue_packets)
             once = (
-                _tcp_once(handoff, payload_path, r, congestion_control)
+                tcp_run(handoff, payload_path, link, congestion_control)
                 if proto == "tcp"
-                else _quic_once(handoff, payload_path, r, cert)
+                else quic_run(handoff, payload_path, link, certs, quic_stack)
             )
             sent, received, stats = run_event_loop(once)
             cpu_s = time.process_time() - cpu0
@@ -492,7 +343,7 @@ def run_reliable(
                 progress(r + 1, realizations)
     out = report(handoff, {})
     out["inputs"]["realizations"] = realizations
-    out["schemes"][scheme.name] = _aggregate(handoff, scheme, runs)
+    out["schemes"][scheme.name] = _aggregate(handoff, scheme, runs, quic_stack if proto == "quic" else "")
     return out
 
 
@@ -501,7 +352,9 @@ def _nanmean(values: list[float]) -> float | None:
     return float(np.mean(finite)) if finite else None
 
 
-def _aggregate(handoff: Handoff, scheme: ReliableScheme, runs: list[ReliableRun]) -> dict[str, Any]:
+def _aggregate(
+    handoff: Handoff, scheme: ReliableScheme, runs: list[ReliableRun], quic_stack: str = ""
+) -> dict[str, Any]:
     n_source = handoff.plan.n_fragments
     proto = scheme.protocol
     completions = [r.completion_ms for r in runs if r.completion_ms is not None]
@@ -528,8 +381,10 @@ def _aggregate(handoff: Handoff, scheme: ReliableScheme, runs: list[ReliableRun]
         "completion_ms_mean": float(np.mean(completions)) if completions else None,
         "link_rate_achieved_mbps": float(np.mean([r.link_rate_achieved_mbps for r in runs])),
         "link_rate_mbps": handoff.config.rate_mbps,
+        "rate_trace": _trace_fields(handoff.config),
         "emulator_cpu_s_mean": float(np.mean([r.emulator_cpu_s for r in runs])),
         "sender_cpu_s_mean": float(np.mean([r.sender_cpu_s for r in runs])),
+        "sender_cpu_share_mean": _nanmean([r.sender_cpu_share for r in runs]),
         "receiver_cpu_s_mean": _nanmean([r.receiver_cpu_s for r in runs]),
         "forward_queue_dropped_mean": float(np.mean([r.forward_queue_dropped for r in runs])),
         "realizations": len(runs),
@@ -537,10 +392,19 @@ def _aggregate(handoff: Handoff, scheme: ReliableScheme, runs: list[ReliableRun]
         "emulator_mode": "netns" if proto == "tcp" else "relay",
         "emulated_size": "IP packet" if proto == "tcp" else "UDP payload",
         "stream_order": scheme.order,
-        "definition": scheme.definition,
+        "definition": scheme.describe(quic_stack),
+        "quic_stack": quic_stack or None,
         "paper_baseline": scheme.paper_baseline,
         "deadline_clock": "from the client's connect() (handshake inside the budget)",
         "payload_intact": all(r.intact for r in runs),
         "runs": [r.__dict__ for r in runs],
     }
 
+
+def _trace_fields(config: SimConfig) -> dict[str, Any] | None:
+    """The forward link's rate trace (None: fixed at ``rate_mbps``): name, scale, mean rate, queue depth."""
+    trace = config.rate_trace
+    if trace is None:
+        return None
+    return {"name": trace.name, "scale": trace.scale, "mean_rate_mbps": round(trace.mean_rate_bps / 1e6, 3),
+            "queue_bytes": queue_limit_bytes(trace, None, config.queue_bytes)}

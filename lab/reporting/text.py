@@ -94,13 +94,18 @@ def format_sim_table(result: dict[str, Any]) -> str:
 
 
 def format_reliable_summary(result: dict[str, Any], proto: str) -> str:
-    """`pfec reliable`'s result for one protocol in two lines."""
+    """`pfec reliable`'s result for one protocol in two lines (the link: its rate, or its rate trace)."""
     s = result["schemes"][proto]
     lo, hi = s["recovered_utility_ci95"]
+    trace = s.get("rate_trace")
+    link = (f"{s['link_rate_mbps']:g} Mbit/s" if trace is None else
+            f"a {trace['mean_rate_mbps']:g} Mbit/s mean trace ({trace['name']} x{trace['scale']:g})")
+    cpu = s.get("sender_cpu_share_mean")
     return (
         f"{proto} ({', '.join(s['congestion_control'])}, emulator {s['emulator_mode']}), "
         f"deadline {result['inputs']['deadline_ms']:.1f} ms, {s['realizations']} realizations\n"
         f"utility {s['recovered_utility_mean']:.2%} [{lo:.2%}, {hi:.2%}], in-order bytes "
         f"{s['in_order_bytes_mean'] / s['payload_bytes']:.1%} of {s['payload_bytes']}, link rate achieved "
-        f"{s['link_rate_achieved_mbps']:.1f} of {s['link_rate_mbps']:g} Mbit/s"
+        f"{s['link_rate_achieved_mbps']:.1f} on {link}"
+        + ("" if cpu is None else f", sender CPU share {cpu:.2f}")
     )
