@@ -47,6 +47,7 @@ def bench_fairness_cmd(
     queue_ms: Annotated[float, typer.Option(help="Drop-tail queue depth at the link's rate.")] = 100.0,
     tokens: TokensOpt = 4096,
     warmup_s: Annotated[float, typer.Option(help="The TCP flow runs alone this long first.")] = 3.0,
+    repeats: Annotated[int, typer.Option(min=1, max=20, help="Runs of each scenario.")] = 3,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where fairness.json, .md and .png go.")] = DOCS_BENCH,
 ) -> None:
@@ -62,7 +63,7 @@ def bench_fairness_cmd(
         cfg = FairnessConfig(link_mbps=link_mbps, rtt_ms=rtt_ms, queue_ms=queue_ms, tokens=tokens,
                              deadline_ms=duration_s * 1000, warmup_s=warmup_s)
         names = tuple(s.strip() for s in scenarios.split(",") if s.strip())
-        result = run_fairness_bench(cfg, names, progress=progress_line("bench fairness"))
+        result = run_fairness_bench(cfg, names, repeats, progress=progress_line("bench fairness"))
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_fairness_bench, out_dir, "fairness.md", as_json)

@@ -113,17 +113,20 @@ def _cpu_s(pid: int) -> float | None:
 class _Child:
     """One child process in a namespace: a daemon (``pfec ... serve``) or a ``tcp_bulk`` role."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
         self.name = name
         self.proc = proc
+        self.log = log  # its stderr (a file: a pipe nobody drains would block a chatty daemon)
 
     @classmethod
-    async def start(cls, name: str, ns: str, *args: str) -> _Child:
-        proc = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", ns, sys.executable, *args, env=_env(),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        return cls(name, proc)
+    async def start(cls, name: str, ns: str, log_dir: Path, *args: str) -> _Child:
+        log = log_dir / f"{name}.log"
+        with log.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                "ip", "netns", "exec", ns, sys.executable, *args, env=_env(),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+            )  # fmt: skip
+        return cls(name, proc, log)
 
     async def line(self, timeout: float) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -135,9 +138,12 @@ class _Child:
         raise RuntimeError(f"{self.name} gave no output line: {await self._stderr_tail()}")
 
     async def _stderr_tail(self) -> str:
-        if self.proc.returncode is None or self.proc.stderr is None:
-            return "(still running)"
-        return (await self.proc.stderr.read()).decode(errors="replace")[-2000:]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 2)
+        try:
+            return self.log.read_bytes()[-2000:].decode(errors="replace") or "(no stderr)"
+        except OSError as exc:
+            return f"(stderr unreadable: {exc})"
 
     async def stop(self) -> float | None:
         """Terminate (SIGTERM, then SIGKILL); its CPU seconds just before."""
@@ -209,16 +215,16 @@ async def _scenario_run(name: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Pa
     tcp: dict[str, Any] = {}
     async with TunBridge(link, spec, forward_tap=meter.record) as bridge:
         try:
-            children.append(await _Child.start("receiver", spec.ns_b, "-m", "pfec.cli.app", "receiver",
+            children.append(await _Child.start("receiver", spec.ns_b, tmp, "-m", "pfec.cli.app", "receiver",
                                                "serve", "--config", str(configs[0])))
             for i, path in enumerate(configs[1:]):
-                children.append(await _Child.start(f"sender{i + 1}", spec.ns_a, "-m", "pfec.cli.app",
+                children.append(await _Child.start(f"sender{i + 1}", spec.ns_a, tmp, "-m", "pfec.cli.app",
                                                    "sender", "serve", "--config", str(path)))
             await _wait_for([tmp / "receiver.sock", *(tmp / f"sender{i + 1}.sock" for i in range(senders))])
             meter.origin = time.monotonic()
             cpu0, wall0 = time.process_time(), meter.origin
             if name in ("cubic", "bbr"):
-                await _start_tcp(name, cfg, spec, children, span_s)
+                await _start_tcp(name, cfg, spec, tmp, children, span_s)
                 await asyncio.sleep(cfg.warmup_s)
             submitted = time.monotonic() - meter.origin
             socks = [tmp / f"sender{i + 1}.sock" for i in range(senders)]
@@ -233,15 +239,15 @@ async def _scenario_run(name: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Pa
     return _summarise(name, cfg, meter, list(reports), submitted, {**emulator, "children_cpu_s": cpu}, tcp)
 
 
-async def _start_tcp(congestion: str, cfg: FairnessConfig, spec: NetnsSpec, children: list[_Child],
-                     span_s: float) -> None:
+async def _start_tcp(congestion: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Path,
+                     children: list[_Child], span_s: float) -> None:
     params = {"host": spec.addr_b, "port": 0, "duration_s": span_s}
-    sink = await _Child.start("tcp-sink", spec.ns_b, "-m", "pfec.lab.bench.tcp_bulk", "sink",
+    sink = await _Child.start("tcp-sink", spec.ns_b, tmp, "-m", "pfec.lab.bench.tcp_bulk", "sink",
                               json.dumps(params))
     children.append(sink)
     ready = await sink.line(_READY_S)
     bulk_params = {**params, "port": ready["port"], "congestion_control": congestion}
-    children.append(await _Child.start("tcp-bulk", spec.ns_a, "-m", "pfec.lab.bench.tcp_bulk", "bulk",
+    children.append(await _Child.start("tcp-bulk", spec.ns_a, tmp, "-m", "pfec.lab.bench.tcp_bulk", "bulk",
                                        json.dumps(bulk_params)))
 
 
@@ -358,23 +364,32 @@ def _scenario(name: str, cfg: FairnessConfig) -> dict[str, Any]:
 def run_fairness_bench(
     cfg: FairnessConfig,
     scenarios: tuple[str, ...] = SCENARIOS,
+    repeats: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Each scenario once (module doc), in its own pair of namespaces; the result ``fairness.json`` holds."""
+    """Each scenario ``repeats`` times (module doc; the scenarios interleaved, so a busy spell of the
+    machine does not fall on one scenario), each run in its own pair of namespaces."""
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    if not 1 <= repeats <= 20:
+        raise ValueError(f"repeats must be in 1..20, got {repeats!r}")
     raise_priority()
+    load_before = list(os.getloadavg())
     rows: list[dict[str, Any]] = []
-    for name in scenarios:
-        rows.append(_scenario(name, cfg))
-        if progress is not None:
-            progress(len(rows), len(scenarios))
+    for run in range(1, repeats + 1):
+        for name in scenarios:
+            load = list(os.getloadavg())
+            rows.append({"run": run, "load_average_before": load, **_scenario(name, cfg)})
+            if progress is not None:
+                progress(len(rows), repeats * len(scenarios))
+    met = {name: [r["target_met"] for r in rows if r["scenario"] == name] for name in scenarios}
     return {
         "machine": machine_info(),
-        "load_average": list(os.getloadavg()),
+        "load_average": {"before": load_before, "after": list(os.getloadavg())},
         "inputs": {
             **asdict(cfg),
+            "repeats": repeats,
             "queue_packets": cfg.queue_packets,
             "loss": "none (drop-tail queue only)",
             "sender": "pfec sender serve, link.rate_control = path, told link_mbps; scheme heuristic, "
@@ -386,7 +401,7 @@ def run_fairness_bench(
         "targets": {
             "tcp_neighbour_min_share": TCP_SHARE_TARGET,
             "two_handoffs_min_share": TWO_HANDOFF_TARGET,
-            "met": {r["scenario"]: r["target_met"] for r in rows},
+            "met": {name: f"{sum(runs)} of {len(runs)} runs" for name, runs in met.items()},
         },
     }
 
@@ -395,9 +410,10 @@ def run_fairness_bench(
 
 
 def plot_fairness(result: dict[str, Any], path: Path) -> Path:
-    """Throughput per flow (top) and queueing delay (bottom) over time, one column per scenario."""
+    """Throughput per flow (top) and queueing delay (bottom) over time, one column per scenario (its first
+    run)."""
     plt = pyplot()
-    rows = result["scenarios"]
+    rows = [r for r in result["scenarios"] if r["run"] == 1]
     fig, axes = plt.subplots(2, len(rows), figsize=(5 * len(rows), 6), squeeze=False, sharex="col")
     link = result["inputs"]["link_mbps"]
     for col, r in enumerate(rows):
@@ -433,15 +449,16 @@ def write_fairness_bench(result: dict[str, Any], out_dir: Path) -> None:
         "# Fair to the neighbours (`pfec bench fairness`)",
         "",
         f"Network namespaces + TUN emulator ({m.get('cpu', '')}, {m.get('cores', '?')} cores, load average "
-        f"{', '.join(f'{x:.2f}' for x in result['load_average'])}): {inp['link_mbps']:g} Mbit/s, RTT "
+        f"before {', '.join(f'{x:.2f}' for x in result['load_average']['before'])}): "
+        f"{inp['link_mbps']:g} Mbit/s, RTT "
         f"{inp['rtt_ms']:g} ms, drop-tail queue {inp['queue_ms']:g} ms ({inp['queue_packets']} packets), "
         f"loss {inp['loss']}. Handoffs: {inp['sender']}; synthetic KV, {inp['tokens']} tokens, deadline "
         f"{inp['deadline_ms']:g} ms. Shares are of the link's capacity over the whole "
-        f"{inp['bin_ms']:g} ms bins of the handoffs' active period.",
+        f"{inp['bin_ms']:g} ms bins of the handoffs' active period. Every run is listed.",
         "",
-        "| scenario | shares of the link | utilisation | queue delay mean / p95 / max ms | utility "
-        "| start | emulator CPU | target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | run | load (1 min) | shares of the link | utilisation | queue delay mean/p95/max ms "
+        "| utility | start | emulator CPU | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["scenarios"]:
         w = r["window"] or {}
@@ -451,9 +468,12 @@ def write_fairness_bench(result: dict[str, Any], out_dir: Path) -> None:
             "queue_delay_ms_mean_of_bins", "queue_delay_ms_p95_of_bins", "queue_delay_ms_max"))
         utilisation = "-" if "link_utilisation" not in w else f"{w['link_utilisation']:.1%}"
         lines.append(
-            f"| {r['scenario']} | {_md_share(r['shares_of_link'])} | {utilisation} | {delay} | "
+            f"| {r['scenario']} | {r['run']} | {r['load_average_before'][0]:.2f} | "
+            f"{_md_share(r['shares_of_link'])} | {utilisation} | {delay} | "
             f"{utilities} | {starts} | {r['processes']['emulator_cpu_share']:.0%} of a core | "
             f">= {r['target_share']:.0%} each: {'met' if r['target_met'] else 'NOT met'} |"
         )
-    lines += ["", "![throughput and queueing delay per scenario](fairness.png)", ""]
+    met = ", ".join(f"{name} {text}" for name, text in result["targets"]["met"].items())
+    lines += ["", f"Targets met: {met}.", "",
+              "![throughput and queueing delay per scenario (each scenario's first run)](fairness.png)", ""]
     (out_dir / "fairness.md").write_text("\n".join(lines))
