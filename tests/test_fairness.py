@@ -85,6 +85,7 @@ def test_a_short_handoff_next_to_kernel_tcp_through_the_namespaces(tmp_path: Pat
         assert row["flow_totals"][key]["delivered_bytes"] > 100_000, (label, row["flow_totals"])
         assert max(row["series"]["mbps"][label]) > 1.0
     assert row["handoffs"][0]["outcome"] == "done", row["handoffs"]
+    assert row["flows"]["handoff"] == f"udp:{row['handoffs'][0]['source_port']}"  # paired by the receiver
     assert row["window"] is not None and set(row["shares_of_link"]) == {"handoff", "tcp-cubic"}
     assert 0 < sum(row["shares_of_link"].values()) <= 1.05  # IP bytes through a link of that capacity
     assert len(row["series"]["t_s"]) == len(row["series"]["queue_delay_ms_mean"])

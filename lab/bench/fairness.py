@@ -60,8 +60,8 @@ RECEIVER_PORT: Final = 7400
 PACKET_BYTES: Final = 1500  # sizing the queue in packets (the TUN's MTU)
 _READY_S: Final = 60.0  # daemon start-up (numba kernels load) and endpoint ready lines
 _SLACK_S: Final = 30.0  # a handoff's report may come this long after its deadline
-_REPORT_KEYS: Final = ("state", "outcome", "recovered_utility", "start", "n_source", "stream_bytes",
-                       "deadline_ms", "rate_mbps", "path_rate", "error")
+_REPORT_KEYS: Final = ("session_id", "state", "outcome", "recovered_utility", "start", "n_source",
+                       "stream_bytes", "deadline_ms", "rate_mbps", "path_rate", "error")
 # The package's parent folder, for the children's PYTHONPATH (a worktree's code, not an installed copy).
 _PACKAGE_PARENT: Final = Path(__file__).absolute().parents[3]
 
@@ -228,7 +228,11 @@ async def _scenario_run(name: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Pa
                 await asyncio.sleep(cfg.warmup_s)
             submitted = time.monotonic() - meter.origin
             socks = [tmp / f"sender{i + 1}.sock" for i in range(senders)]
+            done = asyncio.Event()
+            peers_task = asyncio.create_task(_session_ports(tmp / "receiver.sock", done))
             reports = await asyncio.gather(*(_handoff(s, spec, cfg) for s in socks))
+            done.set()
+            ports = await peers_task
             await asyncio.sleep(cfg.tail_s)
             emulator = _emulator_cpu(cpu0, wall0, bridge.stats())
         finally:
@@ -236,7 +240,25 @@ async def _scenario_run(name: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Pa
                 if child.name == "tcp-bulk" and child.proc.returncode is None:
                     tcp.update(await _stop_bulk(child))
                 cpu[child.name] = await child.stop()
+    for report in reports:  # which flow is whose: the receiver saw each session's source port
+        report["source_port"] = ports.get(str(report.get("session_id")))
     return _summarise(name, cfg, meter, list(reports), submitted, {**emulator, "children_cpu_s": cpu}, tcp)
+
+
+async def _session_ports(sock: Path, done: asyncio.Event) -> dict[str, int]:
+    """Session id -> the sender's UDP source port, from the receiver's live sessions (polled until the
+    handoffs are ``done``: a session leaves the list when it ends)."""
+    ports: dict[str, int] = {}
+    client = ControlClient(sock)
+    while not done.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 0.2)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            _, body = await client.request("GET", "/sessions")
+            for view in body["sessions"]:
+                if view.get("peer"):
+                    ports[str(view["session_id"])] = int(str(view["peer"]).rsplit(":", 1)[1])
+    return ports
 
 
 async def _start_tcp(congestion: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Path,
@@ -274,9 +296,10 @@ def _emulator_cpu(cpu0: float, wall0: float, stats: dict[str, Any]) -> dict[str,
 # --------------------------------------------------------------------------- analysis
 
 
-def _labels(name: str, meter: FlowMeter) -> dict[str, str]:
-    """Flow label -> the meter's flow key: the handoffs are the busiest UDP flows (in the order their data
-    began), TCP the busiest TCP flow. A missing flow maps to a key no packet has (its bytes are 0)."""
+def _labels(name: str, meter: FlowMeter, reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Flow label -> the meter's flow key: handoff-i is sender daemon i's session (by the source port the
+    receiver saw; failing that, the busiest UDP flows in the order their data began), TCP the busiest
+    TCP flow. A missing flow maps to a key no packet has (its bytes are 0)."""
 
     def busiest(proto: str, n: int) -> list[str]:
         keys = sorted((k for k in meter.flows if k.startswith(proto)),
@@ -284,9 +307,12 @@ def _labels(name: str, meter: FlowMeter) -> dict[str, str]:
         keys.sort(key=lambda k: meter.flows[k].first_data_s)
         return keys + [f"{proto}missing-{i}" for i in range(n - len(keys))]
 
+    handoffs = busiest("udp:", len(reports))
+    if all(r.get("source_port") for r in reports):
+        handoffs = [f"udp:{r['source_port']}" for r in reports]
     if name == "two-handoffs":
-        return {f"handoff-{i + 1}": key for i, key in enumerate(busiest("udp:", 2))}
-    return {"handoff": busiest("udp:", 1)[0], f"tcp-{name}": busiest("tcp:", 1)[0]}
+        return {f"handoff-{i + 1}": key for i, key in enumerate(handoffs)}
+    return {"handoff": handoffs[0], f"tcp-{name}": busiest("tcp:", 1)[0]}
 
 
 def _window(name: str, labels: dict[str, str], meter: FlowMeter) -> tuple[int, int] | None:
@@ -303,7 +329,7 @@ def _window(name: str, labels: dict[str, str], meter: FlowMeter) -> tuple[int, i
 
 def _summarise(name: str, cfg: FairnessConfig, meter: FlowMeter, reports: list[dict[str, Any]],
                submitted_s: float, processes: dict[str, Any], tcp: dict[str, Any]) -> dict[str, Any]:
-    labels = _labels(name, meter)
+    labels = _labels(name, meter, reports)
     used = max((int(np.flatnonzero(f.bytes_by_bin).max()) + 1 for f in meter.flows.values()
                 if f.bytes_by_bin.any()), default=0)
     means, worst = meter.queue_delay_ms()
