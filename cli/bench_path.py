@@ -1,4 +1,5 @@
-"""`pfec bench rate-control` (the path-measuring benchmarks live apart from cli/lab.py's other benches)."""
+"""`pfec bench rate-control` and `pfec bench fairness` (the path-measuring benchmarks live apart from
+cli/lab.py's other benches)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,35 @@ def bench_traces_cmd(
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_trace_bench, out_dir, "traces.md", as_json)
+
+
+def bench_fairness_cmd(
+    duration_s: Annotated[float, typer.Option(
+        help="Each handoff's deadline, s: how long it shares the bottleneck.")] = 6.0,
+    scenarios: Annotated[str, typer.Option(help="Comma-separated: cubic, bbr, two-handoffs.")] =
+        "cubic,bbr,two-handoffs",
+    link_mbps: Annotated[float, typer.Option(help="The bottleneck's rate, each way.")] = 100.0,
+    rtt_ms: RttOpt = 20.0,
+    queue_ms: Annotated[float, typer.Option(help="Drop-tail queue depth at the link's rate.")] = 100.0,
+    tokens: TokensOpt = 4096,
+    warmup_s: Annotated[float, typer.Option(help="The TCP flow runs alone this long first.")] = 3.0,
+    repeats: Annotated[int, typer.Option(min=1, max=20, help="Runs of each scenario.")] = 3,
+    as_json: ResultJsonOpt = False,
+    out_dir: Annotated[Path, typer.Option(help="Where fairness.json, .md and .png go.")] = DOCS_BENCH,
+) -> None:
+    """A path-controlled handoff sharing one bottleneck with a kernel TCP bulk flow (CUBIC, then BBR), and
+    two handoffs from two sender daemons through one bottleneck (network namespaces and TUN, root)."""
+    from pfec.lab.bench.fairness import FairnessConfig, run_fairness_bench, write_fairness_bench  # deferred
+    from pfec.lab.emulator.netns import netns_available  # deferred
+
+    ok, why = netns_available()
+    if not ok:
+        raise fail(f"pfec bench fairness runs over network namespaces and TUN devices: {why}")
+    try:
+        cfg = FairnessConfig(link_mbps=link_mbps, rtt_ms=rtt_ms, queue_ms=queue_ms, tokens=tokens,
+                             deadline_ms=duration_s * 1000, warmup_s=warmup_s)
+        names = tuple(s.strip() for s in scenarios.split(",") if s.strip())
+        result = run_fairness_bench(cfg, names, repeats, progress=progress_line("bench fairness"))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    _write_bench(result, write_fairness_bench, out_dir, "fairness.md", as_json)

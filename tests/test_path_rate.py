@@ -134,6 +134,24 @@ def test_loss_from_a_full_queue_is_congestion_and_cuts_the_rate() -> None:
     assert rate.estimate_bps <= 50e6
 
 
+def test_a_queue_standing_before_the_first_sample_does_not_hide_congestion() -> None:
+    """A CUBIC neighbour's standing queue inflates the first min RTT (80 ms on a path told 20 ms): drop-tail
+    loss with 25 ms more queue than that is still congestion (the queue thresholds scale with the smaller
+    of the min RTT and the path's prior, not with the inflated min RTT: pfec bench fairness)."""
+    rate = PathRate(100e6, DATAGRAM, rtt_prior_s=2 * OWD)
+    now = 0.0
+    rate.on_rtt_measurement(now, 0.08)
+    for _ in range(6):  # rounds of 80 ms: 800 datagrams sent, 10% lost, RTT 25 ms above the first sample
+        for _ in range(800):
+            rate.on_packet_sent(now, DATAGRAM)
+        now += 0.08
+        rate.on_rtt_measurement(now, 0.105)
+        rate.on_packets_lost(now, 80)
+        rate.on_packets_delivered(now, 720)
+    assert rate.congestion_events >= 1
+    assert rate.loss_floor < 0.02  # the neighbour's drops were not learnt as the channel's random loss
+
+
 def test_the_breaker_trips_when_the_path_stops_delivering_and_says_why() -> None:
     rate = _controller(100.0)
     link = Bottleneck(rate, 100e6)

@@ -21,13 +21,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from pfec.lab.emulator.link import DeliveryQueue, EmulatorConfig, LinkDirection, LinkFront
 
-__all__ = ["NetnsSpec", "TunBridge", "netns_available", "setup_namespaces", "teardown_namespaces"]
+__all__ = ["NetnsSpec", "Tap", "TunBridge", "netns_available", "setup_namespaces", "teardown_namespaces"]
 
 _CLONE_NEWNET: Final = 0x40000000
 _TUNSETIFF: Final = 0x400454CA
@@ -35,6 +36,8 @@ _IFF_TUN: Final = 0x0001
 _IFF_NO_PI: Final = 0x1000
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 _READ_BATCH: Final = 256  # TUN packets read per readiness callback (fairness between directions)
+#: Sees each packet one direction admitted or dropped: (arrival time, IP packet, delivery time or None).
+Tap = Callable[[float, bytes, float | None], None]
 
 
 @dataclass(frozen=True)
@@ -170,11 +173,19 @@ class TunBridge(LinkFront):
 
     ``setup_namespaces(spec)`` first (and ``teardown_namespaces(spec)`` in a ``finally``); then
     ``async with TunBridge(cfg, spec) as bridge:`` run ``ip netns exec <ns_b> ...`` daemons.
+    ``forward_tap(now, packet, deliver_at or None)`` sees every forward packet the link admitted or dropped
+    (``flows.FlowMeter.record``: who got how much of the bottleneck).
     """
 
-    def __init__(self, config: EmulatorConfig, spec: NetnsSpec = NetnsSpec()) -> None:
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        spec: NetnsSpec = NetnsSpec(),
+        forward_tap: Tap | None = None,
+    ) -> None:
         super().__init__(config)
         self.spec = spec
+        self._forward_tap = forward_tap
         self._fds: list[int] = []
         self._queues: list[DeliveryQueue] = []
 
@@ -184,8 +195,8 @@ class TunBridge(LinkFront):
         fwd_q = DeliveryQueue(loop, self.forward, lambda d: self._write(fd_b, d))
         rev_q = DeliveryQueue(loop, self.reverse, lambda d: self._write(fd_a, d))
         self._queues = [fwd_q, rev_q]
-        loop.add_reader(fd_a, self._pump, fd_a, self.forward, fwd_q)
-        loop.add_reader(fd_b, self._pump, fd_b, self.reverse, rev_q)
+        loop.add_reader(fd_a, self._pump, fd_a, self.forward, fwd_q, self._forward_tap)
+        loop.add_reader(fd_b, self._pump, fd_b, self.reverse, rev_q, None)
 
     def _open_devices(self) -> tuple[int, int]:
         """Both TUN devices, addressed and up: (side A's fd, side B's fd)."""
@@ -212,7 +223,7 @@ class TunBridge(LinkFront):
             return False
 
     @staticmethod
-    def _pump(fd: int, link: LinkDirection, queue: DeliveryQueue) -> None:
+    def _pump(fd: int, link: LinkDirection, queue: DeliveryQueue, tap: Tap | None) -> None:
         now = time.monotonic()
         for _ in range(_READ_BATCH):
             try:
@@ -224,6 +235,8 @@ class TunBridge(LinkFront):
                     return
                 raise
             at = link.offer(now, len(pkt))
+            if tap is not None:
+                tap(now, pkt, at)
             if at is not None:
                 queue.push(at, pkt)
 

@@ -69,10 +69,10 @@ DEEPEST_CUT: Final = 0.5  # ... of the round's delivery rate, if lower, but not 
 LOSS_MARGIN: Final = 0.02  # loss share above the random-loss floor that counts as congestion
 FLOOR_GAIN: Final = 0.125  # weight of a queue-free round's loss in the random-loss floor
 QUEUE_CONGESTED_S: Final = 0.01  # queueing delay above which loss may be congestion (a probe queues less) ...
-QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the min RTT, if more ...
+QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the base RTT (``_base_rtt``), if more ...
 QUEUED_ROUNDS: Final = 2  # ... in this many rounds in a row
 QUEUE_STANDING_S: Final = 0.01  # a standing queue (two rounds above it: drain) ...
-QUEUE_STANDING_RTT: Final = 0.5  # ... or this share of the min RTT, if more
+QUEUE_STANDING_RTT: Final = 0.5  # ... or this share of the base RTT, if more
 FORECAST_ROUNDS: Final = 16
 FORECAST_QUANTILE: Final = 0.2
 FORECAST_MIN_SAMPLES: Final = 4
@@ -318,13 +318,16 @@ class PathRate:
                                    f"{BREAKER_WINDOW_S:.1f} s")
 
     def _queue_congested(self) -> float:
-        return max(QUEUE_CONGESTED_S, QUEUE_CONGESTED_RTT * self._finite_min_rtt())
+        return max(QUEUE_CONGESTED_S, QUEUE_CONGESTED_RTT * self._base_rtt())
 
     def _queue_standing(self) -> float:
-        return max(QUEUE_STANDING_S, QUEUE_STANDING_RTT * self._finite_min_rtt())
+        return max(QUEUE_STANDING_S, QUEUE_STANDING_RTT * self._base_rtt())
 
-    def _finite_min_rtt(self) -> float:
-        return 0.0 if self.min_rtt == math.inf else self.min_rtt
+    def _base_rtt(self) -> float:
+        """The round trip the queue thresholds scale with: the min RTT, never above the path's prior. A
+        queue another flow (CUBIC) keeps standing from before our first sample inflates the min RTT, and
+        thresholds scaled with it took that flow's drop-tail losses for the channel's (fairness bench)."""
+        return 0.0 if self.min_rtt == math.inf else min(self.min_rtt, self._rtt_prior)
 
     def _congested(self, loss: float, now: float) -> bool:
         """Loss above the random floor with a queue standing, and not the echo of a cut or a drain."""
