@@ -26,7 +26,7 @@ def bench_rate_control_cmd(
 ) -> None:
     """Fixed pacing at a told rate against link.rate_control = path, told 0.25-4x the link's rate (real
     daemons through the relay emulator)."""
-    from pfec.lab.bench.rate_control import run_rate_control_bench, write_rate_control_bench  # deferred
+    from pfec.lab.pathbench.rate_control import run_rate_control_bench, write_rate_control_bench  # deferred
 
     try:
         result = run_rate_control_bench([float(x) for x in links.split(",")],
@@ -52,7 +52,7 @@ def bench_traces_cmd(
 ) -> None:
     """Real handoffs through the relay emulator on rate traces (link.rate_control = path, and fixed at the
     trace's mean) against the simulated trace oracle of the same starts."""
-    from pfec.lab.bench.trace_handoffs import run_trace_bench, write_trace_bench  # deferred
+    from pfec.lab.pathbench.trace_handoffs import run_trace_bench, write_trace_bench  # deferred
 
     if len(trace) != len(scale):
         raise fail(f"--scale: give one per --trace ({len(trace)} traces, {len(scale)} scales)")
@@ -81,8 +81,12 @@ def bench_fairness_cmd(
 ) -> None:
     """A path-controlled handoff sharing one bottleneck with a kernel TCP bulk flow (CUBIC, then BBR), and
     two handoffs from two sender daemons through one bottleneck (network namespaces and TUN, root)."""
-    from pfec.lab.bench.fairness import FairnessConfig, run_fairness_bench, write_fairness_bench  # deferred
     from pfec.lab.emulator.netns import netns_available  # deferred
+    from pfec.lab.pathbench.fairness import (  # deferred
+        FairnessConfig,
+        run_fairness_bench,
+        write_fairness_bench,
+    )
 
     ok, why = netns_available()
     if not ok:

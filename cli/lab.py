@@ -533,7 +533,7 @@ def _write_bench(
     as_json: bool,
 ) -> None:
     """Stamp the machine, write the benchmark's files, print the JSON or the Markdown it wrote."""
-    from pfec.lab.bench.drivers import machine_info  # deferred: numba (keeps `pfec --help` fast)
+    from pfec.lab.reporting.machine import machine_info  # deferred: numba (keeps `pfec --help` fast)
 
     result["machine"] = machine_info()
     write(result, out_dir)

@@ -1,11 +1,11 @@
-"""`pfec bench traces` (lab/bench/trace_handoffs.py), small: real daemons through the relay on a trace this
-test makes, against the simulated oracle of the same start. Structure and bounds, not the figures."""
+"""`pfec bench traces` (lab/pathbench/trace_handoffs.py), small: real daemons through the relay on a trace
+this test makes, against the simulated oracle of the same start. Structure and bounds, not the figures."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pfec.lab.bench.trace_handoffs import run_trace_bench, write_trace_bench
+from pfec.lab.pathbench.trace_handoffs import run_trace_bench, write_trace_bench
 from pfec.lab.sim.rate_trace import step_trace
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pfec.lab.bench.fairness import FairnessConfig, run_fairness_bench, write_fairness_bench
 from pfec.lab.emulator.flows import MAX_FLOWS, OTHER, FlowMeter, flow_of
 from pfec.lab.emulator.netns import netns_available
+from pfec.lab.pathbench.fairness import FairnessConfig, run_fairness_bench, write_fairness_bench
 
 _NETNS_OK, _NETNS_WHY = netns_available()
 

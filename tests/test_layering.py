@@ -58,6 +58,7 @@ LAB_ROOMS: dict[str, set[str]] = {
     "demo": {"sim", "kv", "reporting", "processes"},
     "eval": {"sim", "baselines", "kv", "train", "reporting"},
     "bench": {"sim", "kv", "emulator", "reporting", "processes", "demo"},
+    "pathbench": {"sim", "emulator", "reporting", "processes"},
 }
 # The simulator runs the sans-IO sessions in simulated time: outside the lab it imports only the sans-IO
 # core, and no event loop, socket, thread or model (``time`` only to report its own wall time).

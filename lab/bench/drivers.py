@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,26 +15,6 @@ from pfec.lab.sim.simulate import RunResult, SimConfig, prepare, run_scheme
 from pfec.sender.transport.repair_plan import warm_up
 
 OVERHEAD_PARTS = ("encode", "decode", "feedback", "policy")
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine a benchmark ran on (CPU model, cores, Python, platform), recorded with its result."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        # What else ran: a real-time figure from a busy machine says little about the code.
-        "load_average_1m": round(os.getloadavg()[0], 2),
-    }
 
 
 def overhead_per_1k(run: RunResult) -> dict[str, float]:

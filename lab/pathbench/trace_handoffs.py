@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from pfec.common.node.eventloop import run_event_loop
-from pfec.lab.bench.drivers import machine_info
-from pfec.lab.bench.rate_control import MAIN_LOSS, handoff_row, relay_handoff
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
+from pfec.lab.pathbench.rate_control import MAIN_LOSS, handoff_row, relay_handoff
+from pfec.lab.reporting.machine import machine_info
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.rate_trace import RateTrace, load_rate_trace, rotated
 from pfec.lab.sim.simulate import SimConfig, prepare, run_scheme

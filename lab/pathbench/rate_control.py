@@ -22,9 +22,9 @@ from typing import Any, Final
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.lab.bench.drivers import machine_info
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
 from pfec.lab.emulator.relay import UdpRelay
+from pfec.lab.reporting.machine import machine_info
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.sender.daemon import SenderDaemon

@@ -43,12 +43,12 @@ import numpy as np
 
 from pfec.common.node.control import ControlClient
 from pfec.common.node.eventloop import run_event_loop
-from pfec.lab.bench.drivers import machine_info
 from pfec.lab.emulator.flows import FlowMeter
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
 from pfec.lab.emulator.netns import NetnsSpec, TunBridge, setup_namespaces, teardown_namespaces
 from pfec.lab.processes import raise_priority
 from pfec.lab.reporting.figures import pyplot, save_figure
+from pfec.lab.reporting.machine import machine_info
 
 __all__ = ["SCENARIOS", "FairnessConfig", "run_fairness_bench", "write_fairness_bench"]
 
@@ -264,13 +264,13 @@ async def _session_ports(sock: Path, done: asyncio.Event) -> dict[str, int]:
 async def _start_tcp(congestion: str, cfg: FairnessConfig, spec: NetnsSpec, tmp: Path,
                      children: list[_Child], span_s: float) -> None:
     params = {"host": spec.addr_b, "port": 0, "duration_s": span_s}
-    sink = await _Child.start("tcp-sink", spec.ns_b, tmp, "-m", "pfec.lab.bench.tcp_bulk", "sink",
+    sink = await _Child.start("tcp-sink", spec.ns_b, tmp, "-m", "pfec.lab.pathbench.tcp_bulk", "sink",
                               json.dumps(params))
     children.append(sink)
     ready = await sink.line(_READY_S)
     bulk_params = {**params, "port": ready["port"], "congestion_control": congestion}
-    children.append(await _Child.start("tcp-bulk", spec.ns_a, tmp, "-m", "pfec.lab.bench.tcp_bulk", "bulk",
-                                       json.dumps(bulk_params)))
+    children.append(await _Child.start("tcp-bulk", spec.ns_a, tmp, "-m", "pfec.lab.pathbench.tcp_bulk",
+                                       "bulk", json.dumps(bulk_params)))
 
 
 async def _stop_bulk(bulk: _Child) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The long-running kernel TCP neighbour of `pfec bench fairness`: a bulk sender and a sink, one process each.
 
-``python -m pfec.lab.bench.tcp_bulk ROLE JSON`` (stdlib only, started with ``ip netns exec NS``, so the
+``python -m pfec.lab.pathbench.tcp_bulk ROLE JSON`` (stdlib only, started with ``ip netns exec NS``, so the
 sockets are the namespace's real kernel TCP). The sink binds, prints one JSON ready line with its port,
 accepts one connection and reads (discarding) until the sender closes or ``duration_s`` and a grace period
 have passed. The sender sets ``TCP_CONGESTION`` (cubic, bbr: the driver checked the kernel offers it),
@@ -86,5 +86,5 @@ ROLES: Final[dict[str, Callable[[dict[str, Any]], None]]] = {"sink": _sink, "bul
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
-        sys.exit(f"usage: python -m pfec.lab.bench.tcp_bulk {{{','.join(ROLES)}}} JSON")
+        sys.exit(f"usage: python -m pfec.lab.pathbench.tcp_bulk {{{','.join(ROLES)}}} JSON")
     ROLES[sys.argv[1]](json.loads(sys.argv[2]))
