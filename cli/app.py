@@ -41,6 +41,9 @@ app.command("eval-trace", help="Write the synthetic example loss trace for trace
 app.command("eval-render", help="Rewrite the eval docs from a saved `pfec eval` result.")(
     eval_commands.eval_render_cmd
 )
+app.command("eval-trace-cells", help="Run only the eval's trace cells and add them to a saved result.")(
+    eval_commands.eval_traces_cmd
+)
 app.command("sim")(lab.sim_cmd)
 app.command("handoff")(handoff_cmd)
 app.command("demo")(lab.demo_cmd)

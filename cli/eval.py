@@ -150,8 +150,9 @@ def eval_cmd(
     ] = None,
     trace_files: Annotated[
         str | None,
-        typer.Option(help="Mahimahi rate traces for the trace cells, comma-separated, or 'none' [every file "
-                     "in $PFEC_TRACES_DIR, else in ../shared/traces beside the checkout; small none]."),
+        typer.Option(help="Mahimahi rate traces for the trace cells, comma-separated, or 'none' (default: "
+                     "every file in $PFEC_TRACES_DIR, else in ../shared/traces beside the checkout; "
+                     "small: none)."),
     ] = None,
     trace_realizations: Annotated[
         int | None, typer.Option(help="Realizations (each from its own start in the trace) per trace cell "
@@ -305,3 +306,49 @@ def eval_trace_cmd(
         else f"wrote {info['path']}: {info['entries']} entries, {info['probes']} probes, "
         f"mean loss {info['mean_loss']:.2%}"
     )
+
+
+def eval_traces_cmd(
+    result_json: Annotated[Path, typer.Option(
+        "--result", help="The saved `pfec eval` result the trace cells join.")] = OUT_DIR / "eval.json",
+    trace_files: Annotated[str | None, typer.Option(
+        help="Mahimahi rate traces, comma-separated (default: every file in $PFEC_TRACES_DIR, else in "
+        "../shared/traces beside the checkout).")
+    ] = None,
+    trace_realizations: Annotated[int, typer.Option(min=1, help="Realizations per trace cell.")] = 6,
+    reliable_realizations: Annotated[int, typer.Option(
+        min=0, help="0 skips the real TCP/QUIC rows of the trace cells (real time); else they run.")] = 1,
+    out_dir: OutDirOpt = OUT_DIR,
+    figures_dir: FiguresDirOpt = FIGURES_DIR,
+    results_md: ResultsMdOpt = RESULTS_MD,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run only `pfec eval`'s trace cells, with a saved result's settings, and add them to it (the rest of
+    the result is kept as it was measured; the trace cells carry this command)."""
+    from pfec.lab.eval.config import EvalConfig, default_trace_files  # deferred: numba
+    from pfec.lab.eval.traces import TRACE_SCHEMES, trace_sweep  # deferred: numba
+
+    try:
+        result = json.loads(result_json.read_text())
+        saved = result["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise fail(f"cannot read {str(result_json)!r} as a `pfec eval` result: {exc}") from None
+    files = default_trace_files() if trace_files is None else tuple(parse_names(trace_files))
+    absent = [f for f in files if not Path(f).is_file()]
+    if absent or not files:
+        raise fail(f"--trace-files: {', '.join(absent) or 'none found'}")
+    keep = ("tokens", "rate_mbps", "rtt_ms", "seed", "jobs", "reverse_lossy", "profile")
+    fields = {k: saved[k] for k in keep if k in saved}
+    if "profile" in fields and fields["profile"] != "synthetic" and not Path(fields["profile"]).is_file():
+        fields.pop("profile")  # a result saved in another checkout: this one's shipped profile
+    try:
+        cfg = EvalConfig(**fields, configs=tuple(tuple(c) for c in saved.get("configs", ())) or
+                         EvalConfig().configs, trace_files=files, trace_realizations=trace_realizations,
+                         reliable_realizations=reliable_realizations)
+        traces = trace_sweep(cfg, list(TRACE_SCHEMES), progress_lines(sys.stderr))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    traces["command"] = " ".join(["pfec eval-trace-cells", f"--trace-realizations {trace_realizations}",
+                                  f"--reliable-realizations {reliable_realizations}"])
+    result["traces"] = traces
+    _write_and_print(result, out_dir, figures_dir, results_md, as_json)

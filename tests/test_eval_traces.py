@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def _write(trace_path: Path) -> Path:
 def test_each_trace_gives_a_scaled_and_an_own_rate_cell_with_every_scheme_against_the_oracle(
         tmp_path: Path) -> None:
     path = _write(tmp_path / "markov.up")
-    cfg = replace(SMALL, trace_files=(str(path),), trace_realizations=2, tokens=768, jobs=1)
+    cfg = replace(SMALL, trace_files=(str(path),), trace_realizations=2, tokens=768, jobs=1,
+                  reliable_realizations=0)
     cells = trace_cells(cfg)
     assert [c.rate for c in cells] == ["scaled", "own"]
     scaled = load_rate_trace(path, cells[0].scale)
@@ -49,6 +51,23 @@ def test_each_trace_gives_a_scaled_and_an_own_rate_cell_with_every_scheme_agains
     assert "markov.up x1 |" in text and "Moving links" in text
 
 
+def test_real_tcp_and_quic_meet_the_same_trace_starts(tmp_path: Path) -> None:
+    """The trace cells' real rows: QUIC over the relay (and kernel TCP/BBR where namespaces can be made),
+    on realization r's start in the trace, scored against the oracle of the same realization."""
+    path = _write(tmp_path / "markov.up")
+    cfg = replace(SMALL, trace_files=(str(path),), trace_realizations=1, tokens=192, jobs=1)
+    result = trace_sweep(cfg, list(TRACE_SCHEMES))
+    for cell in result["cells"]:
+        quic = cell["schemes"]["quic"]
+        assert len(quic["recovered_utility_runs"]) == 1 and "qh3" in quic["definition"]
+        assert 0 <= quic["recovered_utility_mean"] <= 1
+        if "reliable_skipped" not in cell:
+            assert len(cell["schemes"]["tcp/bbr"]["recovered_utility_runs"]) == 1
+        else:
+            assert "tcp/bbr" in cell["reliable_skipped"]
+    assert "quic (of oracle)" in "\n".join(trace_section(result))
+
+
 def test_no_trace_files_skips_the_stage_with_the_reason(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     assert "no trace files" in trace_sweep(SMALL, list(TRACE_SCHEMES))["skipped"]
@@ -68,3 +87,21 @@ def test_a_missing_or_malformed_trace_file_is_refused_with_its_name(tmp_path: Pa
     cfg = replace(SMALL, trace_files=(str(bad),))
     with pytest.raises(ValueError, match=r"bad.up:3"):
         trace_cells(cfg)
+
+
+def test_eval_trace_cells_adds_the_cells_to_a_saved_result_and_its_section(tmp_path: Path) -> None:
+    saved = Path(__file__).resolve().parents[1] / "docs" / "results" / "eval.json"
+    result = tmp_path / "eval.json"
+    result.write_text(saved.read_text())
+    trace = _write(tmp_path / "markov.up")
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Results\n")
+    res = CliRunner().invoke(app, [
+        "eval-trace-cells", "--result", str(result), "--trace-files", str(trace), "--trace-realizations", "1",
+        "--reliable-realizations", "0", "--out-dir", str(tmp_path / "out"), "--figures-dir", str(tmp_path),
+        "--results-md", str(md)])
+    assert res.exit_code == 0, res.output
+    written = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert written["traces"]["command"].startswith("pfec eval-trace-cells")
+    assert written["cells"] == json.loads(saved.read_text())["cells"]  # the rest as it was measured
+    assert "markov.up x1 |" in md.read_text()

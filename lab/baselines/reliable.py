@@ -46,11 +46,12 @@ beside the mean.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -69,7 +70,7 @@ from pfec.lab.baselines.runs import (
 )
 from pfec.lab.emulator.netns import netns_available
 from pfec.lab.reporting.stats import mean_ci95_fields
-from pfec.lab.sim.rate_trace import queue_limit_bytes
+from pfec.lab.sim.rate_trace import RateTrace, queue_limit_bytes
 from pfec.lab.sim.simulate import Handoff, SimConfig, prepare, report
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "ReliableRun",
     "ReliableScheme",
     "available_congestion_controls",
+    "netns_available",  # whether the TCP runs can make their namespaces here (lab/emulator/netns.py)
     "run_reliable",
     "score_prefix",
 ]
@@ -301,6 +303,7 @@ def run_reliable(
     congestion_control: str | None = None,
     quic_stack: str = DEFAULT_QUIC_STACK,
     queue_packets: int = DEFAULT_QUEUE_PACKETS,
+    traces: Sequence[RateTrace] | None = None,
 ) -> dict[str, Any]:
     """Carry the simulator's payload over real TCP or QUIC ``realizations`` times; a simulate()-like report.
 
@@ -310,7 +313,8 @@ def run_reliable(
     ``QUIC_STACKS``. The emulated link is ``config``'s: ``rate_mbps`` each way behind drop-tail queues of
     ``queue_packets`` datagrams, or with ``config.rate_trace`` a forward bottleneck following the trace
     (``config.queue_bytes`` deep) and the reverse at ``rate_mbps``; the deadline is ``config``'s (rho of the
-    serialisation time at ``rate_mbps``).
+    serialisation time at ``rate_mbps``). ``traces``: realization r's forward trace instead (one per
+    realization; the eval's trace cells meet a trace from a start of its own per realization).
     Raises ValueError for a bad protocol, count, congestion control or stack, OSError when TCP cannot create
     namespaces (not root).
     """
@@ -320,6 +324,8 @@ def run_reliable(
     proto = scheme.protocol
     if isinstance(realizations, bool) or not isinstance(realizations, int) or realizations < 1:
         raise ValueError(f"realizations must be an int >= 1, got {realizations!r}")
+    if traces is not None and len(traces) != realizations:
+        raise ValueError(f"give one trace per realization ({len(traces)} for {realizations} realizations)")
     emulator_config(config, 0, queue_packets)  # a bad queue depth fails here, before any run
     handoff = prepare(config)
     runs: list[ReliableRun] = []
@@ -330,7 +336,8 @@ def run_reliable(
         certs = run_certificates(tmp) if proto == "quic" else ("", "", "")
         for r in range(realizations):
             cpu0 = time.process_time()
-            link = emulator_config(config, r, queue_packets)
+            run_config = config if traces is None else dataclasses.replace(config, rate_trace=traces[r])
+            link = emulator_config(run_config, r, queue_packets)
             once = (
                 tcp_run(handoff, payload_path, link, congestion_control)
                 if proto == "tcp"
@@ -367,6 +374,7 @@ def _aggregate(
     return {
         **mean_ci95_fields("recovered_utility", [r.utility for r in runs]),
         "recovered_utility_median": float(np.median([r.utility for r in runs])),
+        "recovered_utility_runs": [r.utility for r in runs],
         **mean_ci95_fields("recovered_symbol_fraction", [r.fragments / n_source for r in runs]),
         "blocks_recovered_mean": float(np.mean([r.blocks for r in runs])),
         "in_order_bytes_mean": float(np.mean([r.in_order_bytes for r in runs])),
