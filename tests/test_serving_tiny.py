@@ -3,36 +3,12 @@ masks, exactly as the handoff's own decoding reads it, and the stored entry is n
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pfec.common.model import llm, serving
 
 VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def tiny() -> llm.ModelRuntime:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=10000.0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
-    backend = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w2")
-    return llm.runtime_from_model(model, tok, "tiny-llama", Path("."), "0" * 64, "fp32")
 
 
 def test_a_partial_cache_is_served_with_its_masks_and_left_intact(tiny: llm.ModelRuntime) -> None:
