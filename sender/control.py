@@ -296,10 +296,14 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
     async def list_handoffs(_request: web.Request) -> web.Response:
         return web.json_response({"handoffs": [h.view() for h in daemon.handoffs.values()]})
 
+    async def list_paths(_request: web.Request) -> web.Response:
+        return web.json_response({"rate_control": daemon.rate_control, "paths": daemon.paths_view()})
+
     return [
         web.post("/handoffs", post_handoff),
         web.get("/handoffs", list_handoffs),
         web.get("/handoffs/{id}", get_handoff),
+        web.get("/paths", list_paths),
         *node_routes(daemon),
         *(daemon.face.routes() if daemon.face is not None else []),
     ]

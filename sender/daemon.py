@@ -354,6 +354,12 @@ class SenderDaemon:
         self.peers.record_query(destination.address, answer.receiver, answer.rtt_s)
         return "stated by the receiver (asked before this first handoff)"
 
+    def paths_view(self) -> list[dict[str, Any]]:
+        """Each receiver's path controller as it stands (``GET /paths``; path control only): the per-peer
+        view beside each handoff's ``path_rate`` and the metrics' latest values."""
+        return [{"receiver": address, **path_rate_report(link.controller, 0)}
+                for address, link in self._paths.items() if link.controller is not None]
+
     def _planning_rate(self, address: str) -> tuple[float | None, str]:
         """The rate the planner divides by for a handoff to ``address`` and where it comes from: under
         ``path``, the cautious forecast of that receiver's controller once a handoff there measured it."""

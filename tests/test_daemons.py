@@ -1070,6 +1070,8 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
     identity = synthetic_identity(SMALL)
     link = EmulatorConfig(DirectionSpec(10e6, 0.005, queue_packets=100), DirectionSpec(10e6, 0.005), seed=1)
 
+    views: list[dict[str, Any]] = []
+
     async def main(control: str, handoffs: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rx = ReceiverDaemon(identity, PSK)
         await rx.start("127.0.0.1", 0)
@@ -1083,6 +1085,7 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
                 if reports[-1]["outcome"] != "done":
                     break
             stats = relay.stats()["forward"]
+            views.extend(tx.paths_view())
             await tx.close()
         await rx.close()
         return reports, stats
@@ -1093,6 +1096,9 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
     # The next handoff to that receiver plans on the path's forecast, not on the told 40 Mbit/s.
     assert later[0]["planner_inputs"]["rate_from"].startswith("forecast"), later[0]["planner_inputs"]
     assert 5 <= later[0]["planner_inputs"]["rate_mbps"] <= 13, later[0]["planner_inputs"]
+    (peer,) = views  # GET /paths: the receiver's controller, remembered between its handoffs
+    assert peer["receiver"] == measured["receiver_address"] and peer["estimate_mbps"] > 0, peer
+    assert peer["rounds"] >= measured["path_rate"]["rounds"], peer
     rate = measured["path_rate"]
     assert 7 <= rate["estimate_mbps"] <= 13 and rate["min_rtt_ms"] >= 10, rate
     assert queue["queue_dropped"] <= 0.05 * queue["received"], queue
