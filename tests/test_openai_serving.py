@@ -1,8 +1,9 @@
 """The OpenAI-compatible face of both daemons, through the real ``openai`` client over the control API's
 TCP listener (bearer token), on the embedded default model: completions streaming and not, multi-turn
 reuse of each turn's cache, salt isolation, refusals (400 naming the parameter, 404, 503 with
-Retry-After), and a conversation served on the sender, handed off over real UDP and continued on the
-receiver from the handed-off cache (``cached_tokens`` equal to the handed-off context).
+Retry-After), a conversation served on the sender, handed off over real UDP and continued on the
+receiver from the handed-off cache (``cached_tokens`` equal to the handed-off context), and a
+question/answer handoff's context left in the receiver's store under its cache salt.
 """
 
 from __future__ import annotations
@@ -357,3 +358,9 @@ def test_a_question_answer_handoff_leaves_its_context_in_the_receivers_prefix_ca
     shared = _ask(receiver, nodes.model, follow)
     assert shared.usage.prompt_tokens_details.cached_tokens == len(context)
     assert shared.model_extra["pfec"]["prefix"]["handoff_id"] == split["session_id"]
+    cli = CliRunner().invoke(app, ["handoff", "--receiver", "{}:{}".format(*nodes.rx.address), "--context",
+                                   CONTEXT, "--question", question, "--cache-salt", "qa-cli", "--socket",
+                                   str(nodes.tx_sock), "--precision", "native", "--mode", "handoff",
+                                   "--rho", "4"])
+    assert cli.exit_code == 0, cli.output
+    _kept_context(nodes, "qa-cli", context)
