@@ -52,6 +52,9 @@ def handoff_cmd(
     conversation: Annotated[str | None, typer.Option(
         help="Hand over a conversation the sender served through its OpenAI API (the completion id it "
         "returned) instead of a context and a question; the receiver continues it through its API.")] = None,
+    cache_salt: Annotated[str | None, typer.Option(
+        help="The cache salt the receiver keeps the context's cache under for later OpenAI API requests "
+        "(default: the shared namespace).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -75,7 +78,8 @@ def handoff_cmd(
         body.update(synthetic_tokens=synthetic_tokens, generate=False)
     else:
         body.update(context=context, question=question)
-    options = {"deadline_ms": deadline_ms, "rho": rho, "scheme": scheme, "rate_mbps": rate_mbps}
+    options = {"deadline_ms": deadline_ms, "rho": rho, "scheme": scheme, "rate_mbps": rate_mbps,
+               "cache_salt": cache_salt}
     body.update({key: value for key, value in options.items() if value is not None})
     try:
         token = read_token(token_file) if token_file is not None else None

@@ -353,8 +353,9 @@ class ReceiverDaemon:
         return speed
 
     def _keep_prefix(self, sid: int, app: OfferApp, done: Reconstructed) -> bool:
-        """Worker thread: a conversation handoff's rebuilt context becomes a prefix cache entry of its salt,
-        with what it was built from (the response's ``pfec.prefix``)."""
+        """Worker thread, after any answer: a handoff's rebuilt context (a conversation's, or a
+        question/answer handoff's) becomes a prefix cache entry of its salt, with what it was built from
+        (the response's ``pfec.prefix``)."""
         if self.face is None or app.prefix is None or done.kv is None:
             return False
         info = {"handoff_id": f"{sid:016x}", "recovered_utility": done.utility, "precision": done.precision,

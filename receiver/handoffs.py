@@ -305,7 +305,7 @@ class Handoffs:
 
     def _rebuild(self, sid: int, app: OfferApp, profile: UtilityProfile | None, decoded: np.ndarray,
                  store: np.ndarray, stream: StreamPlan | None, front: Front | None) -> Reconstructed:
-        """Worker thread: ``reconstruct``, then a conversation's context goes to the prefix cache store."""
+        """Worker thread: ``reconstruct`` (and answer), then the context goes to the prefix cache store."""
         done = reconstruct(self.runtime, self.identity, app, profile, decoded, store, stream, front)
         if done.kv is not None and self.keep is not None:
             done.kept = self.keep(sid, app, done)

@@ -115,7 +115,7 @@ class Reconstructed:
     computed_tokens: int | None = None  # split / local: the prefix [0, c) computed here
     blocks_computed: int | None = None
     blocks_received: int | None = None
-    kv: PartialKV | None = None  # the rebuilt context, kept when the OFFER names a conversation (prefix)
+    kv: PartialKV | None = None  # the rebuilt context, kept when the OFFER carries its prefix
     kept: bool = False  # the prefix cache store took it
 
     @classmethod
@@ -259,8 +259,10 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
 
 
 def _keep(done: Reconstructed, kv: PartialKV, app: OfferApp) -> bool:
-    """A conversation's context (``app.prefix``) is kept for the node's prefix cache store; True when
-    nothing is to be generated from it here (a conversation handoff asks no question)."""
+    """The context (``app.prefix``: a conversation's, or a question/answer handoff's) is kept for the
+    node's prefix cache store; True when nothing is to be generated from it here (a conversation handoff
+    asks no question). The store takes it after the answer (``_generate`` never writes ``kv``: decoding
+    copies it into buffers of its own), so it holds the context's rows only and the TTFT is as before."""
     if app.prefix is not None:
         done.kv = kv
     return not app.generate

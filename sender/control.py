@@ -86,6 +86,10 @@ class HandoffRequest(BaseModel):
     conversation: ConversationRef | None = Field(
         default=None, description="Hand over a conversation's cache (no question): the receiver keeps it "
         "under the conversation's cache salt for the requests that continue it.")
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=MAX_SALT_CHARS,
+        description="The cache salt the receiver keeps the context's cache under for later requests (as "
+        "vLLM's; none: the shared namespace). A conversation's goes in conversation.cache_salt.")
     synthetic_tokens: int | None = Field(default=None, gt=0, le=MAX_IDS,
                                          description="No model: hand off random KV of this many tokens "
                                          "(at most limits.max_context_tokens).")
@@ -147,6 +151,10 @@ class HandoffRequest(BaseModel):
                                               or self.full_kv_answer):
             raise ValueError("a conversation handoff asks no question (no question, question_ids or "
                              "full_kv_answer): the receiver continues the conversation through its API")
+        keeps_no_context = self.conversation is not None or self.synthetic_tokens is not None
+        if self.cache_salt is not None and keeps_no_context:
+            raise ValueError("cache_salt is a question/answer context's (a conversation's goes in "
+                             "conversation.cache_salt; synthetic KV is kept by no one)")
         if self.context_ids is not None and self.question_ids is None:
             raise ValueError("context_ids needs question_ids")
         if (self.context is not None or self.messages is not None) and not self.question:
@@ -189,6 +197,7 @@ class HandoffRequest(BaseModel):
             question_ids=tuple(self.question_ids) if self.question_ids else None,
             system=system,
             synthetic_tokens=self.synthetic_tokens,
+            cache_salt=self.cache_salt or "",
         )
         rho = self.rho if self.deadline_ms is None else None
         if self.deadline_ms is None and rho is None:

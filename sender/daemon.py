@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
@@ -69,6 +70,22 @@ def path_rate_report(rate: PathRate, congestion_at_start: int) -> dict[str, Any]
         "queue_delay_ms": round(rate.queue_delay_s * 1000, 3), "loss_floor": round(rate.loss_floor, 4),
         "congestion_events": rate.congestion_events - congestion_at_start, "rounds": rate.rounds,
     }
+
+
+def offer_blob(app: OfferApp, prefix_optional: bool) -> tuple[OfferApp, bytes]:
+    """The OFFER's application data within the ``MAX_OFFER_PARTS`` datagrams a receiver takes. A
+    question/answer handoff's prefix (the context's ids, for the receiver's prefix cache; its answer does
+    not need them) is left off when only it breaks the bound; ValueError when the rest does too."""
+    blob = app.encode()
+    if len(split_app(blob, MsgType.OFFER)) <= MAX_OFFER_PARTS:
+        return app, blob
+    if prefix_optional and app.prefix is not None:
+        bare = replace(app, prefix=None)
+        return offer_blob(bare, prefix_optional=False)
+    parts = len(split_app(blob, MsgType.OFFER))
+    raise ValueError(f"the OFFER's application data needs {parts} datagrams, above the "
+                     f"{MAX_OFFER_PARTS} a receiver takes (a split carries the context's token ids: "
+                     "use --mode handoff for this context)")
 
 
 MAX_PATHS = 256  # receivers whose path controller the daemon keeps
@@ -429,12 +446,7 @@ class SenderDaemon:
                        None if stream is None else stream.offer,
                        None if split is None else SplitOffer(split.meeting_token, split.context_ids),
                        prepared.prefix)
-        blob = app.encode()
-        parts = len(split_app(blob, MsgType.OFFER))
-        if parts > MAX_OFFER_PARTS:
-            raise ValueError(f"the OFFER's application data needs {parts} datagrams, above the "
-                             f"{MAX_OFFER_PARTS} a receiver takes (a split carries the context's token ids: "
-                             "use --mode handoff for this context)")
+        app, blob = offer_blob(app, prefix_optional=spec.inputs.prefilled is None)
         setup = SenderSetup(
             scheme=scheme,
             repair_budget=(self.repair_budget if spec.repair_budget is None
@@ -459,6 +471,8 @@ class SenderDaemon:
                 "n_tokens": len(prefilled.context_ids), "cached_tokens": prefilled.cached_tokens,
                 "prefilled_tokens": len(prefilled.context_ids) - prefilled.cached_tokens,
                 "cache_salt": bool(prefilled.salt)}
+        if prepared.prefix is not None:  # whether the receiver may keep the context for later requests
+            handoff.report["prefix_offered"] = app.prefix is not None
         fraction = setup.repair_budget
         handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
         return PacedTransfer(handoff, session, link, self.metrics)

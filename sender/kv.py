@@ -69,7 +69,9 @@ class Prefilled:
 @dataclass(frozen=True)
 class ContextInput:
     """The context and question, as text or as token ids (exactly one form each), or a conversation's
-    prefilled cache (no question: the receiver keeps it for the requests that continue it)."""
+    prefilled cache (no question: the receiver keeps it for the requests that continue it). ``cache_salt``:
+    the namespace the receiver keeps a question/answer context under ("" the shared one, as vLLM's prefix
+    cache without a salt); a conversation's is its own."""
 
     context: str | None = None
     question: str | None = None
@@ -78,6 +80,12 @@ class ContextInput:
     system: str | None = None
     synthetic_tokens: int | None = None  # no model: random KV of this many tokens
     prefilled: Prefilled | None = None
+    cache_salt: str = ""
+
+    def prefix(self, context_ids: tuple[int, ...]) -> PrefixOffer:
+        """The OFFER's prefix: the context's ids under the conversation's salt or the request's."""
+        salt = self.prefilled.salt if self.prefilled is not None else self.cache_salt
+        return PrefixOffer(salt, context_ids)
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ class Prepared:
     stream: Stream | None = None  # a quantised mix; None: the plan's native fragments
     planner: dict[str, Any] | None = None  # choose_mix's / choose_mode's view
     split: Split | None = None  # a split or local handoff (None: the whole cache streams)
-    prefix: PrefixOffer | None = None  # a conversation's context: the receiver keeps it under its salt
+    prefix: PrefixOffer | None = None  # the context's ids: the receiver keeps its cache under their salt
 
     @property
     def precision(self) -> str:
@@ -256,7 +264,7 @@ def prepare_model(
     started = time.perf_counter()
     cache = _context_cache(runtime, inp, context_ids)
     prefill_s = time.perf_counter() - started
-    prefix = None if inp.prefilled is None else PrefixOffer(inp.prefilled.salt, context_ids)
+    prefix = inp.prefix(context_ids)
     planner: dict[str, Any] | None
     if choice is not None and choice.mix is not None:
         mix, planner = choice.mix, choice.view
@@ -290,12 +298,11 @@ def _prepare_split(runtime: ModelRuntime, inp: ContextInput, context_ids: tuple[
                    question_ids: tuple[int, ...], plan: BlockPlan, utilities: npt.NDArray[np.float64],
                    order: str, profile_name: str, keep_cache: bool, choice: ModeChoice,
                    identity: ModelIdentity) -> Prepared:
-    """A split (the back's quantised stream, each symbol's token end) or a local prefill (nothing); a
-    conversation's prefix goes with either (the receiver keeps what it rebuilt)."""
+    """A split (the back's quantised stream, each symbol's token end) or a local prefill (nothing); the
+    context's prefix goes with either (the receiver keeps what it rebuilt, the computed front joined)."""
     prepared = _prepare_split_kv(runtime, inp, context_ids, question_ids, plan, utilities, order,
                                  profile_name, keep_cache, choice, identity)
-    if inp.prefilled is not None:
-        prepared.prefix = PrefixOffer(inp.prefilled.salt, context_ids)
+    prepared.prefix = inp.prefix(context_ids)
     return prepared
 
 

@@ -1,8 +1,9 @@
 """The OpenAI-compatible face of both daemons, through the real ``openai`` client over the control API's
 TCP listener (bearer token), on the embedded default model: completions streaming and not, multi-turn
 reuse of each turn's cache, salt isolation, refusals (400 naming the parameter, 404, 503 with
-Retry-After), and a conversation served on the sender, handed off over real UDP and continued on the
-receiver from the handed-off cache (``cached_tokens`` equal to the handed-off context).
+Retry-After), a conversation served on the sender, handed off over real UDP and continued on the
+receiver from the handed-off cache (``cached_tokens`` equal to the handed-off context), and a
+question/answer handoff's context left in the receiver's store under its cache salt.
 """
 
 from __future__ import annotations
@@ -290,3 +291,76 @@ def test_a_client_leaving_mid_stream_frees_the_node(nodes: Nodes) -> None:
     assert nodes.lt.call(leave()) == (0, 0)
     again = _ask(nodes.client(nodes.rx_url), nodes.model, [{"role": "user", "content": "hi"}])
     assert again.choices[0].finish_reason in ("stop", "length")
+
+
+def _handoff(nodes: Nodes, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a handoff to the sender (its UNIX socket), wait for its report."""
+    control = ControlClient(nodes.tx_sock)
+    full = {"receiver": "{}:{}".format(*nodes.rx.address), "rho": 4.0, "precision": "native", **body}
+    status, created = nodes.lt.call(control.request("POST", "/handoffs", full))
+    assert status == 202, created
+    status, report = nodes.lt.call(control.request("GET", f"/handoffs/{created['id']}?wait=1"))
+    assert status == 200 and report["outcome"] == "done", report
+    return dict(report)
+
+
+def _kept_context(nodes: Nodes, salt: str, context: list[int]) -> llm.PartialKV:
+    """The receiver's stored entry for ``context`` under ``salt``: it holds the context's tokens, no more
+    (not the cache the answer's decoding extended)."""
+    face = nodes.rx.face
+    assert face is not None
+    match = face.store.lookup(salt, context, face.clock(), count=False)
+    assert match is not None and match.tokens == len(context)
+    assert match.entry.n_tokens == len(context), "the entry is not the context's"
+    kv = match.entry.value
+    assert kv.n_context == len(context)
+    assert {k.shape[2] for k in kv.keys} == {v.shape[2] for v in kv.values} == {len(context)}
+    assert kv.row_masks is None or all(m is None or m.shape[-1] == len(context) for m in kv.row_masks)
+    return kv
+
+
+def test_a_question_answer_handoff_leaves_its_context_in_the_receivers_prefix_cache(nodes: Nodes) -> None:
+    """Issue 22 item 2 for a question/answer handoff: after its answer (the sender's own from its intact
+    cache), the receiver keeps the rebuilt context under the handoff's cache salt, at the context's length;
+    a chat request whose rendering starts with the context reuses all of it, another salt none. A split
+    (the front computed on the receiver, joined) and no salt (the shared namespace) the same way."""
+    runtime = nodes.rx.runtime
+    assert runtime is not None
+    question = "What is the code word for the supply boat?"
+    context = list(llm.chat_prompt(runtime, CONTEXT, question).context_ids)
+    report = _handoff(nodes, {"context": CONTEXT, "question": question, "cache_salt": "qa-team",
+                              "handoff_mode": "handoff", "full_kv_answer": True})
+    assert report["n_tokens"] == len(context) and report["prefix_offered"] is True, report
+    assert report["answer"] == report["full_kv_answer"], report
+    record = next(r for r in nodes.rx.handoffs.results if r["session_id"] == report["session_id"])
+    assert record["prefix_kept"] is True and record["answer"] == report["answer"]
+    _kept_context(nodes, "qa-team", context)
+    # The chat template renders the context's user turn ending "\n\n" as the handoff's split did only
+    # when the question is a turn of its own (one user turn "context\n\nquestion" merges the newlines
+    # with what follows: all but the context's last token would match).
+    follow = [{"role": "system", "content": llm.DEFAULT_SYSTEM},
+              {"role": "user", "content": CONTEXT + "\n\n"}, {"role": "user", "content": question}]
+    assert serving.chat_ids(runtime, follow)[: len(context)] == context
+    receiver = nodes.client(nodes.rx_url)
+    other = _ask(receiver, nodes.model, follow, extra_body={"cache_salt": "qa-other"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    reply = _ask(receiver, nodes.model, follow, extra_body={"cache_salt": "qa-team"})
+    assert reply.usage.prompt_tokens_details.cached_tokens == len(context)
+    built_from = reply.model_extra["pfec"]["prefix"]
+    assert built_from["handoff_id"] == report["session_id"] and built_from["precision"] == "native"
+    assert built_from["recovered_utility"] == pytest.approx(1.0)
+    # A split, no salt: the receiver prefilled the front itself; the entry is the joined context.
+    split = _handoff(nodes, {"context": CONTEXT, "question": question, "handoff_mode": "split",
+                             "full_kv_answer": True})
+    assert split["handoff_mode"] == "split" and split["prefix_offered"] is True, split
+    assert split["answer"] == split["full_kv_answer"], split
+    _kept_context(nodes, "", context)
+    shared = _ask(receiver, nodes.model, follow)
+    assert shared.usage.prompt_tokens_details.cached_tokens == len(context)
+    assert shared.model_extra["pfec"]["prefix"]["handoff_id"] == split["session_id"]
+    cli = CliRunner().invoke(app, ["handoff", "--receiver", "{}:{}".format(*nodes.rx.address), "--context",
+                                   CONTEXT, "--question", question, "--cache-salt", "qa-cli", "--socket",
+                                   str(nodes.tx_sock), "--precision", "native", "--mode", "handoff",
+                                   "--rho", "4"])
+    assert cli.exit_code == 0, cli.output
+    _kept_context(nodes, "qa-cli", context)

@@ -208,27 +208,34 @@ class SplitOffer:
 
 @dataclass(frozen=True)
 class PrefixOffer:
-    """A conversation's part of the OFFER: the receiver keeps the rebuilt context as a prefix cache of the
-    conversation, keyed by its token ids and the conversation's cache salt (``prefix_store``), for the
-    requests that continue it.
+    """The context's token ids and cache salt: the receiver keeps the rebuilt context as a prefix cache
+    keyed by them (``prefix_store``), for the requests that continue it (a conversation handoff's, or a
+    question/answer handoff's after its answer; salt "" is the shared namespace).
 
     JSON: ``{"salt": <at most MAX_SALT_CHARS characters, "" for none>, "ids": [<n_tokens token ids>]}``;
-    absent from a question/answer handoff's blob (which is then as before)."""
+    a split's OFFER, whose ``split`` already carries the same ids, sends ``{"salt": ...}`` alone (the blob
+    holds the ids once: its size bounds the contexts a receiver's ``max_offer_parts`` admits)."""
 
     salt: str
     context_ids: tuple[int, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"salt": self.salt, "ids": list(self.context_ids)}
+    def to_json(self, ids_elsewhere: bool = False) -> dict[str, Any]:
+        return {"salt": self.salt} if ids_elsewhere else {"salt": self.salt, "ids": list(self.context_ids)}
 
     @classmethod
-    def from_json(cls, data: object, n_tokens: int) -> PrefixOffer:
-        """Typed and bounded against the OFFER's context; ValueError naming the bad field."""
-        if not isinstance(data, dict) or set(data) != {"salt", "ids"}:
+    def from_json(cls, data: object, n_tokens: int, split: SplitOffer | None = None) -> PrefixOffer:
+        """Typed and bounded against the OFFER's context; without ids, the split's (which must be there);
+        ValueError naming the bad field."""
+        if not isinstance(data, dict) or not {"salt"} <= set(data) <= {"salt", "ids"}:
             raise ValueError("OFFER prefix: expected an object with salt and ids")
-        salt, ids = data["salt"], data["ids"]
+        salt = data["salt"]
         if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
             raise ValueError(f"OFFER prefix salt: expected a string of at most {MAX_SALT_CHARS} characters")
+        if "ids" not in data:
+            if split is None:
+                raise ValueError("OFFER prefix ids: expected the context's token ids (no split carries them)")
+            return cls(salt, split.context_ids)
+        ids = data["ids"]
         if not isinstance(ids, list) or len(ids) != n_tokens:
             raise ValueError(f"OFFER prefix ids: expected the context's {n_tokens} token ids")
         if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
@@ -250,17 +257,22 @@ class OfferApp:
     generate: bool = True
     precision: PrecisionOffer | None = None  # None: native fragments (the blob is then as before)
     split: SplitOffer | None = None  # None: the whole cache streams (the blob is then as before)
-    prefix: PrefixOffer | None = None  # a conversation's context, kept by the receiver as a prefix cache
+    prefix: PrefixOffer | None = None  # the context's ids and salt: the receiver keeps it as a prefix cache
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["question_ids"] = list(self.question_ids)
         data["v"] = APP_VERSION
-        for name, part in (("precision", self.precision), ("split", self.split), ("prefix", self.prefix)):
+        for name, part in (("precision", self.precision), ("split", self.split)):
             if part is None:
                 del data[name]
             else:
                 data[name] = part.to_json()
+        if self.prefix is None:
+            del data["prefix"]
+        else:
+            same_ids = self.split is not None and self.split.context_ids == self.prefix.context_ids
+            data["prefix"] = self.prefix.to_json(ids_elsewhere=same_ids)
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -308,7 +320,7 @@ class OfferApp:
         if split is not None and split.meeting_token == n_tokens and offer is not None:
             raise ValueError("OFFER split: a local prefill (m = n_tokens) streams nothing (no precision)")
         prefix_data = data.get("prefix")
-        prefix = None if prefix_data is None else PrefixOffer.from_json(prefix_data, n_tokens)
+        prefix = None if prefix_data is None else PrefixOffer.from_json(prefix_data, n_tokens, split)
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
                    max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
                    split=split, prefix=prefix)
