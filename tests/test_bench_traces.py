@@ -27,3 +27,12 @@ def test_each_start_gets_a_measuring_and_a_fixed_handoff_beside_the_simulated_or
     assert summary["trace"] == "steps.up" and summary["path_vs_sim_oracle"] is not None
     write_trace_bench(result, tmp_path)
     assert "| steps.up |" in (tmp_path / "traces.md").read_text()
+
+
+def test_an_even_sender_far_below_the_mean_still_queues_through_an_outage() -> None:
+    from pfec.lab.pathbench.trace_handoffs import paced_delay_p95_ms
+
+    steady = step_trace([40.0, 40.0], 1.0)
+    outage = step_trace([40.0, 0.0, 40.0], 0.3)  # 300 ms without a delivery opportunity
+    assert paced_delay_p95_ms(steady, 0.25, 0.9) < 2
+    assert paced_delay_p95_ms(outage, 0.25, 0.9) > 100
