@@ -61,7 +61,7 @@ PROBE_GAINS: Final = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 CRUISE_AFTER_CUT: Final = 2  # the probe cycle's index after a congestion cut (no probe right away)
 APP_LIMITED_SHARE: Final = 0.8
 CWND_GAIN: Final = 1.5  # round trips in flight before the pacing rate falls to a trickle (BBR: 2; a link
-# that slows down 2x then queues 1 of them, not 3: pfec bench traces measured the queueing delay halved) ...
+# that halves its rate then holds 2 round trips of queue, not 3: pfec bench traces saw the P95 halved) ...
 FIRST_WINDOW_GAIN: Final = 1.0  # ... round trips' worth before the first delivery-rate sample
 CWND_MIN_PACKETS: Final = 64  # ... and never below this many datagrams
 TRICKLE_GAIN: Final = 1 / 16
