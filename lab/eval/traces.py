@@ -77,11 +77,13 @@ def trace_sweep(cfg: EvalConfig, available: Sequence[str], progress: StageProgre
     cells = trace_cells(cfg)
     profile = cfg.load_profile()
     tasks: list[SweepTask] = []
+    starts: list[list[RateTrace]] = []  # per cell, realization r's trace: from r/R of its period
     for i, cell in enumerate(cells):
         trace = load_rate_trace(cell.path, cell.scale)
-        for r in range(cfg.trace_realizations):
-            moved = rotated(trace, r * trace.period_ms / 1000 / cfg.trace_realizations)
-            tasks.append((("trace", i, r), _config(cfg, moved, profile), names, r))
+        starts.append([rotated(trace, r * trace.period_ms / 1000 / cfg.trace_realizations)
+                       for r in range(cfg.trace_realizations)])
+        tasks += [(("trace", i, r), _config(cfg, moved, profile), names, r)
+                  for r, moved in enumerate(starts[i])]
     runs: list[dict[str, list[RunResult]]] = [{n: [] for n in names} for _ in cells]
     errors: dict[str, str] = {}
     for key, results in run_realizations(tasks, cfg.jobs, "trace cells", progress):
@@ -92,15 +94,14 @@ def trace_sweep(cfg: EvalConfig, available: Sequence[str], progress: StageProgre
             else:
                 runs[cell_index][name].append(res)
     reports = [_cell_report(cfg, cell, runs[i]) for i, cell in enumerate(cells)]
-    for i, report in enumerate(reports):
-        mine = [task[1] for task in tasks if task[0][1] == i]  # type: ignore[index]
-        _add_reliable(cfg, report, mine[0], [c.rate_trace for c in mine], progress)
+    for report, traces in zip(reports, starts, strict=True):
+        _add_reliable(cfg, report, _config(cfg, traces[0], profile), traces, progress)
     return {"cells": reports, "schemes": list(names), "missing": missing, "errors": errors,
             "realizations": cfg.trace_realizations, "rho": cfg.trace_rho,
             "told_mbps": cfg.trace_target_mbps, "loss": cfg.main_loss_spec()}
 
 
-def _add_reliable(cfg: EvalConfig, report: dict[str, Any], config: SimConfig, traces: list[Any],
+def _add_reliable(cfg: EvalConfig, report: dict[str, Any], config: SimConfig, traces: list[RateTrace],
                   progress: StageProgress | None) -> None:
     """Real kernel TCP (BBR) and QUIC on the same trace starts and loss realizations (the emulator draws
     realization r's losses as the simulator does), in the cache's natural order: the paper's baselines.

@@ -298,9 +298,10 @@ class PathRate:
         self._note_loss(now, lost, delivered)
         self._samples.append((sample, app_limited))
         self._update_estimate()
-        self._queued = self._queued + 1 if self.queue_delay_s > self._queue_congested() else 0
+        queued = self.queue_delay_s > self._queue_congested()
+        self._queued = self._queued + 1 if queued else 0
         congested = self._congested(loss, now)
-        if not congested and self.queue_delay_s < self._queue_congested():
+        if not (congested or queued):  # a queue-free round's loss is the channel's
             self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
         self._step_phase(sample, app_limited, congested, now)
         self._update_forecast()
@@ -371,9 +372,10 @@ class PathRate:
             else:
                 # The estimate is a max filter: a round that lost a burst to the channel, or whose ACKs
                 # were lost (the next ones carry the count), does not lower it.
-                grew = self.estimate_bps >= STARTUP_GROWTH * self._full_bw
-                self._full_bw = max(self._full_bw, self.estimate_bps) if grew else self._full_bw
-                self._missed = 0 if grew else self._missed + 1
+                if self.estimate_bps >= STARTUP_GROWTH * self._full_bw:
+                    self._full_bw, self._missed = self.estimate_bps, 0
+                else:
+                    self._missed += 1
                 if self._missed < STARTUP_MISSES:
                     self.pace_bps = self._clamp(STARTUP_GAIN * self.estimate_bps)
                     return
