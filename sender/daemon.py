@@ -77,12 +77,11 @@ def offer_blob(app: OfferApp, prefix_optional: bool) -> tuple[OfferApp, bytes]:
     question/answer handoff's prefix (the context's ids, for the receiver's prefix cache; its answer does
     not need them) is left off when only it breaks the bound; ValueError when the rest does too."""
     blob = app.encode()
-    if len(split_app(blob, MsgType.OFFER)) <= MAX_OFFER_PARTS:
+    parts = len(split_app(blob, MsgType.OFFER))
+    if parts <= MAX_OFFER_PARTS:
         return app, blob
     if prefix_optional and app.prefix is not None:
-        bare = replace(app, prefix=None)
-        return offer_blob(bare, prefix_optional=False)
-    parts = len(split_app(blob, MsgType.OFFER))
+        return offer_blob(replace(app, prefix=None), prefix_optional=False)
     raise ValueError(f"the OFFER's application data needs {parts} datagrams, above the "
                      f"{MAX_OFFER_PARTS} a receiver takes (a split carries the context's token ids: "
                      "use --mode handoff for this context)")
