@@ -33,10 +33,10 @@ class Generation:
 
 def _forward(runtime: ModelRuntime, kv: PartialKV, cache: DynamicCache, ids: Sequence[int],
              start: int) -> torch.Tensor:
-    return _forward_rows(runtime, kv.row_masks, cache, [list(ids)], start)[0]
+    return forward_rows(runtime, kv.row_masks, cache, [list(ids)], start)[0]
 
 
-def _forward_rows(runtime: ModelRuntime, masks: Sequence[torch.Tensor | None] | None, cache: DynamicCache,
+def forward_rows(runtime: ModelRuntime, masks: Sequence[torch.Tensor | None] | None, cache: DynamicCache,
                   ids: Sequence[Sequence[int]], start: int, last_only: bool = False) -> torch.Tensor:
     """Logits [batch, len, vocab] of feeding ``ids`` (one row per cache of the batch) at ``start``;
     ``last_only``: [batch, 1, vocab], the last position's, which is all greedy decoding reads (the LM head
@@ -96,11 +96,11 @@ def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids
     check_length(runtime, n_context, len(question_ids) + max_new_tokens)
     stops = stop_token_ids(runtime)
     started = time.perf_counter()
-    cache, masks = _batch_cache(kvs, len(question_ids) + max_new_tokens)
+    cache, masks = batch_cache(kvs, len(question_ids) + max_new_tokens)
     outs: list[list[int]] = [[] for _ in kvs]
     active = list(range(len(kvs)))  # batch row -> cache index, for the rows still decoding
     with torch.inference_mode():
-        logits = _forward_rows(runtime, masks, cache, [question_ids] * len(kvs), n_context, last_only=True)
+        logits = forward_rows(runtime, masks, cache, [question_ids] * len(kvs), n_context, last_only=True)
         next_ids = [int(t) for t in logits[:, -1].argmax(dim=-1)]
         ttft = time.perf_counter() - started + max(kv.rebuild_s for kv in kvs)
         position = n_context + len(question_ids)
@@ -114,7 +114,7 @@ def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids
                 cache.batch_select_indices(keep)
                 masks = None if masks is None else [None if m is None else m[keep] for m in masks]
                 active, next_ids = [active[r] for r in going], [next_ids[r] for r in going]
-            logits = _forward_rows(runtime, masks, cache, [[t] for t in next_ids], position)
+            logits = forward_rows(runtime, masks, cache, [[t] for t in next_ids], position)
             next_ids = [int(t) for t in logits[:, -1].argmax(dim=-1)]
             position += 1
     decode_s = time.perf_counter() - started
@@ -172,7 +172,7 @@ class _ReservedLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unt
         self._show(n)
 
 
-def _batch_cache(kvs: Sequence[PartialKV],
+def batch_cache(kvs: Sequence[PartialKV],
                  room: int) -> tuple[DynamicCache, list[torch.Tensor | None] | None]:
     """One cache holding every cache as a batch row (``room`` rows free for what decoding adds), and
     per-layer [batch, heads, tokens] row masks (None for a layer no row masks; an unmasked row of a

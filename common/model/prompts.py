@@ -24,10 +24,10 @@ class HandoffPrompt:
 
 def count_tokens(runtime: ModelRuntime, text: str) -> int:
     """Tokens of ``text`` without special tokens (what needle-QA sizes its contexts with)."""
-    return len(_tokenizer(runtime)(text, add_special_tokens=False).input_ids)
+    return len(tokenizer_of(runtime)(text, add_special_tokens=False).input_ids)
 
 
-def _tokenizer(runtime: ModelRuntime) -> PreTrainedTokenizerBase:
+def tokenizer_of(runtime: ModelRuntime) -> PreTrainedTokenizerBase:
     if runtime.tokenizer is None:
         raise ValueError(f"model {runtime.model_id!r} has no tokenizer: give token ids instead of text")
     return runtime.tokenizer
@@ -36,7 +36,7 @@ def _tokenizer(runtime: ModelRuntime) -> PreTrainedTokenizerBase:
 def chat_prompt(runtime: ModelRuntime, context: str, question: str,
                 system: str | None = DEFAULT_SYSTEM) -> HandoffPrompt:
     """Render [system, user: context + question] with the model's chat template, split at the question."""
-    tok = _tokenizer(runtime)
+    tok = tokenizer_of(runtime)
     user = f"{context}\n\n{_SENTINEL}"
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pfec.common.model.decode import _batch_cache, _forward_rows, stop_token_ids
+from pfec.common.model.decode import batch_cache, forward_rows, stop_token_ids
 from pfec.common.model.kvcache import PartialKV
 from pfec.common.model.loading import ModelRuntime, check_length
-from pfec.common.model.prompts import _tokenizer
+from pfec.common.model.prompts import tokenizer_of
 
 # A rendered stop string may end inside a token: text this close to the end is held back until the next
 # token says whether a stop string starts there.
@@ -59,7 +59,7 @@ class Completion:
 def chat_ids(runtime: ModelRuntime, messages: Sequence[Mapping[str, str]],
              add_generation_prompt: bool = True) -> list[int]:
     """Messages rendered with the model's own chat template, as token ids."""
-    tok = _tokenizer(runtime)
+    tok = tokenizer_of(runtime)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"model {runtime.model_id!r} has no chat template: use /v1/completions")
     text = tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
@@ -69,7 +69,7 @@ def chat_ids(runtime: ModelRuntime, messages: Sequence[Mapping[str, str]],
 
 def text_ids(runtime: ModelRuntime, text: str) -> list[int]:
     """A raw prompt's token ids (``/v1/completions``)."""
-    return list(_tokenizer(runtime)(text, add_special_tokens=False).input_ids)
+    return list(tokenizer_of(runtime)(text, add_special_tokens=False).input_ids)
 
 
 def kv_nbytes(kv: PartialKV) -> int:
@@ -107,7 +107,7 @@ def complete(runtime: ModelRuntime, prompt_ids: Sequence[int], prefix: PartialKV
         ttft_s = time.perf_counter() - started
         while decoded.take(token):
             fed.append(token)
-            logits = _forward_rows(runtime, masks, cache, [[token]], len(fed) - 1, last_only=True)
+            logits = forward_rows(runtime, masks, cache, [[token]], len(fed) - 1, last_only=True)
             token = decoded.pick(logits)
     kv = _leftover(cache, None if base is None else base.row_masks, len(fed),
                    base.mode if base is not None else "mask")
@@ -122,13 +122,13 @@ def _start(runtime: ModelRuntime, base: PartialKV | None, suffix: Sequence[int],
     the last position's logits. The base is copied once into the new buffers, never written."""
     if base is None:
         cache = DynamicCache()
-        logits = _forward_rows(runtime, None, cache, [list(suffix)], start, last_only=True)
+        logits = forward_rows(runtime, None, cache, [list(suffix)], start, last_only=True)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         kv = PartialKV([k for k, _ in layers], [v for _, v in layers], None, len(suffix), "mask")
-        reserved, masks = _batch_cache([kv], room)
+        reserved, masks = batch_cache([kv], room)
         return reserved, masks, logits
-    reserved, masks = _batch_cache([base], len(suffix) + room)
-    logits = _forward_rows(runtime, masks, reserved, [list(suffix)], start, last_only=True)
+    reserved, masks = batch_cache([base], len(suffix) + room)
+    logits = forward_rows(runtime, masks, reserved, [list(suffix)], start, last_only=True)
     return reserved, masks, logits
 
 
@@ -205,7 +205,7 @@ class _Decoder:
             self._flush(final=True)
             return False
         self.out.append(token)
-        self.text = str(_tokenizer(self.runtime).decode(self.out, skip_special_tokens=True))
+        self.text = str(tokenizer_of(self.runtime).decode(self.out, skip_special_tokens=True))
         cut = _stop_at(self.text, self.sampling.stop)
         if cut is not None:
             self.text = self.text[:cut]

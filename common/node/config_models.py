@@ -320,7 +320,7 @@ class ProfilesConfig(_Section):
         return v
 
 
-class _CommonLimits(_Section):
+class CommonLimits(_Section):
     max_context_tokens: int = Field(
         default=8192, ge=16, le=1 << 20,
         description="Largest context (tokens) a handoff may carry, whatever the model allows (both sides "
@@ -362,7 +362,7 @@ class _CommonLimits(_Section):
     )
 
 
-class SenderLimitsConfig(_CommonLimits):
+class SenderLimitsConfig(CommonLimits):
     max_request_bytes: int = Field(
         default=MIB, ge=1024, le=64 * MIB, description="Largest control API request body, bytes (413 above)."
     )
@@ -391,7 +391,7 @@ class SenderLimitsConfig(_CommonLimits):
         return v
 
 
-class LimitsConfig(_CommonLimits):
+class LimitsConfig(CommonLimits):
     max_sessions: int = Field(
         default=64, ge=1, le=65536, description="Concurrent handoffs before OFFERs are refused."
     )

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 from pydantic import ValidationError
 
-from pfec.common.node.config_models import _CommonLimits
+from pfec.common.node.config_models import CommonLimits
 from pfec.common.node.control import MAX_BODY_KEY, MAX_JSON_DEPTH
 from pfec.common.node.metrics import NodeMetrics
 from pfec.common.node.openai_models import (
@@ -108,7 +108,7 @@ class OpenAIFace:
     """One node's OpenAI-compatible API over its model, model worker and prefix store."""
 
     def __init__(self, runtime: ModelRuntime, worker: ModelWorker, metrics: NodeMetrics,
-                 limits: _CommonLimits, clock: Callable[[], float] = time.monotonic,
+                 limits: CommonLimits, clock: Callable[[], float] = time.monotonic,
                  max_json_depth: int = MAX_JSON_DEPTH) -> None:
         self.runtime = runtime
         self.worker = worker
