@@ -13,13 +13,15 @@ from pfec.cli.shared import DOCS_BENCH, fail
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.lab.reporting.progress import progress_line
 
+DeadlineMsOpt = Annotated[float, typer.Option(help="The handoffs' deadline, ms.")]
+
 
 def bench_rate_control_cmd(
-    links: Annotated[str, typer.Option(help="Link rates, Mbit/s, comma-separated.")] = "25,50,100",
+    links: Annotated[str, typer.Option(help="Link rates, Mbit/s, comma-separated.")] = "25,50,100,200",
     factors: Annotated[str, typer.Option(help="Told rate / link rate, comma-separated.")] = "0.25,0.5,2,4",
     seeds: Annotated[int, typer.Option(min=1, help="Loss seeds per cell.")] = 1,
     tokens: TokensOpt = 1536,
-    deadline_ms: Annotated[float, typer.Option(help="The handoffs' deadline.")] = 2700.0,
+    deadline_ms: DeadlineMsOpt = 2700.0,
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where rate_control.json and .md go.")] = DOCS_BENCH,
@@ -45,7 +47,7 @@ def bench_traces_cmd(
     told_mbps: Annotated[float, typer.Option(help="The rate the measuring sender is told.")] = 100.0,
     sim_realizations: Annotated[int, typer.Option(min=1, help="Simulated loss realizations per start.")] = 3,
     tokens: TokensOpt = 1536,
-    deadline_ms: Annotated[float, typer.Option(help="The handoffs' deadline.")] = 2700.0,
+    deadline_ms: DeadlineMsOpt = 2700.0,
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where traces.json and .md go.")] = DOCS_BENCH,
