@@ -38,7 +38,7 @@ class Recorder:
     def on_packets_lost(self, now: float, count: int) -> None:
         self.lost.append(count)
 
-    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+    def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
         self.rtts.append(rtt)
 
     def on_packets_delivered(self, now: float, count: int) -> None:

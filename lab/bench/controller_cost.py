@@ -58,9 +58,9 @@ class RecordingPathRate(PathRate):
         self.calls.append(("on_packets_delivered", (now, count)))
         super().on_packets_delivered(now, count)
 
-    def on_rtt_measurement(self, now: float, rtt: float) -> None:
-        self.calls.append(("on_rtt_measurement", (now, rtt)))
-        super().on_rtt_measurement(now, rtt)
+    def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
+        self.calls.append(("on_rtt_measurement", (now, rtt, sent_at)))
+        super().on_rtt_measurement(now, rtt, sent_at)
 
     def breaker(self, now: float) -> str | None:
         self.calls.append(("breaker", (now,)))

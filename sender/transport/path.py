@@ -73,12 +73,6 @@ class PathEstimates:
         if ack.loss_runs > 0:
             view.burst_estimate = lost / ack.loss_runs
         self.tail.on_ack(lost, seen, view.burst_estimate)
-        if lost > self.lost:
-            self.rate.on_packets_lost(now, lost - self.lost)
-            self.lost = lost
-        if ack.received > self.received:
-            self.rate.on_packets_delivered(now, ack.received - self.received)
-            self.received = ack.received
         if sample_time >= 0:
             rtt = now - sample_time - ack.ack_delay_us * 1e-6
             if rtt > 0:  # the first sample sets the estimate, later ones move it by RTT_GAIN
@@ -88,7 +82,14 @@ class PathEstimates:
                 else:  # RFC 6298 2.3: the variation moves against the old estimate first
                     self.rtt_var += RTTVAR_GAIN * (abs(smoothed - rtt) - self.rtt_var)
                     view.rtt_estimate = _RTT_KEEP * smoothed + RTT_GAIN * rtt
-                self.rate.on_rtt_measurement(now, rtt)
+                self.rate.on_rtt_measurement(now, rtt, sample_time)
+        # The counts after the RTT sample: a round they close knows when its newest datagram was sent.
+        if lost > self.lost:
+            self.rate.on_packets_lost(now, lost - self.lost)
+            self.lost = lost
+        if ack.received > self.received:
+            self.rate.on_packets_delivered(now, ack.received - self.received)
+            self.received = ack.received
 
     @property
     def measured_loss(self) -> tuple[int, int]:

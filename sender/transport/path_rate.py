@@ -7,9 +7,14 @@ Theory of operation:
 - **Rounds.** A round is one min RTT of ACK arrivals (at least ``MIN_ROUND_S``). When a round closes the
   controller takes one delivery-rate sample: the data datagrams the receiver counted (the ACKs' cumulative
   ``received``) between the ACK that opened the round and the one that closed it, over the time between
-  the two ACKs. Counters, not send times: jitter on the return path moves a sample's ends, never the
-  count. The same round gives its loss share and its queueing delay (its smallest RTT sample less the
-  path's min RTT).
+  the two ACKs, but never less than ``SEND_SPAN_SHARE`` of the time between the sending of the datagrams
+  they newly acknowledged (after BBR's rate sample: ACKs bunched on the way back shorten the first). The
+  random-loss floor's share is added back (the link carried those datagrams and lost them: the rate is
+  the one the path carries, the FEC's repairs fill the loss). Counters, not send times: jitter on the
+  return path moves a sample's ends, never the count. The same round gives its loss share and its
+  queueing delay (its smallest RTT sample less the path's min RTT), and its standing delay: its smallest
+  RTT less the recent floor (the smallest round RTT of the last ``FLOOR_ROUNDS``), which every flow
+  through one queue measures alike, whatever min RTT it met when it started.
 - **Estimate.** The bottleneck rate is the largest sample of the last ``BTL_ROUNDS`` rounds (a max filter:
   a sample understates the link when the sender was app-limited or a neighbour had a burst; only a queue
   lets it overstate, and the drain phases empty that). A round in which the sender sent less than
@@ -20,9 +25,14 @@ Theory of operation:
   ``STARTUP_MISSES`` rounds in a row whose estimate grew less than ``STARTUP_GROWTH`` (BBR's full-pipe
   test: one short round may be a burst of channel loss or the count of a lost ACK), or a round that grew
   a queue, end it. DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it
-  stands the link stays busy, so draining fast costs nothing). CRUISE paces at
-  the estimate in cycles of ``PROBE_GAINS``, one round each: probe 25% up, drain what the probe queued,
-  cruise; two rounds in a row with a standing queue send it back to DRAIN.
+  stands the link stays busy, so draining fast costs nothing). CRUISE paces at the estimate in cycles of
+  ``PROBE_GAINS``, one round each: probe, drain what the probe queued, cruise. The probe adds a step of
+  ``PROBE_STEP_PACKETS`` per min RTT (additive: a bigger flow probes no harder than a smaller one), and a
+  probe that raised the estimate is repeated at once with twice the step (a link that speeds up is found
+  in a few rounds). Two rounds in a row with a standing delay cut the estimate to ``STANDING_CUT`` of
+  itself and send it back to DRAIN: flows sharing the queue see it together, so their cuts are in step,
+  and additive increase with multiplicative decrease converges to equal shares (Chiu and Jain); BBR's
+  multiplicative probing kept whatever split the start made (``pfec bench fairness``).
 - **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
   ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
   round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
@@ -57,7 +67,14 @@ STARTUP_GAIN: Final = 2.0  # STARTUP paces at this times the estimate (BBR's 2.8
 STARTUP_GROWTH: Final = 1.25  # a STARTUP round whose estimate grew less than this ...
 STARTUP_MISSES: Final = 3  # ... this many times in a row: the pipe is full (BBR's full-bandwidth test)
 DRAIN_GAIN: Final = 0.5  # while a queue stands the link stays busy: draining it fast costs no delivery
-PROBE_GAINS: Final = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+PROBE_GAINS: Final = (1.0, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)  # round 0 adds the probe step to its 1.0
+PROBE_STEP_PACKETS: Final = 16  # the probe's first step: this many datagrams more per min RTT (additive) ...
+PROBE_MAX_DOUBLINGS: Final = 10  # ... doubled after each probe that found the link faster, up to 2^this
+PROBE_FOUND: Final = 1.02  # a probe found room when the estimate rose by this factor and half the step
+STANDING_CUT: Final = 0.85  # a standing queue in CRUISE cuts the estimate by this (the AIMD decrease)
+SEND_SPAN_SHARE: Final = 0.5  # a round's sample is at most 1/this of the rate its datagrams were sent at
+MAX_FLOOR_CREDIT: Final = 0.5  # a sample adds back at most this share of random loss
+FLOOR_ROUNDS: Final = 16  # the recent floor: the smallest round RTT of this many rounds
 CRUISE_AFTER_CUT: Final = 2  # the probe cycle's index after a congestion cut (no probe right away)
 APP_LIMITED_SHARE: Final = 0.8
 CWND_GAIN: Final = 1.5  # round trips in flight before the pacing rate falls to a trickle (BBR: 2; a link
@@ -97,6 +114,7 @@ class PathRate:
     """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
 
     __slots__ = (
+        "_acked_sent_at",
         "_cap_packets",
         "_capped",
         "_cycle",
@@ -107,17 +125,22 @@ class PathRate:
         "_lost",
         "_missed",
         "_packets_sent",
+        "_probe_doublings",
+        "_probe_from",
         "_queued",
         "_quiet_until",
+        "_recent_floor",
         "_recent_loss",
         "_round_delivered",
         "_round_lost",
         "_round_min_rtt",
         "_round_open",
         "_round_sent",
+        "_round_sent_at",
         "_rtt_prior",
         "_samples",
         "_standing",
+        "_standing_delay_s",
         "_warm",
         "breaker_reason",
         "bytes_sent",
@@ -175,6 +198,12 @@ class PathRate:
         self._round_lost = 0
         self._round_sent = 0
         self._round_min_rtt = math.inf
+        self._acked_sent_at = 0.0  # when the newest acknowledged datagram was sent (the newest RTT sample's)
+        self._round_sent_at = 0.0  # ... as of the ACK that opened the round
+        self._recent_floor: deque[float] = deque(maxlen=FLOOR_ROUNDS)  # the last rounds' smallest RTTs
+        self._standing_delay_s = 0.0  # the newest round's RTT above the recent floor
+        self._probe_doublings = 0
+        self._probe_from = 0.0  # the estimate when the newest probe began
         self._full_bw = 0.0  # STARTUP: the estimate the last growing round reached
         self._samples: deque[tuple[float, bool]] = deque(maxlen=max(BTL_ROUNDS, FORECAST_ROUNDS))
         self._recent_loss: deque[tuple[float, int, int]] = deque()  # (round end, lost, delivered)
@@ -202,7 +231,9 @@ class PathRate:
         return self.pace_bps * TRICKLE_GAIN
 
     def _refresh_cap(self) -> None:
-        rtt = self._rtt_prior if self.min_rtt == math.inf else self.min_rtt
+        # The recent floor, if above the min RTT: a flow that started into another's queue holds an
+        # inflated min RTT, and a cap on the true one would throttle only the flow that measured it.
+        rtt = self._rtt_prior if self.min_rtt == math.inf else max(self.min_rtt, self._floor_rtt())
         gain = CWND_GAIN if self._samples else FIRST_WINDOW_GAIN  # before a sample the rate is a guess
         cap = gain * max(self.pace_bps, self.estimate_bps) * rtt / (8 * self.datagram_bytes)
         self._cap_packets = max(CWND_MIN_PACKETS, cap)
@@ -257,7 +288,10 @@ class PathRate:
             self._close_round(now)
             self._open_round(now)
 
-    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+    def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
+        """An RTT sample at ``now`` of the datagram sent at ``sent_at`` (the newest acknowledged); the session
+        reports it before the same ACK's counts, so a round that closes on that ACK knows its send span."""
+        self._acked_sent_at = sent_at
         if rtt < self.min_rtt or now - self.min_rtt_at > MIN_RTT_WINDOW_S:
             self.min_rtt, self.min_rtt_at = rtt, now
             self._refresh_cap()
@@ -273,16 +307,24 @@ class PathRate:
         self._round_delivered = self._delivered
         self._round_lost = self._lost
         self._round_sent = self._packets_sent
+        self._round_sent_at = self._acked_sent_at
         self._round_min_rtt = math.inf
         self._capped = False
 
     def _close_round(self, now: float) -> None:
         assert self._round_open is not None
-        span = now - self._round_open
+        # After BBR's rate sample: over the ACKs' span, but not shorter than SEND_SPAN_SHARE of the span in
+        # which the datagrams they count were sent. ACKs bunched on the way back (a busy receiver, a loaded
+        # event loop) shorten the first, and the max filter keeps what bunching overstates; a link that
+        # speeds up drains its backlog faster than it was sent, so the bound is loose (pfec eval's trace
+        # cells lost 2 points of the oracle with BBR's share of 1).
+        span = max(now - self._round_open, SEND_SPAN_SHARE * (self._acked_sent_at - self._round_sent_at))
         bits = 8 * self.datagram_bytes
         delivered = self._delivered - self._round_delivered
         lost = self._lost - self._round_lost
-        sample = delivered * bits / span
+        # The rate the path carries, channel loss included: the random-loss floor's share was sent and
+        # lost on the link, not left unsent (an additive probe would otherwise settle below a lossy link).
+        sample = delivered * bits / span / (1 - min(self.loss_floor, MAX_FLOOR_CREDIT))
         sent_bps = (self._packets_sent - self._round_sent) * bits / span
         if not self._warm:  # the receiver counts what it held before the handshake in a burst of ACKs
             self._warm = True
@@ -294,6 +336,8 @@ class PathRate:
         self.rounds += 1
         if self._round_min_rtt < math.inf and self.min_rtt < math.inf:
             self.queue_delay_s = max(0.0, self._round_min_rtt - self.min_rtt)
+            self._recent_floor.append(self._round_min_rtt)
+            self._standing_delay_s = max(0.0, self._round_min_rtt - max(self.min_rtt, self._floor_rtt()))
         loss = lost / (lost + delivered) if lost + delivered else 0.0
         self._note_loss(now, lost, delivered)
         self._samples.append((sample, app_limited))
@@ -318,6 +362,15 @@ class PathRate:
                 and total_lost >= BREAKER_LOSS * total):
             self.breaker_reason = (f"circuit breaker: {total_lost} of {total} datagrams lost in the last "
                                    f"{BREAKER_WINDOW_S:.1f} s")
+
+    def _floor_rtt(self) -> float:
+        """The smallest round RTT of the last ``FLOOR_ROUNDS`` rounds (0 before any). Flows sharing a queue
+        see the same floor whatever min RTT each measured when it started, so a standing queue measured
+        from it drains them all at once, and their cuts and probes stay in step (AIMD converges)."""
+        return min(self._recent_floor, default=0.0)
+
+    def _probe_step_bps(self) -> float:
+        return PROBE_STEP_PACKETS * 8 * self.datagram_bytes / max(self._round_len(), MIN_ROUND_S)
 
     def _queue_congested(self) -> float:
         return max(QUEUE_CONGESTED_S, QUEUE_CONGESTED_RTT * self._base_rtt())
@@ -363,6 +416,7 @@ class PathRate:
             self._samples.clear()
             self._samples.append((self.estimate_bps, False))
             self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
+            self._probe_doublings = 0
             self._quiet_until = now + self.srtt
         elif self.phase is Phase.STARTUP:
             if self.queue_delay_s > self._queue_standing():
@@ -381,17 +435,42 @@ class PathRate:
                     return
                 self._enter_drain(now)
         elif self.phase is Phase.DRAIN:
-            if self.queue_delay_s <= self._queue_congested() or now >= self._drain_until:
+            if self._standing_delay_s <= self._queue_congested() or now >= self._drain_until:
                 self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
         else:
-            self._standing = self._standing + 1 if self.queue_delay_s > self._queue_standing() else 0
-            if self._standing >= 2:
-                self._standing = 0
-                self._enter_drain(now)
+            self._step_cruise(now)
+        self.pace_bps = self._clamp(self._cycle_rate())
+
+    def _step_cruise(self, now: float) -> None:
+        """Two rounds with a standing queue: cut the estimate (multiplicative decrease) and drain. Else the
+        next round of the probe cycle, whose probe adds a step (additive increase: a bigger flow probes no
+        harder than a smaller one, so flows sharing the link converge); a probe that found the link
+        faster is repeated at once with twice the step (a link that grows is found in a few rounds)."""
+        self._standing = self._standing + 1 if self._standing_delay_s > self._queue_standing() else 0
+        if self._standing >= 2:
+            self._standing = self._probe_doublings = 0
+            self.estimate_bps = self._clamp(STANDING_CUT * self.estimate_bps)
+            self._samples.clear()
+            self._samples.append((self.estimate_bps, False))
+            self._enter_drain(now)
+            return
+        if self._cycle == 1:  # the probe's round trip is back: this round's sample saw it
+            if self.estimate_bps > PROBE_FOUND * self._probe_from + self._probe_step_bps() / 2:
+                self._probe_doublings = min(self._probe_doublings + 1, PROBE_MAX_DOUBLINGS)
+                self._cycle = len(PROBE_GAINS) - 1  # the next round probes again
             else:
-                self._cycle = (self._cycle + 1) % len(PROBE_GAINS)
-        gain = DRAIN_GAIN if self.phase is Phase.DRAIN else PROBE_GAINS[self._cycle]
-        self.pace_bps = self._clamp(gain * self.estimate_bps)
+                self._probe_doublings = 0
+        self._cycle = (self._cycle + 1) % len(PROBE_GAINS)
+        if self._cycle == 0:
+            self._probe_from = self.estimate_bps
+
+    def _cycle_rate(self) -> float:
+        if self.phase is Phase.DRAIN:
+            return DRAIN_GAIN * self.estimate_bps
+        rate = PROBE_GAINS[self._cycle] * self.estimate_bps
+        if self.phase is Phase.CRUISE and self._cycle == 0:
+            rate += self._probe_step_bps() * 2 ** self._probe_doublings
+        return rate
 
     def _update_forecast(self) -> None:
         rates = sorted(rate for rate, limited in list(self._samples)[-FORECAST_ROUNDS:] if not limited)
@@ -408,6 +487,8 @@ class PathRate:
         self._round_open, self._warm, self._missed, self._full_bw = None, False, 0, 0.0
         self._samples.clear()
         self._recent_loss.clear()
+        self._recent_floor.clear()
+        self._probe_doublings = 0
         self.last_delivery_at = None
         self.breaker_reason = None
         self._refresh_cap()

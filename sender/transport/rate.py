@@ -17,7 +17,8 @@ recovery): the session's parts report what happens on the path, the controller a
   above its floor is congestion, RFC 9265);
 - ``on_packets_delivered(now, count)``: the ACK intake, with the growth of the receiver's cumulative count
   of data datagrams received (the delivery rate's numerator);
-- ``on_rtt_measurement(now, rtt)``: the ACK intake, with each RTT sample (the newest acknowledged packet,
+- ``on_rtt_measurement(now, rtt, sent_at)``: the ACK intake, before the same ACK's counts, with each RTT
+  sample and the send time of the packet it is of (the newest acknowledged packet,
   less the ACK delay);
 - ``breaker(now)``: read each decision epoch; a reason stops the stream (RFC 8084's circuit breaker: the
   session tells the receiver it is done, with ``DoneReason.PATH_BROKEN``).
@@ -68,8 +69,8 @@ class RateController(Protocol):
         """An ACK arriving at ``now`` counts ``count`` more data datagrams received than any before it."""
         ...
 
-    def on_rtt_measurement(self, now: float, rtt: float) -> None:
-        """One RTT sample (seconds, > 0) taken at ``now``."""
+    def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
+        """One RTT sample (seconds, > 0) taken at ``now``, of the datagram sent at ``sent_at``."""
         ...
 
 
@@ -100,5 +101,5 @@ class FixedRate:
     def on_packets_delivered(self, now: float, count: int) -> None:
         pass
 
-    def on_rtt_measurement(self, now: float, rtt: float) -> None:
+    def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
         pass

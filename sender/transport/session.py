@@ -486,7 +486,8 @@ class SenderSession:
             self._drop("accept_mismatch")
             return
         self.protector.set_peer_random(accept.receiver_random)
-        self.rate.on_rtt_measurement(now, now - self._start)  # the first OFFER's: ahead of any queued data
+        # The first OFFER's round trip: ahead of any queued data.
+        self.rate.on_rtt_measurement(now, now - self._start, self._start)
         self._accepted = True
         self._offer_timer = None
         self.offer.on_accept(now)
