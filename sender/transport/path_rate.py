@@ -363,6 +363,13 @@ class PathRate:
             self.breaker_reason = (f"circuit breaker: {total_lost} of {total} datagrams lost in the last "
                                    f"{BREAKER_WINDOW_S:.1f} s")
 
+    def _queue_above_base_s(self) -> float:
+        """The newest round's smallest RTT above the base RTT (``_base_rtt``): a queue another flow keeps
+        standing shows here, even from before this controller's first sample."""
+        if self._round_min_rtt == math.inf or self.min_rtt == math.inf:
+            return 0.0
+        return max(0.0, self._round_min_rtt - self._base_rtt())
+
     def _floor_rtt(self) -> float:
         """The smallest round RTT of the last ``FLOOR_ROUNDS`` rounds (0 before any). Flows sharing a queue
         see the same floor whatever min RTT each measured when it started, so a standing queue measured
@@ -455,7 +462,10 @@ class PathRate:
             self._enter_drain(now)
             return
         if self._cycle == 1:  # the probe's round trip is back: this round's sample saw it
-            if self.estimate_bps > PROBE_FOUND * self._probe_from + self._probe_step_bps() / 2:
+            # Room, not a share taken: the probe raised the estimate with no queue above the base RTT (a
+            # loss-based neighbour's standing queue hides from the recent floor, not from the base).
+            found = self.estimate_bps > PROBE_FOUND * self._probe_from + self._probe_step_bps() / 2
+            if found and self._queue_above_base_s() <= self._queue_congested():
                 self._probe_doublings = min(self._probe_doublings + 1, PROBE_MAX_DOUBLINGS)
                 self._cycle = len(PROBE_GAINS) - 1  # the next round probes again
             else:
