@@ -345,7 +345,10 @@ class PathRate:
         queued = self.queue_delay_s > self._queue_congested()
         self._queued = self._queued + 1 if queued else 0
         congested = self._congested(loss, now)
-        if not (congested or queued):  # a queue-free round's loss is the channel's
+        # A queue-free round's loss is the channel's; queue-free above the base RTT too: a CUBIC neighbour's
+        # standing queue inflates the min RTT, and its drop-tail losses learnt as the floor (21%, pfec bench
+        # fairness) were then credited to every sample as the link's.
+        if not (congested or queued or self._queue_above_base_s() > self._queue_congested()):
             self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
         self._step_phase(sample, app_limited, congested, now)
         self._update_forecast()
