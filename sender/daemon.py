@@ -31,7 +31,7 @@ from pfec.common.plan.deadline import (
     WHOLE_DEADLINE,
     repair_fraction,
 )
-from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
+from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, SplitOffer, default_profile_name
 from pfec.common.plan.stream import AUTO
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
@@ -48,7 +48,7 @@ from pfec.sender.handoffs import (
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
-from pfec.sender.peers import PeerMemory, PeerNumbers
+from pfec.sender.peers import PeerMemory, PeerNumbers, front_slowdown
 from pfec.sender.speed_ask import ask_speed
 from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
@@ -303,13 +303,24 @@ class SenderDaemon:
         transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
         await self._stream(handoff, transfer, destination)
         self.path_loss.record(destination.address, *transfer.session.measured_loss)
-        self.peers.record(destination.address, handoff.stated_receiver, transfer.session.view.rtt_estimate)
+        self.peers.record(destination.address, handoff.stated_receiver, transfer.session.view.rtt_estimate,
+                          self._front_slowdown(handoff, transfer.result, destination.address))
         utility = self._report_transfer(handoff, transfer, prepared)
         if spec.full_kv_answer and self.runtime is not None and prepared.cache is not None:
             handoff.report["full_kv_answer"] = await self.worker.submit(
                 full_kv_answer, self.runtime, prepared, spec.max_new_tokens, force=True
             )
         return transfer.outcome, utility
+
+    def _front_slowdown(self, handoff: Handoff, result: ResultApp | None, address: str) -> float | None:
+        """A split's front against the speed its receiver stated (``peers.front_slowdown``), reported;
+        None for anything else."""
+        stated = handoff.stated_receiver or self.peers.get(address).receiver
+        if result is None or result.handoff_mode != "split" or stated is None:
+            return None
+        slowdown = front_slowdown(stated, result.computed_tokens, result.front_s)
+        handoff.report["front_slowdown"] = None if slowdown is None else round(slowdown, 4)
+        return slowdown
 
     def _check_bounds(self, spec: HandoffSpec) -> None:
         """The configured bounds, for specs that did not come through the control API (which 422s)."""
@@ -344,6 +355,7 @@ class SenderDaemon:
             "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
             "loss": round(loss or 0.0, 5),
             "loss_from": "measured" if loss is not None else "none measured yet",
+            "front_slowdown": None if peer.front_slowdown is None else round(peer.front_slowdown, 4),
         }
         prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
                                             secrets.randbits(32), peer, loss or 0.0, plan_rate_bps,
@@ -395,7 +407,7 @@ class SenderDaemon:
         rtt_s = peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s
         precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, rtt_s,
                                      spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
-                                     spec.deadline_ms, peer.receiver, loss, plan_rate_bps)
+                                     spec.deadline_ms, peer.planner_receiver(), loss, plan_rate_bps)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

@@ -182,7 +182,9 @@ class ReceiverModel:
     ``rebuild_scale`` multiplies the levels' rebuild times, which were measured on this 2-core CPU (1.0);
     a GPU receiver rebuilds far faster (see the 7B preset). ``question_tokens``: what the receiver
     prefills after the context before its first token (the handoff's question; one more forward call
-    over the whole cache, whichever way the context's KV got there).
+    over the whole cache, whichever way the context's KV got there). ``front_scale`` multiplies a split's
+    front: it shares the receiver's CPU with the stream it meets, so it runs slower than ``prefill`` (the
+    receiver's unloaded speed) by what past splits over the same path measured (1.0: none did).
     """
 
     prefill: PrefillCurve
@@ -190,11 +192,14 @@ class ReceiverModel:
     join_s: float = 0.0
     rebuild_scale: float = 1.0
     question_tokens: int = 0
+    front_scale: float = 1.0
 
     def __post_init__(self) -> None:
         finite_nonneg("decode_s", self.decode_s)
         finite_nonneg("join_s", self.join_s)
         finite_nonneg("rebuild_scale", self.rebuild_scale)
+        if not (math.isfinite(self.front_scale) and self.front_scale > 0):
+            raise ValueError(f"front_scale must be finite and > 0, got {self.front_scale!r}")
         if not isinstance(self.question_tokens, int) or self.question_tokens < 0:
             raise ValueError(f"question_tokens must be an int >= 0, got {self.question_tokens!r}")
 
@@ -203,8 +208,13 @@ class ReceiverModel:
         return self.prefill.chunk_seconds(n_tokens, n_tokens + self.question_tokens)
 
     def front_s(self, m: int) -> float:
-        """A split's front [0, m) as the receiver computes it: chunks of ``FRONT_CHUNK_TOKENS``, each a
-        forward call of its own (``front_chunk_end``)."""
+        """A split's front [0, m) as the receiver computes it beside the stream: chunks of
+        ``FRONT_CHUNK_TOKENS``, each a forward call of its own (``front_chunk_end``), ``front_scale``
+        slower than unloaded."""
+        return self.front_scale * self.unloaded_front_s(m)
+
+    def unloaded_front_s(self, m: int) -> float:
+        """The same chunks at the receiver's unloaded speed (``prefill``)."""
         seconds, done = 0.0, 0
         while done < m:
             end = front_chunk_end(done, m, m)
