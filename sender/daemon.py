@@ -362,7 +362,7 @@ class SenderDaemon:
                                             force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
-        if prepared.planner is not None:
+        if prepared.planner is not None and not prepared.planner.get("predicted_only"):
             self.metrics.planner_choice(prepared.planner["choice"])
         self.metrics.handoff_mode(prepared.handoff_mode)
         return prepared

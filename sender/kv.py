@@ -206,12 +206,13 @@ def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt
 
 def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest, question_tokens: int,
              ) -> tuple[str, dict[str, Any] | None]:
-    if request.precision == NATIVE:
-        return NATIVE, None
     geometry = identity.geometry
-    return choose_mix(request.precision, n_tokens, geometry, request.planning_rate_bps, request.rtt_s,
-                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss,
-                      question_tokens=question_tokens)
+    mix, view = choose_mix(request.precision, n_tokens, geometry, request.planning_rate_bps, request.rtt_s,
+                           request.receiver, deadline_s=request.deadline_s(n_tokens, geometry),
+                           loss=request.loss, question_tokens=question_tokens)
+    if request.precision == NATIVE:  # nothing to decide: the report still shows what the planner predicts
+        view["predicted_only"] = True
+    return mix, view
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -413,10 +413,15 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
     used = next(o for o in handoffs if o.precision == mix)
     view = {
         "requested": requested, "choice": plan.choice.label, "choice_ttft_s": plan.choice.ttft_s,
-        "used": used.label, "predicted_ttft_s": used.ttft_s,
+        "used": used.label, "predicted_ttft_s": used.ttft_s, "predicted_parts": _rounded(used.parts),
         "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor,
     }
     return mix, view
+
+
+def _rounded(parts: dict[str, float]) -> dict[str, float]:
+    """A prediction's terms for a report (ms precision is all a TTFT prediction has)."""
+    return {name: round(seconds, 4) for name, seconds in parts.items()}
 
 
 # --- Which mode ---------------------------------------------------------------------------------------------
@@ -508,6 +513,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
     view = {
         "requested": precision, "requested_mode": mode, "mode": used_mode, "choice": plan.choice.label,
         "choice_ttft_s": plan.choice.ttft_s, "used": used.label, "predicted_ttft_s": used.ttft_s,
-        "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor, "meeting_token": meeting,
+        "predicted_parts": _rounded(used.parts), "local_ttft_s": plan.option("local").ttft_s,
+        "floor": plan.floor, "meeting_token": meeting,
     }
     return ModeChoice(used_mode, mix, meeting, view)
