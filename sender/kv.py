@@ -108,6 +108,9 @@ class PrecisionRequest:
     # (``PathRate.forecast_bps``); None: ``rate_bps``. A ``rho`` deadline stays on ``rate_bps`` (the told
     # rate defines it; the receiver's deadline does not move with the sender's estimate).
     plan_rate_bps: float | None = None
+    # The path's forecast as the newest split over it left it (the receiver computed beside that stream);
+    # None: ``planning_rate_bps``.
+    split_rate_bps: float | None = None
 
     @property
     def planning_rate_bps(self) -> float:
@@ -258,7 +261,8 @@ def prepare_model(
                              block_tokens=BLOCK_TOKENS,
                              auto_modes=auto_modes,
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
-                             loss=request.loss, question_tokens=len(question_ids))
+                             loss=request.loss, question_tokens=len(question_ids),
+                             split_rate_bps=request.split_rate_bps)
         if choice.mode != "handoff":
             return _prepare_split(runtime, inp, context_ids, question_ids, plan, utilities, order,
                                   profile_name, keep_cache, choice, identity)

@@ -34,6 +34,10 @@ class PeerNumbers:
     receiver: ReceiverModel | None = None
     rtt_s: float | None = None
     front_slowdown: float | None = None
+    # The path controller's forecast as the newest whole-cache handoff, and the newest split, left it: where
+    # the receiver's CPU bounds the stream, a split's (the front computing beside it) delivers less.
+    handoff_rate_bps: float | None = None
+    split_rate_bps: float | None = None
 
     def planner_receiver(self) -> ReceiverModel | None:
         """The stated speed with the path's front slowdown applied to splits (None: none stated)."""
@@ -81,8 +85,21 @@ class PeerMemory:
         old = self._peers.pop(address, PeerNumbers())
         if slowdown is not None and old.front_slowdown is not None:
             slowdown = (1 - SLOWDOWN_WEIGHT) * old.front_slowdown + SLOWDOWN_WEIGHT * slowdown
-        self._peers[address] = PeerNumbers(receiver or old.receiver, rtt_s if rtt_s > 0 else old.rtt_s,
-                                           slowdown if slowdown is not None else old.front_slowdown)
+        kept = slowdown if slowdown is not None else old.front_slowdown
+        self._peers[address] = replace(old, receiver=receiver or old.receiver,
+                                       rtt_s=rtt_s if rtt_s > 0 else old.rtt_s, front_slowdown=kept)
+        self._trim()
+
+    def record_rate(self, address: str, mode: str, forecast_bps: float) -> None:
+        """The path's forecast after a handoff in ``mode`` to ``address`` (a local prefill streams
+        nothing: ignored)."""
+        if mode not in ("handoff", "split") or not forecast_bps > 0:
+            return
+        old = self._peers.pop(address, PeerNumbers())
+        if mode == "split":
+            self._peers[address] = replace(old, split_rate_bps=forecast_bps)
+        else:
+            self._peers[address] = replace(old, handoff_rate_bps=forecast_bps)
         self._trim()
 
     def record_query(self, address: str, receiver: ReceiverModel | None, rtt_s: float | None) -> None:
@@ -90,8 +107,8 @@ class PeerMemory:
         its round trip as the RTT only when no handoff has measured one."""
         old = self._peers.pop(address, PeerNumbers())
         rtt = old.rtt_s if old.rtt_s is not None else rtt_s
-        self._peers[address] = PeerNumbers(receiver or old.receiver, rtt if rtt is None or rtt > 0 else None,
-                                           old.front_slowdown)
+        self._peers[address] = replace(old, receiver=receiver or old.receiver,
+                                       rtt_s=rtt if rtt is None or rtt > 0 else None)
         self._trim()
 
     def _trim(self) -> None:

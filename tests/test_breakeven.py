@@ -413,7 +413,8 @@ def test_a_split_front_beside_its_stream_shapes_the_stated_speed_but_does_not_sl
     true = PrefillCurve(0.1, 3e-3, 5e-7)
     points = [(n, true.a + 3.2e-3 * n) for n in (128, 512, 1024)]
     measured = fit_prefill_curve(points)
-    chunks = [(start, start + 256, 2.5 * true.chunk_seconds(start, start + 256)) for start in range(0, 4096, 256)]
+    chunks = [(start, start + 256, 2.5 * true.chunk_seconds(start, start + 256))
+              for start in range(0, 4096, 256)]
     assert front_slowdown(true, chunks) == pytest.approx(2.5)
     recent = RecentPrefills(measured, 0.08, points)
     assert recent.observe(chunks, loaded=True) == 16 and recent.timed == 16

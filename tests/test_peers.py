@@ -57,3 +57,28 @@ def test_a_split_front_slower_than_stated_slows_the_next_splits_front_but_not_lo
     assert front_slowdown(stated, 1024, 1e4) is None and front_slowdown(stated, 1024, None) is None
     with pytest.raises(ValueError, match="front_scale"):
         ReceiverModel(PrefillCurve(0.03, 2.5e-3, 8e-7), 0.08, front_scale=0.0)
+
+
+def test_a_split_plans_its_back_on_the_rate_the_newest_split_over_the_path_left() -> None:
+    """Where the receiver's CPU bounds the stream, a split's back (the front computing beside it) delivers
+    less than a whole-cache handoff: each kind's forecast is kept apart, and the planner's split divides
+    by its own; a local prefill streams nothing and teaches no rate."""
+    from pfec.common.plan.breakeven import DEFAULT_GEOMETRY, LinkModel, handoff_option, level_named, split_at
+
+    memory = PeerMemory()
+    memory.record_rate("rx:1", "handoff", 250e6)
+    memory.record_rate("rx:1", "split", 100e6)
+    memory.record_rate("rx:1", "local", 1e6)
+    peer = memory.get("rx:1")
+    assert (peer.handoff_rate_bps, peer.split_rate_bps) == (250e6, 100e6)
+    memory.record("rx:1", None, 0.02, 2.0)  # a handoff's other numbers keep the rates
+    assert memory.get("rx:1").split_rate_bps == 100e6
+    receiver = ReceiverModel(PrefillCurve(0.03, 2.5e-3, 8e-7), 0.08)
+    int8 = level_named("int8")
+    whole, split = LinkModel(250e6, 0.02), LinkModel(250e6, 0.02, split_rate_bps=100e6)
+    slow_back = split_at(512, 2048, DEFAULT_GEOMETRY, int8, split, receiver).parts["back_s"]
+    assert slow_back > 2 * split_at(512, 2048, DEFAULT_GEOMETRY, int8, whole, receiver).parts["back_s"]
+    assert (handoff_option(2048, DEFAULT_GEOMETRY, int8, split, receiver, True).ttft_s
+            == handoff_option(2048, DEFAULT_GEOMETRY, int8, whole, receiver, True).ttft_s)
+    with pytest.raises(ValueError, match="link rate"):
+        LinkModel(1e6, 0.02, split_rate_bps=0.0)

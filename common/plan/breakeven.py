@@ -133,7 +133,9 @@ class LinkModel:
     ``loss`` is the expected share of sent bytes lost; an erasure code must send 1 / (1 - loss) times the
     data. ``handshake_rtts`` counts round trips before the bulk flows (0 when data follows the OFFER).
     Each datagram carries ``symbol_size - 4`` KV bytes (a fragment id) and costs the symbol plus the source
-    id, header and AEAD tag on the link.
+    id, header and AEAD tag on the link. ``split_rate_bps``: what the path delivers while the receiver
+    also computes a split's front (where its receive path, not the link, bounds the stream, the front
+    takes CPU from it); None: ``rate_bps``.
     """
 
     rate_bps: float
@@ -141,10 +143,12 @@ class LinkModel:
     loss: float = 0.0
     handshake_rtts: float = 1.0
     symbol_size: int = DEFAULT_SYMBOL_SIZE
+    split_rate_bps: float | None = None
 
     def __post_init__(self) -> None:
-        if math.isnan(self.rate_bps) or self.rate_bps <= 0:
-            raise ValueError(f"link rate must be > 0 bit/s, got {self.rate_bps!r}")
+        for rate in (self.rate_bps, self.split_rate_bps):
+            if rate is not None and (math.isnan(rate) or rate <= 0):
+                raise ValueError(f"link rate must be > 0 bit/s, got {rate!r}")
         finite_nonneg("RTT", self.rtt_s)
         if not (math.isfinite(self.loss) and 0 <= self.loss < 1):
             raise ValueError(f"loss must lie in [0, 1), got {self.loss!r}")
@@ -166,6 +170,12 @@ class LinkModel:
         payload = self.symbol_size - FRAGMENT_ID_SIZE
         datagram = self.symbol_size + SOURCE_ID_SIZE + OVERHEAD
         return datagram / payload / (1.0 - self.loss)
+
+    def split_link(self) -> LinkModel:
+        """The link a split's back streams over (``split_rate_bps``)."""
+        if self.split_rate_bps is None:
+            return self
+        return LinkModel(self.split_rate_bps, self.rtt_s, self.loss, self.handshake_rtts, self.symbol_size)
 
     def wire_bytes(self, kv_bytes: float) -> float:
         return kv_bytes * self.wire_per_kv_byte
@@ -370,6 +380,7 @@ def meeting_point(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, li
     than the link.
     """
     _check_tokens(n_tokens)
+    link = link.split_link()
     s = link.serialisation_s(level.bytes_per_token(geometry))
 
     def gap(m: int) -> float:  # front - back
@@ -411,6 +422,7 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     _check_tokens(n_tokens)
     if not 0 <= m <= n_tokens:
         raise ValueError(f"meeting token {m!r} lies outside the context [0, {n_tokens}]")
+    link = link.split_link()
     back_tokens = n_tokens - m
     kv = back_tokens * level.bytes_per_token(geometry)
     rebuild = _rebuild_s(back_tokens, geometry, level, receiver)
