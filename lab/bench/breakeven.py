@@ -37,15 +37,7 @@ from pfec.common.model import llm
 from pfec.common.model.runtime import load_runtime
 from pfec.common.node.config_models import SenderLimitsConfig
 from pfec.common.node.eventloop import run_event_loop
-from pfec.common.plan.breakeven import (
-    DEFAULT_MODEL_DECODE_S,
-    DEFAULT_MODEL_PREFILL,
-    LinkModel,
-    ReceiverModel,
-    plan_handoff,
-)
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
-from pfec.common.plan.kvlayout import KVGeometry
 from pfec.lab.bench.breakeven_report import plot_measured
 from pfec.lab.demo import start_receiver
 from pfec.lab.kv.workloads import needle_qa
@@ -131,19 +123,22 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
-    # Fixed: each cell tells its link's rate (a measuring sender would carry one cell's estimate into the
-    # next cell's link of another rate: the same receiver address).
+    # The daemon's default rate control (path): each rate has its relay, so its own address, and the
+    # sender measures each path apart (its rate, RTT and loss, its split fronts' slowdown) and plans on it.
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
-                          owd_ms=cfg.rtt_ms / 2, rate_control="fixed")
+                          owd_ms=cfg.rtt_ms / 2)
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)
     try:
         prompts = {n: _prompt(runtime, n, cfg.seed) for n in cfg.lengths}  # all checked before any run
-        # One unrecorded split first: compiled kernels and first-use costs are not a handoff's TTFT.
-        fastest = max(cfg.rates_mbps)
-        await _handoff(daemon, _prompt(runtime, min(cfg.lengths), cfg.seed + 1), addresses[fastest], fastest,
-                       "split", "auto")
+        # One unrecorded handoff and split per path first: compiled kernels and first-use costs are not a
+        # handoff's TTFT, and the first recorded handoff of each kind on each path plans on what an earlier
+        # one measured there, as every later one does (a sender new to a receiver plans on priors).
+        warm_up_prompt = _prompt(runtime, min(cfg.lengths), cfg.seed + 1)
+        for rate in cfg.rates_mbps:
+            for mode in ("handoff", "split"):
+                await _handoff(daemon, warm_up_prompt, addresses[rate], rate, mode, "auto")
         for n in cfg.lengths:
             inputs = prompts[n]
             log(f"{n} tokens: timing local prefill on the receiver's CPUs ({cfg.local_runs} run(s)) ...")
@@ -153,13 +148,10 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                 for label, mode, precision in MODES:
                     report = await _handoff(daemon, inputs, addresses[rate], rate, mode, precision)
                     runs.append(_row(n, rate, label, report, local[str(n)]))
-                    if precision == "native" and runs[-1]["predicted_ttft_s"] is None:
-                        runs[-1]["predicted_ttft_s"] = _predicted_native(identity.geometry, report, rate,
-                                                                         cfg.rtt_ms)
                     row = runs[-1]
                     log(f"[{len(runs)}/{total}] {n} tokens, {rate:g} Mbit/s, {label}: TTFT "
                         f"{_fmt(row['ttft_s'])} s vs local {local[str(n)]['ttft_s']:.2f} s "
-                        f"({time.strftime('%H:%M:%S')})")
+                        f"({time.strftime('%H:%M:%S')})" + (f": {row['error']}" if row["error"] else ""))
     finally:
         await daemon.close()
     return {"config": asdict(cfg), "deadline_ms": LOOSE_DEADLINE_MS, "cpus": cpus.to_json(), "local": local,
@@ -204,18 +196,6 @@ async def _handoff(daemon: SenderDaemon, inputs: ContextInput, address: tuple[st
     return handoff.view()
 
 
-def _predicted_native(geometry: KVGeometry, report: dict[str, Any], rate: float, rtt_ms: float,
-                      ) -> float | None:
-    """What the sender's planner predicts for a native handoff (it runs only for ``--precision auto``):
-    the same ``plan_handoff`` with the stored receiver curve (``stream.choose_mode``'s default)."""
-    n_tokens = report.get("n_tokens")
-    if not isinstance(n_tokens, int) or n_tokens < 1:
-        return None
-    plan = plan_handoff(n_tokens, geometry, LinkModel(rate * 1e6, rtt_ms / 1000),
-                        ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S))
-    return plan.option("handoff", "native").ttft_s
-
-
 def _fmt(value: object) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "-"
 
@@ -241,6 +221,11 @@ def _row(n: int, rate: float, label: str, report: dict[str, Any], local: dict[st
         "native_bytes": report.get("native_bytes"),
         "meeting_token_planned": report.get("meeting_token_planned"),
         "computed_tokens": report.get("computed_tokens"), "answer": report.get("answer"),
+        # What the prediction came from (measured on this path, or priors) and its terms; the front's
+        # timed seconds and its slowdown against the receiver's stated speed (splits).
+        "planner_inputs": report.get("planner_inputs"), "predicted_parts": planner.get("predicted_parts"),
+        "front_s": report.get("front_s"), "front_slowdown": report.get("front_slowdown"),
+        "path_rate": report.get("path_rate"),
     }
 
 
