@@ -123,10 +123,13 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
-    # The daemon's default rate control (path): each rate has its relay, so its own address, and the
-    # sender measures each path apart (its rate, RTT and loss, its split fronts' slowdown) and plans on it.
+    # Fixed: each cell paces at its link's told rate. Each rate has its relay, so its own address: the
+    # sender still measures each path apart (RTT, loss, its receiver's stated speed, its split fronts'
+    # slowdown) and predicts from them. Under the daemons' default (path) rate control this bench's paths
+    # fell into rates far below their links after idle spells between their cells (a 20 Mbit/s path
+    # delivered 2-6 Mbit/s, then nothing: three of four runs on 2026-12-03), so the bench does not rely on it.
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
-                          owd_ms=cfg.rtt_ms / 2)
+                          owd_ms=cfg.rtt_ms / 2, rate_control="fixed")
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)
@@ -340,7 +343,10 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
         f"{cfg['model']}; loss-free emulated link, RTT {cfg['rtt_ms']:g} ms, deadline "
         f"{result['deadline_ms'] / 1000:g} s, the nodes' limit (TTFT is when everything planned arrived or "
         "was computed, except where marked (deadline)). One handoff per cell; local prefill is the "
-        f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. "
+        f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. The sender "
+        "paces at each cell's told rate (fixed rate control), measures each rate's path apart (one handoff "
+        "and one split per path first, unrecorded) and predicts from what it measured there: each row's "
+        "`planner_inputs` in the JSON. "
         f"Caveat: {result['caveat']}. Wall time {result['wall_s']:.0f} s.",
         "",
         f"![measured TTFT by context length and link rate]({figure})",
