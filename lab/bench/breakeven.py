@@ -73,6 +73,9 @@ class BreakevenConfig:
     model: str = "default"
     seed: int = 1
     local_runs: int = 2  # local prefill is timed this many times per length (the fastest counts)
+    # How the sender paces: ``path`` (the daemons' default: it measures each rate's path, whose rate the
+    # planner then divides by) or ``fixed`` (each cell's told rate).
+    rate_control: str = "path"
 
     def __post_init__(self) -> None:
         if not self.lengths or any(not 100 <= n <= MAX_TOKENS for n in self.lengths):
@@ -83,6 +86,8 @@ class BreakevenConfig:
             raise ValueError(f"--rtt-ms {self.rtt_ms!r}: must be in 0..1000")
         if self.local_runs < 1:
             raise ValueError(f"--local-runs {self.local_runs!r}: must be >= 1")
+        if self.rate_control not in ("path", "fixed"):
+            raise ValueError(f"--rate-control {self.rate_control!r}: path or fixed")
 
 
 def _log(message: str) -> None:
@@ -123,13 +128,11 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
-    # Fixed: each cell paces at its link's told rate. Each rate has its relay, so its own address: the
-    # sender still measures each path apart (RTT, loss, its receiver's stated speed, its split fronts'
-    # slowdown) and predicts from them. Under the daemons' default (path) rate control this bench's paths
-    # fell into rates far below their links after idle spells between their cells (a 20 Mbit/s path
-    # delivered 2-6 Mbit/s, then nothing: three of four runs on 2026-12-03), so the bench does not rely on it.
+    # Each rate has its relay, so its own address: the sender measures each path apart (its rate under
+    # path control; RTT, loss, its receiver's stated speed, its split fronts' slowdown) and predicts from
+    # what it measured there.
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
-                          owd_ms=cfg.rtt_ms / 2, rate_control="fixed")
+                          owd_ms=cfg.rtt_ms / 2, rate_control=cfg.rate_control)
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)
@@ -333,6 +336,10 @@ def write_breakeven_bench(result: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "breakeven.md").write_text(format_breakeven(result, figure.name))
 
 
+_PACING: Final = {"path": "the rate it measures on each path (path rate control)",
+                  "fixed": "each cell's told rate (fixed rate control)"}
+
+
 def format_breakeven(result: dict[str, Any], figure: str) -> str:
     m = result.get("machine", {})
     cfg = result["config"]
@@ -344,9 +351,9 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
         f"{result['deadline_ms'] / 1000:g} s, the nodes' limit (TTFT is when everything planned arrived or "
         "was computed, except where marked (deadline)). One handoff per cell; local prefill is the "
         f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. The sender "
-        "paces at each cell's told rate (fixed rate control), measures each rate's path apart (one handoff "
-        "and one split per path first, unrecorded) and predicts from what it measured there: each row's "
-        "`planner_inputs` in the JSON. "
+        f"paces at {_PACING.get(cfg.get('rate_control', 'fixed'), '?')}, measures each rate's path apart "
+        "(one handoff and one split per path first, unrecorded) and predicts from what it measured there: "
+        "each row's `planner_inputs` in the JSON. "
         f"Caveat: {result['caveat']}. Wall time {result['wall_s']:.0f} s.",
         "",
         f"![measured TTFT by context length and link rate]({figure})",
