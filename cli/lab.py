@@ -503,6 +503,9 @@ def bench_breakeven_cmd(
     local_runs: Annotated[int, typer.Option(help="Local prefill timings per length (fastest counts).")] = 2,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where breakeven.json, .md and .png go.")] = DOCS_BENCH,
+    rate_control: Annotated[str, typer.Option(
+        help="How the sender paces: path (measured per path, the daemons' default) or fixed (told).",
+    )] = "path",
 ) -> None:
     """Measured TTFT of local prefill, native handoff, auto-precision handoff and split (real daemons over
     the loopback emulator, default model) by context length and link rate; ~20 min at the defaults."""
@@ -518,7 +521,7 @@ def bench_breakeven_cmd(
     try:
         cfg = BreakevenConfig(lengths=tuple(int(t) for t in tokens),
                               rates_mbps=tuple(parse_floats(rates, "rates", "20,100,1000")),
-                              rtt_ms=rtt_ms, local_runs=local_runs)
+                              rtt_ms=rtt_ms, local_runs=local_runs, rate_control=rate_control)
         result = run_breakeven_bench(cfg)
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -368,11 +368,11 @@ class ReceiverDaemon:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(fn)
 
-    def _on_prefill_timed(self, timed: Sequence[tuple[int, int, float]]) -> None:
-        """A front's chunks, timed as they ran (beside the stream they met): the stated speed from now on
-        is refitted over them and the measurement (``RecentPrefills``)."""
+    def _on_prefill_timed(self, timed: Sequence[tuple[int, int, float]], loaded: bool = False) -> None:
+        """A front's chunks, timed as they ran (``loaded``: beside the stream they met): the stated speed
+        from now on is refitted over them and the measurement (``RecentPrefills``)."""
         recent = self.recent_prefills
-        if recent is not None and recent.observe(timed):
+        if recent is not None and recent.observe(timed, loaded):
             self.endpoint.prefill_statement = recent.stated()
             self.metrics.prefill_speed(recent.curve.tokens_per_second(1024))
 

@@ -123,7 +123,7 @@ class Handoffs:
         late_s: deque[float],
         clock: Callable[[], float],
         service: Callable[[float], None],
-        prefill_timed: Callable[[Sequence[tuple[int, int, float]]], None] | None = None,
+        prefill_timed: Callable[[Sequence[tuple[int, int, float]], bool], None] | None = None,
         keep: Callable[[int, OfferApp, Reconstructed], bool] | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -139,7 +139,8 @@ class Handoffs:
         self.late_s = late_s  # each deadline's start lateness (the daemon's stats)
         self.clock = clock
         self.service = service
-        self.prefill_timed = prefill_timed  # told each front's timed chunks (the daemon's stated speed)
+        # told each front's timed chunks and whether a stream ran beside them (the daemon's stated speed)
+        self.prefill_timed = prefill_timed
         self.keep = keep  # stores a conversation's rebuilt context (worker thread; the OpenAI face's store)
         self.sessions: dict[int, SessionInfo] = {}
         self.results: deque[dict[str, Any]] = deque(maxlen=RESULTS_KEPT)
@@ -219,8 +220,8 @@ class Handoffs:
         self._front_jobs.add(job)
         job.add_done_callback(self._front_jobs.discard)
         if self.prefill_timed is not None:
-            told = self.prefill_timed
-            job.add_done_callback(lambda _job: told(front.timed))
+            told, loaded = self.prefill_timed, not is_local(app)
+            job.add_done_callback(lambda _job: told(front.timed, loaded))
         return True
 
     def _on_front_progress(self, sid: int, tokens: int) -> None:
@@ -346,7 +347,7 @@ class Handoffs:
         split = info.app.split if info.app else None
         local = info.app is not None and is_local(info.app)
         mode = "handoff" if split is None else ("local" if local else "split")
-        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode)
+        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode, info.front)
         record = _record(sid, **result.__dict__)
         record.pop("blocks_bitmap", None)
         if info.app is not None and info.app.prefix is not None:

@@ -299,7 +299,7 @@ def _reconstruct_local(runtime: ModelRuntime | None, identity: ModelIdentity, ap
 
 
 def result_of(done: Reconstructed, at: AtDeadline, ttft_s: float | None, mode: str,
-              handoff_mode: str | None = None) -> ResultApp:
+              handoff_mode: str | None = None, front: Front | None = None) -> ResultApp:
     """The RESULT for a finished (or failed) reconstruction."""
     rebuilt = done.rebuilt
     complete = done.complete if done.complete is not None else np.zeros(0, dtype=bool)
@@ -334,6 +334,7 @@ def result_of(done: Reconstructed, at: AtDeadline, ttft_s: float | None, mode: s
         computed_tokens=done.computed_tokens,
         blocks_computed=done.blocks_computed,
         blocks_received=done.blocks_received,
+        front_s=None if front is None else round(sum(seconds for *_, seconds in front.timed), 6),
     )
 
 

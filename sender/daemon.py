@@ -31,7 +31,7 @@ from pfec.common.plan.deadline import (
     WHOLE_DEADLINE,
     repair_fraction,
 )
-from pfec.common.plan.handoff import ModelIdentity, OfferApp, SplitOffer, default_profile_name
+from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, SplitOffer, default_profile_name
 from pfec.common.plan.stream import AUTO
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
@@ -48,7 +48,7 @@ from pfec.sender.handoffs import (
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
 from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
-from pfec.sender.peers import PeerMemory, PeerNumbers
+from pfec.sender.peers import PeerMemory, PeerNumbers, front_slowdown
 from pfec.sender.speed_ask import ask_speed
 from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
@@ -303,13 +303,26 @@ class SenderDaemon:
         transfer = self._make_transfer(handoff, prepared, scheme, profile, destination)
         await self._stream(handoff, transfer, destination)
         self.path_loss.record(destination.address, *transfer.session.measured_loss)
-        self.peers.record(destination.address, handoff.stated_receiver, transfer.session.view.rtt_estimate)
+        self.peers.record(destination.address, handoff.stated_receiver, transfer.session.view.rtt_estimate,
+                          self._front_slowdown(handoff, transfer.result, destination.address))
+        if (rate := transfer.link.controller) is not None and rate.rounds:
+            self.peers.record_rate(destination.address, prepared.handoff_mode, rate.forecast_bps)
         utility = self._report_transfer(handoff, transfer, prepared)
         if spec.full_kv_answer and self.runtime is not None and prepared.cache is not None:
             handoff.report["full_kv_answer"] = await self.worker.submit(
                 full_kv_answer, self.runtime, prepared, spec.max_new_tokens, force=True
             )
         return transfer.outcome, utility
+
+    def _front_slowdown(self, handoff: Handoff, result: ResultApp | None, address: str) -> float | None:
+        """A split's front against the speed its receiver stated (``peers.front_slowdown``), reported;
+        None for anything else."""
+        stated = handoff.stated_receiver or self.peers.get(address).receiver
+        if result is None or result.handoff_mode != "split" or stated is None:
+            return None
+        slowdown = front_slowdown(stated, result.computed_tokens, result.front_s)
+        handoff.report["front_slowdown"] = None if slowdown is None else round(slowdown, 4)
+        return slowdown
 
     def _check_bounds(self, spec: HandoffSpec) -> None:
         """The configured bounds, for specs that did not come through the control API (which 422s)."""
@@ -336,6 +349,7 @@ class SenderDaemon:
         peer = self.peers.get(address)
         loss = self.path_loss.measured(address)
         plan_rate_bps, rate_from = self._planning_rate(address)
+        split_rate = peer.split_rate_bps if plan_rate_bps is not None else None
         handoff.report["planner_inputs"] = {  # what the planner predicts from: measured, or a prior
             "rate_mbps": round((plan_rate_bps or (spec.rate_mbps or self.rate_mbps) * 1e6) / 1e6, 3),
             "rate_from": rate_from,
@@ -344,13 +358,15 @@ class SenderDaemon:
             "rtt_from": "measured" if peer.rtt_s is not None else "configured owd_ms",
             "loss": round(loss or 0.0, 5),
             "loss_from": "measured" if loss is not None else "none measured yet",
+            "front_slowdown": None if peer.front_slowdown is None else round(peer.front_slowdown, 4),
+            "split_rate_mbps": None if split_rate is None else round(split_rate / 1e6, 3),
         }
         prepared = await self.worker.submit(self._prepare_job, spec, scheme.order, profile,
                                             secrets.randbits(32), peer, loss or 0.0, plan_rate_bps,
-                                            force=True)
+                                            split_rate, force=True)
         if spec.inputs.synthetic_tokens is None:
             self.metrics.prefill_done(prepared.prefill_s)
-        if prepared.planner is not None:
+        if prepared.planner is not None and not prepared.planner.get("predicted_only"):
             self.metrics.planner_choice(prepared.planner["choice"])
         self.metrics.handoff_mode(prepared.handoff_mode)
         return prepared
@@ -377,16 +393,22 @@ class SenderDaemon:
                 for address, link in self._paths.items() if link.controller is not None]
 
     def _planning_rate(self, address: str) -> tuple[float | None, str]:
-        """The rate the planner divides by for a handoff to ``address`` and where it comes from: under
-        ``path``, the cautious forecast of that receiver's controller once a handoff there measured it."""
+        """The rate the planner divides by for a whole-cache handoff to ``address`` and where it comes
+        from: under ``path``, the cautious forecast of that receiver's controller once a handoff there
+        measured it, as the newest whole-cache handoff left it (a split's stream delivers less where the
+        receiver's CPU bounds it; ``PeerNumbers.split_rate_bps`` plans the split's back)."""
         link = self._paths.get(address) if self.rate_control == "path" else None
         if link is None or link.controller is None or not link.controller.rounds:
             return None, "told (link.rate_mbps or the request's rate_mbps)"
         rate = link.controller
+        whole = self.peers.get(address).handoff_rate_bps
+        if whole is not None:
+            return whole, "forecast of the path's measured rate after its newest whole-cache handoff"
         return rate.forecast_bps, f"forecast of the path's measured rate ({rate.rounds} round trips)"
 
     def _prepare_job(self, spec: HandoffSpec, order: str, profile_name: str, seed: int,
-                     peer: PeerNumbers, loss: float, plan_rate_bps: float | None = None) -> Prepared:
+                     peer: PeerNumbers, loss: float, plan_rate_bps: float | None = None,
+                     split_rate_bps: float | None = None) -> Prepared:
         """Worker thread: the profile by name (this node's profile directory), then the KV. The planner
         predicts with what past handoffs to this receiver measured (``peer``, ``loss``, the path's
         forecast rate ``plan_rate_bps``), priors where none did."""
@@ -395,7 +417,8 @@ class SenderDaemon:
         rtt_s = peer.rtt_s if peer.rtt_s is not None else 2 * self.owd_s
         precision = PrecisionRequest(spec.precision, (spec.rate_mbps or self.rate_mbps) * 1e6, rtt_s,
                                      spec.handoff_mode, spec.rho if spec.deadline_ms is None else None,
-                                     spec.deadline_ms, peer.receiver, loss, plan_rate_bps)
+                                     spec.deadline_ms, peer.planner_receiver(), loss, plan_rate_bps,
+                                     split_rate_bps)
         if n is not None:
             return prepare_synthetic(self.identity, n, order, profile, profile_name, seed,
                                      spec.inputs.question_ids or (), precision)

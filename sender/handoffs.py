@@ -175,6 +175,7 @@ def result_report(result: ResultApp, prepared: Prepared) -> tuple[dict[str, Any]
         "levels": result.levels,
         "receiver_mode": result.handoff_mode,
         "computed_tokens": result.computed_tokens,
+        "front_s": result.front_s,
         "blocks_computed": result.blocks_computed,
         "blocks_received": result.blocks_received,
     })

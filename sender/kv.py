@@ -108,6 +108,9 @@ class PrecisionRequest:
     # (``PathRate.forecast_bps``); None: ``rate_bps``. A ``rho`` deadline stays on ``rate_bps`` (the told
     # rate defines it; the receiver's deadline does not move with the sender's estimate).
     plan_rate_bps: float | None = None
+    # The path's forecast as the newest split over it left it (the receiver computed beside that stream);
+    # None: ``planning_rate_bps``.
+    split_rate_bps: float | None = None
 
     @property
     def planning_rate_bps(self) -> float:
@@ -206,12 +209,13 @@ def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt
 
 def _mix_for(identity: ModelIdentity, n_tokens: int, request: PrecisionRequest, question_tokens: int,
              ) -> tuple[str, dict[str, Any] | None]:
-    if request.precision == NATIVE:
-        return NATIVE, None
     geometry = identity.geometry
-    return choose_mix(request.precision, n_tokens, geometry, request.planning_rate_bps, request.rtt_s,
-                      request.receiver, deadline_s=request.deadline_s(n_tokens, geometry), loss=request.loss,
-                      question_tokens=question_tokens)
+    mix, view = choose_mix(request.precision, n_tokens, geometry, request.planning_rate_bps, request.rtt_s,
+                           request.receiver, deadline_s=request.deadline_s(n_tokens, geometry),
+                           loss=request.loss, question_tokens=question_tokens)
+    if request.precision == NATIVE:  # nothing to decide: the report still shows what the planner predicts
+        view["predicted_only"] = True
+    return mix, view
 
 
 def prompt_ids(runtime: ModelRuntime, inp: ContextInput) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -257,7 +261,8 @@ def prepare_model(
                              block_tokens=BLOCK_TOKENS,
                              auto_modes=auto_modes,
                              deadline_s=request.deadline_s(plan.n_tokens, identity.geometry),
-                             loss=request.loss, question_tokens=len(question_ids))
+                             loss=request.loss, question_tokens=len(question_ids),
+                             split_rate_bps=request.split_rate_bps)
         if choice.mode != "handoff":
             return _prepare_split(runtime, inp, context_ids, question_ids, plan, utilities, order,
                                   profile_name, keep_cache, choice, identity)

@@ -39,6 +39,8 @@ def test_bad_bench_options_are_refused_with_the_option_named() -> None:
     assert res.exit_code == 2 and "--rates" in res.output, res.output
     with pytest.raises(ValueError, match="--local-runs"):
         BreakevenConfig(local_runs=0)
+    with pytest.raises(ValueError, match="--rate-control"):
+        BreakevenConfig(rate_control="bbr")
 
 
 def test_prediction_errors_per_cell_and_their_median() -> None:

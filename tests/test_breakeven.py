@@ -403,6 +403,32 @@ def test_the_stated_speed_is_refitted_over_the_recent_prefill_calls() -> None:
     assert recent.stated() == stated_fields(recent.curve, 0.08)
 
 
+def test_a_split_front_beside_its_stream_shapes_the_stated_speed_but_does_not_slow_it() -> None:
+    """A split's front runs beside its stream, here 2.5x slower than the node's unloaded speed, whose
+    measurement (short prefills from empty) hides attention's quadratic cost. The stated curve keeps the
+    unloaded level (local prefill's prediction) and takes the front's growth with the cache before each
+    chunk: its 4k prediction follows the true unloaded curve, not the measurement, nor the slowed chunks."""
+    from pfec.common.plan.receiver_speed import RecentPrefills, front_slowdown
+
+    true = PrefillCurve(0.1, 3e-3, 5e-7)
+    points = [(n, true.a + 3.2e-3 * n) for n in (128, 512, 1024)]
+    measured = fit_prefill_curve(points)
+    chunks = [(start, start + 256, 2.5 * true.chunk_seconds(start, start + 256))
+              for start in range(0, 4096, 256)]
+    assert front_slowdown(true, chunks) == pytest.approx(2.5)
+    recent = RecentPrefills(measured, 0.08, points)
+    assert recent.observe(chunks, loaded=True) == 16 and recent.timed == 16
+    err_before = abs(measured.seconds(4096) - true.seconds(4096)) / true.seconds(4096)
+    err_after = abs(recent.curve.seconds(4096) - true.seconds(4096)) / true.seconds(4096)
+    assert err_before > 0.3 and err_after < 0.15, (err_before, err_after)
+    slowed = RecentPrefills(measured, 0.08, points)
+    slowed.observe(chunks)  # the same chunks taken as unloaded: the stated speed is the stream's
+    assert slowed.curve.seconds(4096) > 1.25 * true.seconds(4096)
+    alone = RecentPrefills(measured, 0.08)  # no measurement points: the stated curve anchors the level
+    alone.observe(chunks, loaded=True)
+    assert alone.curve.seconds(4096) < 1.5 * measured.seconds(4096)
+
+
 def test_timed_calls_fit_the_curve_they_were_drawn_from() -> None:
     from pfec.common.plan.prefill import fit_prefill_calls
 

@@ -307,3 +307,18 @@ def test_the_controller_cost_replay_makes_the_calls_the_handoff_made() -> None:
     assert fresh is not None and _replay(fresh, recorder.calls) > 0
     assert (fresh.estimate_bps, fresh.rounds, fresh.phase) == (recorder.estimate_bps, recorder.rounds,
                                                                recorder.phase)
+
+
+def test_what_a_finished_handoff_sent_and_no_receiver_counted_is_not_in_flight_in_the_next() -> None:
+    """A handoff leaves datagrams its receiver never counts (those after its last ACK). After the idle
+    spell the next handoff starts with nothing in flight: it paces at its start rate, not at a trickle
+    under the in-flight cap (``pacing_bps``), however many such datagrams earlier handoffs left."""
+    rate = _controller(20.0)
+    for handoff in range(3):
+        start = 2.0 * handoff
+        for i in range(200):  # sent; the receiver counts the first 100 only
+            rate.on_packet_sent(start + i * 1e-4, DATAGRAM)
+        rate.on_rtt_measurement(start + 0.03, 0.02)
+        rate.on_packets_delivered(start + 0.03, 100)
+    rate.on_packet_sent(6.0, DATAGRAM)  # the fourth handoff, after an idle spell
+    assert rate.phase is Phase.STARTUP and rate.pacing_bps == rate.pace_bps

@@ -239,10 +239,11 @@ def test_the_offer_split_part_is_typed_and_bounded() -> None:
 
 def test_result_split_fields_are_checked() -> None:
     base = ResultApp(1.0, 1, 1, 1, 1, "", None, None, 0.0, None, "mask", handoff_mode="split",
-                     computed_tokens=512, blocks_computed=32, blocks_received=80)
+                     computed_tokens=512, blocks_computed=32, blocks_received=80, front_s=2.5)
     assert ResultApp.decode(base.encode()) == base
     for field, value in (("handoff_mode", "both"), ("computed_tokens", -1), ("blocks_computed", 2**40),
-                         ("blocks_received", "3")):
+                         ("blocks_received", "3"), ("front_s", -1.0), ("front_s", 1e9), ("front_s", "2"),
+                         ("front_s", float("nan"))):
         data = json.loads(base.encode())
         data[field] = value
         with pytest.raises(ValueError, match=field):

@@ -133,7 +133,9 @@ class LinkModel:
     ``loss`` is the expected share of sent bytes lost; an erasure code must send 1 / (1 - loss) times the
     data. ``handshake_rtts`` counts round trips before the bulk flows (0 when data follows the OFFER).
     Each datagram carries ``symbol_size - 4`` KV bytes (a fragment id) and costs the symbol plus the source
-    id, header and AEAD tag on the link.
+    id, header and AEAD tag on the link. ``split_rate_bps``: what the path delivers while the receiver
+    also computes a split's front (where its receive path, not the link, bounds the stream, the front
+    takes CPU from it); None: ``rate_bps``.
     """
 
     rate_bps: float
@@ -141,10 +143,12 @@ class LinkModel:
     loss: float = 0.0
     handshake_rtts: float = 1.0
     symbol_size: int = DEFAULT_SYMBOL_SIZE
+    split_rate_bps: float | None = None
 
     def __post_init__(self) -> None:
-        if math.isnan(self.rate_bps) or self.rate_bps <= 0:
-            raise ValueError(f"link rate must be > 0 bit/s, got {self.rate_bps!r}")
+        for rate in (self.rate_bps, self.split_rate_bps):
+            if rate is not None and (math.isnan(rate) or rate <= 0):
+                raise ValueError(f"link rate must be > 0 bit/s, got {rate!r}")
         finite_nonneg("RTT", self.rtt_s)
         if not (math.isfinite(self.loss) and 0 <= self.loss < 1):
             raise ValueError(f"loss must lie in [0, 1), got {self.loss!r}")
@@ -167,6 +171,12 @@ class LinkModel:
         datagram = self.symbol_size + SOURCE_ID_SIZE + OVERHEAD
         return datagram / payload / (1.0 - self.loss)
 
+    def split_link(self) -> LinkModel:
+        """The link a split's back streams over (``split_rate_bps``)."""
+        if self.split_rate_bps is None:
+            return self
+        return LinkModel(self.split_rate_bps, self.rtt_s, self.loss, self.handshake_rtts, self.symbol_size)
+
     def wire_bytes(self, kv_bytes: float) -> float:
         return kv_bytes * self.wire_per_kv_byte
 
@@ -182,7 +192,9 @@ class ReceiverModel:
     ``rebuild_scale`` multiplies the levels' rebuild times, which were measured on this 2-core CPU (1.0);
     a GPU receiver rebuilds far faster (see the 7B preset). ``question_tokens``: what the receiver
     prefills after the context before its first token (the handoff's question; one more forward call
-    over the whole cache, whichever way the context's KV got there).
+    over the whole cache, whichever way the context's KV got there). ``front_scale`` multiplies a split's
+    front: it shares the receiver's CPU with the stream it meets, so it runs slower than ``prefill`` (the
+    receiver's unloaded speed) by what past splits over the same path measured (1.0: none did).
     """
 
     prefill: PrefillCurve
@@ -190,11 +202,14 @@ class ReceiverModel:
     join_s: float = 0.0
     rebuild_scale: float = 1.0
     question_tokens: int = 0
+    front_scale: float = 1.0
 
     def __post_init__(self) -> None:
         finite_nonneg("decode_s", self.decode_s)
         finite_nonneg("join_s", self.join_s)
         finite_nonneg("rebuild_scale", self.rebuild_scale)
+        if not (math.isfinite(self.front_scale) and self.front_scale > 0):
+            raise ValueError(f"front_scale must be finite and > 0, got {self.front_scale!r}")
         if not isinstance(self.question_tokens, int) or self.question_tokens < 0:
             raise ValueError(f"question_tokens must be an int >= 0, got {self.question_tokens!r}")
 
@@ -203,8 +218,13 @@ class ReceiverModel:
         return self.prefill.chunk_seconds(n_tokens, n_tokens + self.question_tokens)
 
     def front_s(self, m: int) -> float:
-        """A split's front [0, m) as the receiver computes it: chunks of ``FRONT_CHUNK_TOKENS``, each a
-        forward call of its own (``front_chunk_end``)."""
+        """A split's front [0, m) as the receiver computes it beside the stream: chunks of
+        ``FRONT_CHUNK_TOKENS``, each a forward call of its own (``front_chunk_end``), ``front_scale``
+        slower than unloaded."""
+        return self.front_scale * self.unloaded_front_s(m)
+
+    def unloaded_front_s(self, m: int) -> float:
+        """The same chunks at the receiver's unloaded speed (``prefill``)."""
         seconds, done = 0.0, 0
         while done < m:
             end = front_chunk_end(done, m, m)
@@ -360,6 +380,7 @@ def meeting_point(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, li
     than the link.
     """
     _check_tokens(n_tokens)
+    link = link.split_link()
     s = link.serialisation_s(level.bytes_per_token(geometry))
 
     def gap(m: int) -> float:  # front - back
@@ -401,6 +422,7 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     _check_tokens(n_tokens)
     if not 0 <= m <= n_tokens:
         raise ValueError(f"meeting token {m!r} lies outside the context [0, {n_tokens}]")
+    link = link.split_link()
     back_tokens = n_tokens - m
     kv = back_tokens * level.bytes_per_token(geometry)
     rebuild = _rebuild_s(back_tokens, geometry, level, receiver)

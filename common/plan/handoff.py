@@ -372,6 +372,9 @@ class ResultApp:
     computed_tokens: int | None = None  # split/local: context tokens [0, c) prefilled by the receiver
     blocks_computed: int | None = None  # blocks entirely inside [0, c)
     blocks_received: int | None = None  # blocks after c rebuilt from what arrived
+    # split/local: seconds the receiver's whole front chunks of [0, c) took, as they ran (beside the stream:
+    # the sender learns the path's front slowdown from it)
+    front_s: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -407,10 +410,14 @@ class ResultApp:
         for name in ("computed_tokens", "blocks_computed", "blocks_received"):
             if data.get(name) is not None and not 0 <= data[name] <= MAX_TOKEN_ID:
                 raise ValueError(f"RESULT {name}: expected a count in 0..{MAX_TOKEN_ID}")
+        front_s = data.get("front_s")
+        if front_s is not None and not 0 <= front_s <= MAX_RESULT_SECONDS:  # NaN fails too
+            raise ValueError(f"RESULT front_s: expected seconds in 0..{MAX_RESULT_SECONDS:g}")
         return cls(**data)
 
 
 _NUM = (int, float)
+MAX_RESULT_SECONDS: Final = 3600.0  # a front timed longer says more about the receiver's clock than its speed
 #: What may start generation (``ReceiverSession.start``): all decoded, the sender's DONE, the deadline.
 RESULT_STARTS: Final = ("ready", "sender-done", "deadline")
 #: ResultApp's fields: (accepted types, may be null, required).
@@ -437,6 +444,7 @@ _RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
     "computed_tokens": ((int,), True, False),
     "blocks_computed": ((int,), True, False),
     "blocks_received": ((int,), True, False),
+    "front_s": (_NUM, True, False),
 }
 
 

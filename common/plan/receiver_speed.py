@@ -4,8 +4,8 @@ The receiver measures its prefill curve (``common/model/speed.py``) and states i
 u32 fields of the ACCEPT (:mod:`pfec.common.wire.messages`); the sender believes a statement only if it
 describes a working node, and its planner (:mod:`.breakeven`) then predicts with it. Between
 measurements, ``RecentPrefills`` refits the curve over the measurement and the receiver's recent prefill
-calls (a split's front chunks, a local prefill's), timed as they ran: its speed under its present load,
-stated from then on.
+calls, timed as they ran: its speed under its present load (a split's front, slowed by the stream it
+meets, shapes the curve but does not set its level), stated from then on.
 """
 
 from __future__ import annotations
@@ -48,39 +48,71 @@ def stated_receiver(a_us: int, b_ns: int, c_ps: int, decode_us: int) -> Receiver
     return ReceiverModel(curve, decode_s)
 
 
-RECENT_CALLS: Final = 64  # timed forward calls kept beside the start-up measurement
+RECENT_CALLS: Final = 64  # timed forward calls of unloaded prefills kept beside the start-up measurement
+RECENT_FRONTS: Final = 8  # split fronts kept for the curve's shape (each deflated by its own slowdown)
 MAX_CALL_S: Final = 600.0  # a call timed longer than this says more about the timer than about the node
 
 
+def front_slowdown(curve: PrefillCurve, calls: Sequence[tuple[int, int, float]]) -> float | None:
+    """How much slower ``calls`` ran than ``curve`` predicts for them (their seconds over the curve's);
+    None without a predicted cost."""
+    predicted = sum(curve.chunk_seconds(start, stop) for start, stop, _ in calls)
+    return sum(seconds for *_, seconds in calls) / predicted if predicted > 0 else None
+
+
 class RecentPrefills:
-    """The curve this node states: refitted over its start-up measurement and its recent prefill calls
-    (a split's front chunks, a local prefill's), timed as they ran, beside whatever stream or job shared
-    the node with them: its speed under its present load (``fit_prefill_calls``). The start-up points
-    (prefills from empty at a few lengths) keep the fit anchored; the recent calls, at the lengths and
-    positions real handoffs need, correct it, attention's quadratic cost at long contexts included."""
+    """The curve this node states: its prefill speed under its present load, but without a handoff's own
+    stream. Refitted over the start-up measurement and the recent unloaded prefill calls (a local
+    prefill's front, timed as it ran, beside whatever else shares the node); a split's front shares the
+    receiver's CPU with the stream it meets (the receive path, decoding), so its chunks run slower by a
+    factor that depends on the stream. Such a front
+    still says how the cost grows with the cache before each chunk (attention's quadratic cost at long
+    contexts, which the start-up lengths barely show): each one enters the fit deflated by its own
+    slowdown against the unloaded fit, so it shapes the curve without slowing it. The sender learns the
+    slowdown per path from the RESULT's ``front_s`` (``sender/peers.py``)."""
 
     def __init__(self, curve: PrefillCurve, decode_s: float,
                  points: Sequence[tuple[int, float]] = ()) -> None:
         self.curve = curve
         self.decode_s = decode_s
+        self._initial = curve
         self._measured = [(0, int(n), float(t)) for n, t in points]
-        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_CALLS)
+        self._unloaded: deque[tuple[int, int, float]] = deque(maxlen=RECENT_CALLS)
+        self._fronts: deque[tuple[tuple[int, int, float], ...]] = deque(maxlen=RECENT_FRONTS)
         self.timed = 0  # calls folded in
 
-    def observe(self, calls: Iterable[tuple[int, int, float]]) -> int:
+    def observe(self, calls: Iterable[tuple[int, int, float]], loaded: bool = False) -> int:
         """Timed calls, each (start, stop, seconds): tokens [start, stop) computed over a cache of [0,
-        start). Implausible timings are ignored; the curve is refitted once over what was kept. Returns
-        the calls taken."""
-        taken = 0
-        for start, stop, seconds in calls:
-            if 0 <= start < stop and math.isfinite(seconds) and 0 < seconds <= MAX_CALL_S:
-                self._recent.append((int(start), int(stop), float(seconds)))
-                taken += 1
-        self.timed += taken
-        kept = [*self._measured, *self._recent]
-        if taken and len({(s, e) for s, e, _ in kept}) >= 2:  # two distinct calls pin a line at least
-            self.curve = fit_prefill_calls(kept)
-        return taken
+        start); ``loaded``: one split front's, run beside its stream. Implausible timings are ignored; the
+        curve is refitted once over what was kept. Returns the calls taken."""
+        taken = [(int(start), int(stop), float(seconds)) for start, stop, seconds in calls
+                 if 0 <= start < stop and math.isfinite(seconds) and 0 < seconds <= MAX_CALL_S]
+        if not taken:
+            return 0
+        if loaded:
+            self._fronts.append(tuple(taken))
+        else:
+            self._unloaded.extend(taken)
+        self.timed += len(taken)
+        self.curve = self._refit()
+        return len(taken)
+
+    def _refit(self) -> PrefillCurve:
+        anchor = [*self._measured, *self._unloaded]
+        # Two distinct calls pin a line at least; without them the curve stated at start-up anchors it.
+        base = fit_prefill_calls(anchor) if len({(s, e) for s, e, _ in anchor}) >= 2 else self._initial
+        # Each front's slowdown is timed where the unloaded fit stands on measurements (up to its longest
+        # call): beyond, the fit's own extrapolation would set the level the front is deflated to.
+        reach = max((e for _, e, _ in anchor), default=0)
+        deflated = []
+        for front in self._fronts:
+            inside = [call for call in front if call[1] <= reach]
+            slowdown = front_slowdown(base, inside or front)
+            if slowdown is not None:
+                deflated += [(start, stop, seconds / slowdown) for start, stop, seconds in front]
+        if not deflated:
+            return base
+        return fit_prefill_calls([*anchor, *deflated])
 
     def stated(self) -> tuple[int, int, int, int]:
         """The ACCEPT's fields for the curve as refitted and the measured decode step."""

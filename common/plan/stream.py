@@ -413,10 +413,15 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
     used = next(o for o in handoffs if o.precision == mix)
     view = {
         "requested": requested, "choice": plan.choice.label, "choice_ttft_s": plan.choice.ttft_s,
-        "used": used.label, "predicted_ttft_s": used.ttft_s,
+        "used": used.label, "predicted_ttft_s": used.ttft_s, "predicted_parts": _rounded(used.parts),
         "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor,
     }
     return mix, view
+
+
+def _rounded(parts: dict[str, float]) -> dict[str, float]:
+    """A prediction's terms for a report (ms precision is all a TTFT prediction has)."""
+    return {name: round(seconds, 4) for name, seconds in parts.items()}
 
 
 # --- Which mode ---------------------------------------------------------------------------------------------
@@ -453,18 +458,20 @@ def aligned_meeting_token(m: float, n_tokens: int, block_tokens: int) -> int:
 def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, rate_bps: float, rtt_s: float,
                 receiver: ReceiverModel | None = None, block_tokens: int = 16,
                 auto_modes: tuple[str, ...] = AUTO_MODES, deadline_s: float | None = None,
-                loss: float = 0.0, question_tokens: int = 0) -> ModeChoice:
+                loss: float = 0.0, question_tokens: int = 0, split_rate_bps: float | None = None,
+                ) -> ModeChoice:
     """The mode and mix for ``mode`` (``auto`` or one of handoff, split, local) and ``precision`` (``auto``
     or a mix), from the break-even planner (this handoff's tokens, the link's rate, RTT and loss, the
-    receiver's prefill curve, by default the stored curve of the default model). ValueError for an unknown
-    mode or mix. A split streams the back at the mix chosen (native when asked for by name; auto's native
-    split streams int8), and the front after it."""
+    receiver's prefill curve, by default the stored curve of the default model; ``split_rate_bps``: the
+    path's rate beside a split's front, ``LinkModel``). ValueError for an unknown mode or mix. A split
+    streams the back at the mix chosen (native when asked for by name; auto's native split streams int8),
+    and the front after it."""
     if mode not in HANDOFF_MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(HANDOFF_MODES)}")
     if precision != AUTO:
         check_mix(precision)
     recv = _receiver(receiver, question_tokens)
-    link = LinkModel(rate_bps, rtt_s, loss)
+    link = LinkModel(rate_bps, rtt_s, loss, split_rate_bps=split_rate_bps)
     modes = ("local", *auto_modes) if mode == AUTO else ("local", mode)
     plan = plan_handoff(n_tokens, geometry, link, recv, deadline_s=deadline_s, modes=modes)
     used_mode = mode
@@ -508,6 +515,7 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
     view = {
         "requested": precision, "requested_mode": mode, "mode": used_mode, "choice": plan.choice.label,
         "choice_ttft_s": plan.choice.ttft_s, "used": used.label, "predicted_ttft_s": used.ttft_s,
-        "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor, "meeting_token": meeting,
+        "predicted_parts": _rounded(used.parts), "local_ttft_s": plan.option("local").ttft_s,
+        "floor": plan.floor, "meeting_token": meeting,
     }
     return ModeChoice(used_mode, mix, meeting, view)

@@ -37,15 +37,7 @@ from pfec.common.model import llm
 from pfec.common.model.runtime import load_runtime
 from pfec.common.node.config_models import SenderLimitsConfig
 from pfec.common.node.eventloop import run_event_loop
-from pfec.common.plan.breakeven import (
-    DEFAULT_MODEL_DECODE_S,
-    DEFAULT_MODEL_PREFILL,
-    LinkModel,
-    ReceiverModel,
-    plan_handoff,
-)
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
-from pfec.common.plan.kvlayout import KVGeometry
 from pfec.lab.bench.breakeven_report import plot_measured
 from pfec.lab.demo import start_receiver
 from pfec.lab.kv.workloads import needle_qa
@@ -81,6 +73,9 @@ class BreakevenConfig:
     model: str = "default"
     seed: int = 1
     local_runs: int = 2  # local prefill is timed this many times per length (the fastest counts)
+    # How the sender paces: ``path`` (the daemons' default: it measures each rate's path, whose rate the
+    # planner then divides by) or ``fixed`` (each cell's told rate).
+    rate_control: str = "path"
 
     def __post_init__(self) -> None:
         if not self.lengths or any(not 100 <= n <= MAX_TOKENS for n in self.lengths):
@@ -91,6 +86,8 @@ class BreakevenConfig:
             raise ValueError(f"--rtt-ms {self.rtt_ms!r}: must be in 0..1000")
         if self.local_runs < 1:
             raise ValueError(f"--local-runs {self.local_runs!r}: must be >= 1")
+        if self.rate_control not in ("path", "fixed"):
+            raise ValueError(f"--rate-control {self.rate_control!r}: path or fixed")
 
 
 def _log(message: str) -> None:
@@ -131,19 +128,23 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
-    # Fixed: each cell tells its link's rate (a measuring sender would carry one cell's estimate into the
-    # next cell's link of another rate: the same receiver address).
+    # Each rate has its relay, so its own address: the sender measures each path apart (its rate under
+    # path control; RTT, loss, its receiver's stated speed, its split fronts' slowdown) and predicts from
+    # what it measured there.
     daemon = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rates_mbps[0],
-                          owd_ms=cfg.rtt_ms / 2, rate_control="fixed")
+                          owd_ms=cfg.rtt_ms / 2, rate_control=cfg.rate_control)
     local: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     total = len(cfg.lengths) * len(cfg.rates_mbps) * len(MODES)
     try:
         prompts = {n: _prompt(runtime, n, cfg.seed) for n in cfg.lengths}  # all checked before any run
-        # One unrecorded split first: compiled kernels and first-use costs are not a handoff's TTFT.
-        fastest = max(cfg.rates_mbps)
-        await _handoff(daemon, _prompt(runtime, min(cfg.lengths), cfg.seed + 1), addresses[fastest], fastest,
-                       "split", "auto")
+        # One unrecorded handoff and split per path first: compiled kernels and first-use costs are not a
+        # handoff's TTFT, and the first recorded handoff of each kind on each path plans on what an earlier
+        # one measured there, as every later one does (a sender new to a receiver plans on priors).
+        warm_up_prompt = _prompt(runtime, min(cfg.lengths), cfg.seed + 1)
+        for rate in cfg.rates_mbps:
+            for mode in ("handoff", "split"):
+                await _handoff(daemon, warm_up_prompt, addresses[rate], rate, mode, "auto")
         for n in cfg.lengths:
             inputs = prompts[n]
             log(f"{n} tokens: timing local prefill on the receiver's CPUs ({cfg.local_runs} run(s)) ...")
@@ -153,13 +154,10 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
                 for label, mode, precision in MODES:
                     report = await _handoff(daemon, inputs, addresses[rate], rate, mode, precision)
                     runs.append(_row(n, rate, label, report, local[str(n)]))
-                    if precision == "native" and runs[-1]["predicted_ttft_s"] is None:
-                        runs[-1]["predicted_ttft_s"] = _predicted_native(identity.geometry, report, rate,
-                                                                         cfg.rtt_ms)
                     row = runs[-1]
                     log(f"[{len(runs)}/{total}] {n} tokens, {rate:g} Mbit/s, {label}: TTFT "
                         f"{_fmt(row['ttft_s'])} s vs local {local[str(n)]['ttft_s']:.2f} s "
-                        f"({time.strftime('%H:%M:%S')})")
+                        f"({time.strftime('%H:%M:%S')})" + (f": {row['error']}" if row["error"] else ""))
     finally:
         await daemon.close()
     return {"config": asdict(cfg), "deadline_ms": LOOSE_DEADLINE_MS, "cpus": cpus.to_json(), "local": local,
@@ -204,18 +202,6 @@ async def _handoff(daemon: SenderDaemon, inputs: ContextInput, address: tuple[st
     return handoff.view()
 
 
-def _predicted_native(geometry: KVGeometry, report: dict[str, Any], rate: float, rtt_ms: float,
-                      ) -> float | None:
-    """What the sender's planner predicts for a native handoff (it runs only for ``--precision auto``):
-    the same ``plan_handoff`` with the stored receiver curve (``stream.choose_mode``'s default)."""
-    n_tokens = report.get("n_tokens")
-    if not isinstance(n_tokens, int) or n_tokens < 1:
-        return None
-    plan = plan_handoff(n_tokens, geometry, LinkModel(rate * 1e6, rtt_ms / 1000),
-                        ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S))
-    return plan.option("handoff", "native").ttft_s
-
-
 def _fmt(value: object) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "-"
 
@@ -241,6 +227,11 @@ def _row(n: int, rate: float, label: str, report: dict[str, Any], local: dict[st
         "native_bytes": report.get("native_bytes"),
         "meeting_token_planned": report.get("meeting_token_planned"),
         "computed_tokens": report.get("computed_tokens"), "answer": report.get("answer"),
+        # What the prediction came from (measured on this path, or priors) and its terms; the front's
+        # timed seconds and its slowdown against the receiver's stated speed (splits).
+        "planner_inputs": report.get("planner_inputs"), "predicted_parts": planner.get("predicted_parts"),
+        "front_s": report.get("front_s"), "front_slowdown": report.get("front_slowdown"),
+        "path_rate": report.get("path_rate"),
     }
 
 
@@ -345,6 +336,10 @@ def write_breakeven_bench(result: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "breakeven.md").write_text(format_breakeven(result, figure.name))
 
 
+_PACING: Final = {"path": "the rate it measures on each path (path rate control)",
+                  "fixed": "each cell's told rate (fixed rate control)"}
+
+
 def format_breakeven(result: dict[str, Any], figure: str) -> str:
     m = result.get("machine", {})
     cfg = result["config"]
@@ -355,7 +350,10 @@ def format_breakeven(result: dict[str, Any], figure: str) -> str:
         f"{cfg['model']}; loss-free emulated link, RTT {cfg['rtt_ms']:g} ms, deadline "
         f"{result['deadline_ms'] / 1000:g} s, the nodes' limit (TTFT is when everything planned arrived or "
         "was computed, except where marked (deadline)). One handoff per cell; local prefill is the "
-        f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. "
+        f"fastest of {cfg['local_runs']} run(s) by the receiver, on its CPUs, in the same run. The sender "
+        f"paces at {_PACING.get(cfg.get('rate_control', 'fixed'), '?')}, measures each rate's path apart "
+        "(one handoff and one split per path first, unrecorded) and predicts from what it measured there: "
+        "each row's `planner_inputs` in the JSON. "
         f"Caveat: {result['caveat']}. Wall time {result['wall_s']:.0f} s.",
         "",
         f"![measured TTFT by context length and link rate]({figure})",

@@ -504,6 +504,10 @@ class PathRate:
         self._probe_doublings = 0
         self.last_delivery_at = None
         self.breaker_reason = None
+        # What the last handoff sent that its receiver never counted (what followed its last ACK: the
+        # tail's repairs, a split's front once the receiver started) will never be: not in flight. Kept
+        # in flight, it piled up handoff after handoff until the cap held a slow path at a trickle.
+        self._lost = self._packets_sent - self._delivered
         self._refresh_cap()
 
     def _clamp(self, rate_bps: float) -> float:
