@@ -318,7 +318,7 @@ def test_what_a_finished_handoff_sent_and_no_receiver_counted_is_not_in_flight_i
         start = 2.0 * handoff
         for i in range(200):  # sent; the receiver counts the first 100 only
             rate.on_packet_sent(start + i * 1e-4, DATAGRAM)
-        rate.on_rtt_measurement(start + 0.03, 0.02)
+        rate.on_rtt_measurement(start + 0.03, 0.02, start + 0.01)
         rate.on_packets_delivered(start + 0.03, 100)
     rate.on_packet_sent(6.0, DATAGRAM)  # the fourth handoff, after an idle spell
     assert rate.phase is Phase.STARTUP and rate.pacing_bps == rate.pace_bps
