@@ -154,6 +154,25 @@ def test_a_queue_standing_before_the_first_sample_does_not_hide_congestion() -> 
     assert rate.loss_floor < 0.02  # the neighbour's drops were not learnt as the channel's random loss
 
 
+def test_a_neighbours_drops_behind_a_queue_older_than_the_first_sample_are_not_the_random_floor() -> None:
+    """CUBIC keeps a queue standing from before the handoff: every RTT sample is 46 ms on a path told 20 ms,
+    so against the min RTT no round has a queue. Its drop-tail losses (20%) are not the channel's: they
+    neither become the random-loss floor nor get credited back to the estimate (the credit took the
+    handoff to 88% of the link against CUBIC: pfec bench fairness)."""
+    rate = PathRate(100e6, DATAGRAM, rtt_prior_s=2 * OWD)
+    now = 0.0
+    for _ in range(30):  # rounds of 46 ms: 400 datagrams sent, 80 of them lost
+        for _ in range(400):
+            rate.on_packet_sent(now, DATAGRAM)
+        now += 0.046
+        rate.on_rtt_measurement(now, 0.046, now - 0.046)
+        rate.on_packets_lost(now, 80)
+        rate.on_packets_delivered(now, 320)
+    assert rate.loss_floor < 0.02
+    delivered_bps = 320 * DATAGRAM * 8 / 0.046
+    assert rate.estimate_bps <= 1.05 * delivered_bps
+
+
 def test_the_breaker_trips_when_the_path_stops_delivering_and_says_why() -> None:
     rate = _controller(100.0)
     link = Bottleneck(rate, 100e6)
