@@ -56,7 +56,9 @@ def path_rate(handoff: Handoff, budget: LinkBudget, kind: type[PathRate] = PathR
     if cfg.rate_control != "path":
         return None
     datagram_bytes = round(budget.slot_s * budget.rate_bps / 8)
-    return kind(budget.rate_bps, datagram_bytes, loss_prior=cfg.sender_loss_prior)
+    # The daemon's RTT prior too (twice its configured one-way delay): the first window is sized on it.
+    return kind(budget.rate_bps, datagram_bytes, loss_prior=cfg.sender_loss_prior,
+                rtt_prior_s=cfg.rtt_ms / 1000)
 
 
 def path_fields(link: SimLink) -> dict[str, Any]:
