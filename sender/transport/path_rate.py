@@ -23,16 +23,29 @@ Theory of operation:
   ``STARTUP_GAIN`` times the estimate: the rate doubles per round while the link keeps up, so a link 4x
   faster than told is found in two or three round trips, not the hundreds additive increase would take.
   ``STARTUP_MISSES`` rounds in a row whose estimate grew less than ``STARTUP_GROWTH`` (BBR's full-pipe
-  test: one short round may be a burst of channel loss or the count of a lost ACK), or a round that grew
-  a queue, end it. DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it
-  stands the link stays busy, so draining fast costs nothing). CRUISE paces at the estimate in cycles of
+  test: one short round may be a burst of channel loss or the count of a lost ACK), a round that grew
+  a queue, or, on a link whose queue was empty when the handoff began, a round whose ACKs came
+  ``STARTUP_GROWTH`` times more spread out than its datagrams were sent (the link is slower than the
+  pace: a start told too much), end it. A handoff that joins another flow's queue keeps doubling: its
+  ACKs are spread by that flow's datagrams, and stopping there left a CUBIC neighbour 75-79% of the link.
+  DRAIN paces at ``DRAIN_GAIN`` of the estimate until the queue is gone (while it stands the link stays
+  busy, so draining fast costs nothing). CRUISE paces at the estimate in cycles of
   ``PROBE_GAINS``, one round each: probe, drain what the probe queued, cruise. The probe adds a step of
   ``PROBE_STEP_PACKETS`` per min RTT (additive: a bigger flow probes no harder than a smaller one), and a
   probe that raised the estimate is repeated at once with twice the step (a link that speeds up is found
-  in a few rounds). Two rounds in a row with a standing delay cut the estimate to ``STANDING_CUT`` of
-  itself and send it back to DRAIN: flows sharing the queue see it together, so their cuts are in step,
+  in a few rounds), up to ``PROBE_MAX_GAIN`` of the estimate. Two rounds in a row with a standing delay
+  cut the estimate to ``STANDING_CUT`` of itself, or of the largest delivery rate of those rounds if lower
+  (the link was busy: a link that slowed down is followed at once, not from the max filter's old rate),
+  and send it back to DRAIN: flows sharing the queue see it together, so their cuts are in step,
   and additive increase with multiplicative decrease converges to equal shares (Chiu and Jain); BBR's
   multiplicative probing kept whatever split the start made (``pfec bench fairness``).
+- **In-flight cap** (``pacing_bps`` falls to a trickle above it): a round trip at the rate plus
+  ``CWND_EXTRA`` datagrams, the round trip being the recent floor plus ``CWND_QUEUE_SHARE`` of whatever
+  of it stands above the base RTT (a loss-based neighbour's queue). The fixed count is what makes flows
+  through one FIFO queue converge where the cap binds (each holds the same count queued, so each gets the
+  same share: TCP Vegas); a cap in proportion to the rate keeps any split. STARTUP's cap is a round trip
+  at its pace (twice the estimate); before the first sample, a round trip at the starting rate over the
+  RTT prior (a first RTT measured through a link slower than told is inflated by that very start).
 - **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
   ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
   round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
@@ -70,17 +83,25 @@ DRAIN_GAIN: Final = 0.5  # while a queue stands the link stays busy: draining it
 PROBE_GAINS: Final = (1.0, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)  # round 0 adds the probe step to its 1.0
 PROBE_STEP_PACKETS: Final = 16  # the probe's first step: this many datagrams more per min RTT (additive) ...
 PROBE_MAX_DOUBLINGS: Final = 10  # ... doubled after each probe that found the link faster, up to 2^this
+PROBE_MAX_GAIN: Final = 1.25  # ... but never above this times the estimate (BBR's probe gain)
 PROBE_FOUND: Final = 1.02  # a probe found room when the estimate rose by this factor and half the step
+LINK_SLOWED: Final = 0.5  # ... or of the delivery rate while it stood, if below this share of the estimate
 STANDING_CUT: Final = 0.85  # a standing queue in CRUISE cuts the estimate by this (the AIMD decrease)
 SEND_SPAN_SHARE: Final = 0.5  # a round's sample is at most 1/this of the rate its datagrams were sent at
 MAX_FLOOR_CREDIT: Final = 0.5  # a sample adds back at most this share of random loss
 FLOOR_ROUNDS: Final = 16  # the recent floor: the smallest round RTT of this many rounds
 CRUISE_AFTER_CUT: Final = 2  # the probe cycle's index after a congestion cut (no probe right away)
 APP_LIMITED_SHARE: Final = 0.8
-CWND_GAIN: Final = 1.5  # round trips in flight before the pacing rate falls to a trickle (BBR: 2; a link
-# that halves its rate then holds 2 round trips of queue, not 3: pfec bench traces saw the P95 halved) ...
-FIRST_WINDOW_GAIN: Final = 1.0  # ... round trips' worth before the first delivery-rate sample
-CWND_MIN_PACKETS: Final = 64  # ... and never below this many datagrams
+CWND_GAIN: Final = 1.0  # in flight: round trips at the rate, before the pacing rate falls to a trickle ...
+CWND_EXTRA: Final = 48  # ... plus this many datagrams. Flows through one FIFO queue that each keep the same
+# count queued get the same share (TCP Vegas), so a cap-bound split converges: with 1.5 round trips and no
+# extra (a share of the queue in proportion to the rate) two handoffs kept 27/71 (pfec bench fairness).
+# BBR keeps 2 round trips; a link that quarters its rate then holds 7 round trips of queue (bench traces).
+CWND_QUEUE_SHARE: Final = 0.5  # ... and this share of a queue standing under the recent floor
+FIRST_WINDOW_GAIN: Final = 0.5  # round trips at the starting rate before the first sample (a guess: a start
+# told 4x the rate of a slow stretch put a round trip of it in the queue, 5% of pfec bench traces' datagrams)
+JOINED_STARTUP_WINDOW: Final = 1.5  # STARTUP's cap in round trips at its pace, joining a standing queue
+CWND_MIN_PACKETS: Final = 64  # the cap is never below this many datagrams
 TRICKLE_GAIN: Final = 1 / 16
 CUT: Final = 0.85  # the estimate after a congestion round (BBRv2's beta is 0.7 for inflight; we pace) ...
 DEEPEST_CUT: Final = 0.5  # ... of the round's delivery rate, if lower, but not below this of the estimate
@@ -89,6 +110,9 @@ FLOOR_GAIN: Final = 0.125  # weight of a queue-free round's loss in the random-l
 QUEUE_CONGESTED_S: Final = 0.01  # queueing delay above which loss may be congestion (a probe queues less) ...
 QUEUE_CONGESTED_RTT: Final = 0.5  # ... or this share of the base RTT (``_base_rtt``), if more ...
 QUEUED_ROUNDS: Final = 2  # ... in this many rounds in a row
+QUEUE_JOINED_S: Final = 0.04  # the first RTT this far above the prior: the handoff joined a standing queue
+QUEUE_JOINED_RTT: Final = 2.0  # ... or this many RTT priors, if more (an LTE link's gaps delay one packet
+# by up to 28 ms above the prior in pfec bench traces' starts; a CUBIC neighbour's queue stood at 56-70)
 QUEUE_STANDING_S: Final = 0.01  # a standing queue (two rounds above it: drain) ...
 QUEUE_STANDING_RTT: Final = 0.5  # ... or this share of the base RTT, if more
 FORECAST_ROUNDS: Final = 16
@@ -122,6 +146,7 @@ class PathRate:
         "_drain_until",
         "_forecast",
         "_full_bw",
+        "_joined",
         "_lost",
         "_missed",
         "_packets_sent",
@@ -141,6 +166,7 @@ class PathRate:
         "_samples",
         "_standing",
         "_standing_delay_s",
+        "_standing_rate",
         "_warm",
         "breaker_reason",
         "bytes_sent",
@@ -205,6 +231,7 @@ class PathRate:
         self._probe_doublings = 0
         self._probe_from = 0.0  # the estimate when the newest probe began
         self._full_bw = 0.0  # STARTUP: the estimate the last growing round reached
+        self._joined: bool | None = None  # the handoff's first RTT met a queue (None: no RTT yet)
         self._samples: deque[tuple[float, bool]] = deque(maxlen=max(BTL_ROUNDS, FORECAST_ROUNDS))
         self._recent_loss: deque[tuple[float, int, int]] = deque()  # (round end, lost, delivered)
         self._forecast = self.start_bps
@@ -213,6 +240,7 @@ class PathRate:
         self._drain_until = 0.0  # DRAIN ends then (or once the queue is gone)
         self._quiet_until = 0.0  # losses before then answer an earlier cut or overshoot: no new cut
         self._standing = 0  # consecutive rounds with a standing queue
+        self._standing_rate = 0.0  # the largest delivery-rate sample of those rounds (the link was busy)
         self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
         self._cap_packets = 0.0  # in flight beyond this: trickle (pacing_bps)
@@ -221,8 +249,8 @@ class PathRate:
     # ------------------------------------------------------------------ what the session and adapters read
     @property
     def pacing_bps(self) -> float:
-        """The rate to send at now: the phase's, down to a trickle while more is in flight than
-        ``CWND_GAIN`` round trips at that rate (BBR's cwnd cap: what is sent before feedback says how
+        """The rate to send at now: the phase's, down to a trickle while more is in flight than a round trip
+        at that rate and ``CWND_EXTRA`` datagrams (BBR's cwnd cap: what is sent before feedback says how
         fast the path is, a start told far too much above all, is bounded by it). Read per datagram: the
         cap in packets is kept current by ``_refresh_cap`` wherever its inputs move."""
         if self._packets_sent - self._delivered - self._lost < self._cap_packets:
@@ -231,12 +259,30 @@ class PathRate:
         return self.pace_bps * TRICKLE_GAIN
 
     def _refresh_cap(self) -> None:
-        # The recent floor, if above the min RTT: a flow that started into another's queue holds an
-        # inflated min RTT, and a cap on the true one would throttle only the flow that measured it.
-        rtt = self._rtt_prior if self.min_rtt == math.inf else max(self.min_rtt, self._floor_rtt())
-        gain = CWND_GAIN if self._samples else FIRST_WINDOW_GAIN  # before a sample the rate is a guess
-        cap = gain * max(self.pace_bps, self.estimate_bps) * rtt / (8 * self.datagram_bytes)
-        self._cap_packets = max(CWND_MIN_PACKETS, cap)
+        # A handoff that joined another flow's standing queue must claim its share from it (a loss-based
+        # flow yields only to loss): it starts as BBR would, a round trip at the guess over the RTT it met
+        # and 1.5 at STARTUP's pace. On an empty queue a start told too much would flood a slower link: half
+        # a round trip at the guess over the RTT prior (a first RTT through a slower link is inflated by
+        # that very start), then one at STARTUP's pace.
+        joined = bool(self._joined)
+        if not self._samples:
+            rtt = self.min_rtt if joined else min(self.min_rtt, self._rtt_prior)
+            packets = (1.0 if joined else FIRST_WINDOW_GAIN) * self.pace_bps * rtt / self._bits()
+        else:
+            # The recent floor, if above the min RTT: a flow that started into another's queue holds an
+            # inflated min RTT, and a cap on the true one would throttle only the flow that measured it.
+            rtt = max(self.min_rtt, self._floor_rtt())
+            if self.phase is Phase.STARTUP:
+                packets = (JOINED_STARTUP_WINDOW if joined else 1.0) * self.pace_bps * rtt / self._bits()
+            else:
+                # A queue another flow keeps standing (the floor above the base RTT: a loss-based
+                # neighbour's) gets a share in proportion, or the cap would hand that flow the link.
+                rtt += CWND_QUEUE_SHARE * max(0.0, rtt - self._base_rtt())
+                packets = CWND_GAIN * max(self.pace_bps, self.estimate_bps) * rtt / self._bits() + CWND_EXTRA
+        self._cap_packets = max(CWND_MIN_PACKETS, packets)
+
+    def _bits(self) -> float:
+        return 8.0 * self.datagram_bytes
 
     @property
     def slot_s(self) -> float:
@@ -292,6 +338,9 @@ class PathRate:
         """An RTT sample at ``now`` of the datagram sent at ``sent_at`` (the newest acknowledged); the session
         reports it before the same ACK's counts, so a round that closes on that ACK knows its send span."""
         self._acked_sent_at = sent_at
+        if self._joined is None:
+            self._joined = rtt - self._rtt_prior > max(QUEUE_JOINED_S, QUEUE_JOINED_RTT * self._rtt_prior)
+            self._refresh_cap()
         if rtt < self.min_rtt or now - self.min_rtt_at > MIN_RTT_WINDOW_S:
             self.min_rtt, self.min_rtt_at = rtt, now
             self._refresh_cap()
@@ -318,7 +367,10 @@ class PathRate:
         # event loop) shorten the first, and the max filter keeps what bunching overstates; a link that
         # speeds up drains its backlog faster than it was sent, so the bound is loose (pfec eval's trace
         # cells lost 2 points of the oracle with BBR's share of 1).
-        span = max(now - self._round_open, SEND_SPAN_SHARE * (self._acked_sent_at - self._round_sent_at))
+        ack_span, send_span = now - self._round_open, self._acked_sent_at - self._round_sent_at
+        span = max(ack_span, SEND_SPAN_SHARE * send_span)
+        # The link spread the datagrams out: it delivers slower than they were sent (a start told too much).
+        link_limited = ack_span > STARTUP_GROWTH * send_span and self._joined is False
         bits = 8 * self.datagram_bytes
         delivered = self._delivered - self._round_delivered
         lost = self._lost - self._round_lost
@@ -350,7 +402,7 @@ class PathRate:
         # fairness) were then credited to every sample as the link's.
         if not (congested or queued or self._queue_above_base_s() > self._queue_congested()):
             self.loss_floor += FLOOR_GAIN * (loss - self.loss_floor)
-        self._step_phase(sample, app_limited, congested, now)
+        self._step_phase(sample, app_limited, congested, now, link_limited)
         self._update_forecast()
         self._refresh_cap()
 
@@ -416,7 +468,8 @@ class PathRate:
         if best > 0:
             self.estimate_bps = self._clamp(best)
 
-    def _step_phase(self, sample: float, app_limited: bool, congested: bool, now: float) -> None:
+    def _step_phase(self, sample: float, app_limited: bool, congested: bool, now: float,
+                    link_limited: bool) -> None:
         if congested:
             # Loss while a queue stands: the link was busy all round, so the round delivered its rate
             # (a burst of channel loss or a lost ACK may lower that count: never cut below DEEPEST_CUT).
@@ -429,7 +482,7 @@ class PathRate:
             self._probe_doublings = 0
             self._quiet_until = now + self.srtt
         elif self.phase is Phase.STARTUP:
-            if self.queue_delay_s > self._queue_standing():
+            if self.queue_delay_s > self._queue_standing() or link_limited:
                 self._enter_drain(now)
             elif app_limited:
                 return  # nothing learnt about the link's ceiling
@@ -448,18 +501,28 @@ class PathRate:
             if self._standing_delay_s <= self._queue_congested() or now >= self._drain_until:
                 self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
         else:
-            self._step_cruise(now)
+            self._step_cruise(now, sample)
         self.pace_bps = self._clamp(self._cycle_rate())
 
-    def _step_cruise(self, now: float) -> None:
+    def _step_cruise(self, now: float, sample: float) -> None:
         """Two rounds with a standing queue: cut the estimate (multiplicative decrease) and drain. Else the
         next round of the probe cycle, whose probe adds a step (additive increase: a bigger flow probes no
         harder than a smaller one, so flows sharing the link converge); a probe that found the link
         faster is repeated at once with twice the step (a link that grows is found in a few rounds)."""
-        self._standing = self._standing + 1 if self._standing_delay_s > self._queue_standing() else 0
+        if self._standing_delay_s > self._queue_standing():
+            self._standing += 1
+            self._standing_rate = max(self._standing_rate, sample)
+        else:
+            self._standing, self._standing_rate = 0, 0.0
         if self._standing >= 2:
+            # While the queue stood the link was busy: what it delivered is its rate (our share of it). The
+            # max filter still holds the rate before a link slowed down, and a cut from that left the
+            # queue standing round after round (pfec bench traces: P95s of 60-90 ms).
+            slowed = self._standing_rate < LINK_SLOWED * self.estimate_bps
+            self.estimate_bps = self._clamp(STANDING_CUT * (self._standing_rate if slowed
+                                                            else self.estimate_bps))
             self._standing = self._probe_doublings = 0
-            self.estimate_bps = self._clamp(STANDING_CUT * self.estimate_bps)
+            self._standing_rate = 0.0
             self._samples.clear()
             self._samples.append((self.estimate_bps, False))
             self._enter_drain(now)
@@ -482,7 +545,11 @@ class PathRate:
             return DRAIN_GAIN * self.estimate_bps
         rate = PROBE_GAINS[self._cycle] * self.estimate_bps
         if self.phase is Phase.CRUISE and self._cycle == 0:
-            rate += self._probe_step_bps() * 2 ** self._probe_doublings
+            # The doubled step stops at PROBE_MAX_GAIN of the estimate: a bursty link (LTE) lets probe
+            # after probe find room, and an unbounded step reached 6x the estimate (pfec sim on the traces).
+            step = self._probe_step_bps()
+            room = max(step, (PROBE_MAX_GAIN - 1) * self.estimate_bps)
+            rate += min(step * 2 ** self._probe_doublings, room)
         return rate
 
     def _update_forecast(self) -> None:
@@ -498,6 +565,7 @@ class PathRate:
         self.start_bps = self.pace_bps = self._forecast = self.estimate_bps
         self.phase = Phase.STARTUP
         self._round_open, self._warm, self._missed, self._full_bw = None, False, 0, 0.0
+        self._joined = None
         self._samples.clear()
         self._recent_loss.clear()
         self._recent_floor.clear()
