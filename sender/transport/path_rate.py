@@ -156,6 +156,7 @@ class PathRate:
         "_quiet_until",
         "_recent_floor",
         "_recent_loss",
+        "_refind",
         "_round_delivered",
         "_round_lost",
         "_round_min_rtt",
@@ -241,6 +242,7 @@ class PathRate:
         self._quiet_until = 0.0  # losses before then answer an earlier cut or overshoot: no new cut
         self._standing = 0  # consecutive rounds with a standing queue
         self._standing_rate = 0.0  # the largest delivery-rate sample of those rounds (the link was busy)
+        self._refind = False  # the drain ends in STARTUP (the link had slowed to below LINK_SLOWED)
         self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
         self._cap_packets = 0.0  # in flight beyond this: trickle (pacing_bps)
@@ -370,7 +372,7 @@ class PathRate:
         ack_span, send_span = now - self._round_open, self._acked_sent_at - self._round_sent_at
         span = max(ack_span, SEND_SPAN_SHARE * send_span)
         # The link spread the datagrams out: it delivers slower than they were sent (a start told too much).
-        link_limited = ack_span > STARTUP_GROWTH * send_span and self._joined is False
+        link_limited = ack_span > STARTUP_GROWTH * send_span and self._joined is False and not self._refind
         bits = 8 * self.datagram_bytes
         delivered = self._delivered - self._round_delivered
         lost = self._lost - self._round_lost
@@ -457,6 +459,8 @@ class PathRate:
     def _enter_drain(self, now: float) -> None:
         """Pace at DRAIN_GAIN for as long as the queue the newest round saw takes to empty (one round at
         least); losses within a smoothed RTT of now were caused before it."""
+        if self.phase is Phase.STARTUP:
+            self._refind = False  # STARTUP found the rate: the drain ends in CRUISE
         self.phase = Phase.DRAIN
         self._drain_until = now + max(self._round_len(), self.queue_delay_s / (1 - DRAIN_GAIN))
         self._quiet_until = now + self.srtt
@@ -480,6 +484,7 @@ class PathRate:
             self._samples.append((self.estimate_bps, False))
             self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
             self._probe_doublings = 0
+            self._refind = False
             self._quiet_until = now + self.srtt
         elif self.phase is Phase.STARTUP:
             if self.queue_delay_s > self._queue_standing() or link_limited:
@@ -500,6 +505,8 @@ class PathRate:
         elif self.phase is Phase.DRAIN:
             if self._standing_delay_s <= self._queue_congested() or now >= self._drain_until:
                 self.phase, self._cycle = Phase.CRUISE, CRUISE_AFTER_CUT
+                if self._refind:  # stays set through this STARTUP: an LTE cell's bursts spread its ACKs
+                    self.phase, self._missed, self._full_bw = Phase.STARTUP, 0, 0.0
         else:
             self._step_cruise(now, sample)
         self.pace_bps = self._clamp(self._cycle_rate())
@@ -526,6 +533,9 @@ class PathRate:
             self._samples.clear()
             self._samples.append((self.estimate_bps, False))
             self._enter_drain(now)
+            # A link that fell this far (an LTE cell's outage) comes back as fast: after the drain, find
+            # its rate as a start does, not by additive probes from the outage's rate.
+            self._refind = slowed
             return
         if self._cycle == 1:  # the probe's round trip is back: this round's sample saw it
             # Room, not a share taken: the probe raised the estimate with no queue above the base RTT (a
