@@ -34,8 +34,9 @@ Theory of operation:
   ``PROBE_STEP_PACKETS`` per min RTT (additive: a bigger flow probes no harder than a smaller one), and a
   probe that raised the estimate is repeated at once with twice the step (a link that speeds up is found
   in a few rounds), up to ``PROBE_MAX_GAIN`` of the estimate. Two rounds in a row with a standing delay
-  cut the estimate to ``STANDING_CUT`` of itself, or of the largest delivery rate of those rounds if lower
-  (the link was busy: a link that slowed down is followed at once, not from the max filter's old rate),
+  cut the estimate to ``STANDING_CUT`` of itself, or of the largest delivery rate of those rounds if that
+  is below ``LINK_SLOWED`` of it (the link was busy: a link that slowed down is followed at once, not from
+  the max filter's old rate; the drain then ends in STARTUP, which finds the rate again when it returns),
   and send it back to DRAIN: flows sharing the queue see it together, so their cuts are in step,
   and additive increase with multiplicative decrease converges to equal shares (Chiu and Jain); BBR's
   multiplicative probing kept whatever split the start made (``pfec bench fairness``).
