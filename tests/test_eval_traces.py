@@ -42,6 +42,10 @@ def test_each_trace_gives_a_scaled_and_an_own_rate_cell_with_every_scheme_agains
             # Paired with the oracle of the same start and losses: the bound holds run by run.
             assert all(u <= o + 1e-9 for u, o in zip(entry["recovered_utility_runs"], oracle, strict=True))
             assert "rate_end" in entry and 0 <= entry["queue_drop_share"] <= 1
+        for name in ("known-rate", "known-rate-unbounded"):  # the idealised references, the same pairing
+            entry = cell["schemes"][name]
+            assert all(u <= o + 1e-9 for u, o in zip(entry["recovered_utility_runs"], oracle, strict=True))
+            assert entry["queue_delay_ms_p95_median"] >= 0
         assert cell["planner"]["choice"]
     # The same deadline on a ~9 Mbit/s link carries a fraction of what ~100 Mbit/s carries.
     oracle_mean = {c["rate"]: c["schemes"]["oracle"]["recovered_utility_mean"] for c in (fast, own)}

@@ -19,6 +19,7 @@ from pfec.common.sched.policies import SCHEMES, get_scheme
 from pfec.lab.baselines.reliable import RELIABLE_SCHEMES
 from pfec.lab.sim.arq import ARQ_SCHEMES
 from pfec.lab.sim.channel import LossModel, parse_loss_spec
+from pfec.lab.sim.known_rate import KNOWN_RATE_SCHEMES
 from pfec.lab.sim.simulate import REFERENCE_SCHEMES, SimConfig, whole_deadline_base
 
 __all__ = [
@@ -327,6 +328,9 @@ def scheme_definitions(names: Sequence[str], congestion: Sequence[str] = CONGEST
         elif name == "oracle":
             out.append({"scheme": name, "role": "bound", "paper_baseline": False,
                         "definition": REFERENCE_SCHEMES["oracle"]})  # fmt: skip
+        elif name in KNOWN_RATE_SCHEMES:
+            out.append({"scheme": name, "role": "idealised reference (trace cells)", "paper_baseline": False,
+                        "definition": REFERENCE_SCHEMES[name]})  # fmt: skip
         elif (base := whole_deadline_base(name)) is not None:
             out.append({"scheme": name, "role": "ours (the daemons' repair rule)", "paper_baseline": False,
                         "definition": f"{SCHEMES[base].description}; repair budget: the whole deadline "

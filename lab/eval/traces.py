@@ -27,6 +27,7 @@ from pfec.lab.eval.sweep import SweepTask, run_realizations
 from pfec.lab.reporting.progress import StageProgress
 from pfec.lab.reporting.stats import mean_ci95_fields
 from pfec.lab.sim.channel import parse_loss_spec
+from pfec.lab.sim.known_rate import KNOWN_RATE_SCHEMES
 from pfec.lab.sim.path_link import queue_fields
 from pfec.lab.sim.rate_trace import RateTrace, load_rate_trace, rotated
 from pfec.lab.sim.simulate import RunResult, SimConfig
@@ -34,8 +35,10 @@ from pfec.lab.sim.split import DEFAULT_RECEIVER
 
 __all__ = ["TRACE_SCHEMES", "TraceCell", "trace_cells", "trace_sweep"]
 
-#: Ours with the daemons' repair rule, and the bound.
-TRACE_SCHEMES: Final = ("priorityfec@deadline", "heuristic@deadline", "oracle")
+#: Ours with the daemons' repair rule, the same session paced knowing the trace's rate (idealised: with
+#: PathRate's bound on what is in flight, and without), and the bound.
+TRACE_SCHEMES: Final = ("priorityfec@deadline", "heuristic@deadline", "known-rate", "known-rate-unbounded",
+                        "oracle")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def trace_sweep(cfg: EvalConfig, available: Sequence[str], progress: StageProgre
         return {"skipped": "no trace files (--trace-files PATH,...; e.g. the LTE traces in ../shared/traces)"}
     if cfg.trace_realizations == 0:
         return {"skipped": "--trace-realizations 0"}
-    names = tuple(s for s in TRACE_SCHEMES if s in available or s == "oracle")
+    names = tuple(s for s in TRACE_SCHEMES if s in available or s == "oracle" or s in KNOWN_RATE_SCHEMES)
     missing = [s for s in TRACE_SCHEMES if s not in names]
     cells = trace_cells(cfg)
     profile = cfg.load_profile()
@@ -147,8 +150,9 @@ def _cell_report(cfg: EvalConfig, cell: TraceCell, runs: dict[str, list[RunResul
         if paired and name != "oracle":
             entry["efficiency_mean"] = statistics.fmean(u / o for u, o in paired)
         if name != "oracle":
+            p95s = [r.queue_delay_ms_p95 for r in results if r.queue_delay_ms_p95 is not None]
             entry.update(queue_fields([r.queue_received for r in results], [r.queue_dropped for r in results],
-                                      [r.rate_end for r in results if r.rate_end is not None]))
+                                      [r.rate_end for r in results if r.rate_end is not None], p95s))
         schemes[name] = entry
     out: dict[str, Any] = {"cell": cell.name, "file": cell.path.name, "scale": cell.scale, "rate": cell.rate,
                            "mean_rate_mbps": round(trace.mean_rate_bps / 1e6, 3), "schemes": schemes}
@@ -184,7 +188,11 @@ def trace_section(traces: dict[str, Any]) -> list[str]:
         "forecast at the end (the stored receiver curve): what the next handoff to that receiver plans with. "
         "`tcp/bbr` (kernel TCP, BBR, over the namespaces) and `quic` (the QUIC stack named in the JSON's "
         "definition) carry the cache in its natural order over the same trace starts and loss realizations "
-        "in real time (the paper's baselines); queue drops and the forecast are the first scheme's.",
+        "in real time (the paper's baselines); queue drops and the forecast are the first scheme's. "
+        "`known-rate` and `known-rate-unbounded` are idealised references, not senders: our session paced "
+        "at the trace's own rate of a round trip ago (the freshest an ACK could report), with PathRate's "
+        "bound on what is in flight and without one. P95 is the bottleneck's queueing delay (the median "
+        "over the realizations of each run's P95; an LTE gap delays whatever waits through it).",
         "",
         "| trace | mean Mbit/s | " + " | ".join(f"{s} (of oracle)" for s in schemes)
         + " | oracle | queue drops | forecast Mbit/s | planner |",
@@ -195,7 +203,9 @@ def trace_section(traces: dict[str, Any]) -> list[str]:
         for name in schemes:
             entry = cell["schemes"].get(name)
             eff = float("nan") if entry is None else entry.get("efficiency_mean", float("nan"))
-            row.append("-" if entry is None else f"{entry['recovered_utility_mean']:.3f} ({eff:.1%})")
+            p95 = None if entry is None else entry.get("queue_delay_ms_p95_median")
+            delay = "" if p95 is None else f", P95 {p95:.0f} ms"
+            row.append("-" if entry is None else f"{entry['recovered_utility_mean']:.3f} ({eff:.1%}{delay})")
         oracle = cell["schemes"].get("oracle", {}).get("recovered_utility_mean")
         ours = cell["schemes"].get(schemes[0], {}) if schemes else {}
         plan = cell.get("planner")

@@ -15,6 +15,7 @@ the receiver's deadline does not move.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -67,17 +68,22 @@ def path_fields(link: SimLink) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if queue is not None:
         out.update(queue_received=queue.delivered + queue.dropped, queue_dropped=queue.dropped)
+        if queue.delays_s:
+            out["queue_delay_ms_p95"] = float(np.percentile(queue.delays_s, 95)) * 1000
     if rate is not None:
         out["rate_end"] = {"estimate_mbps": rate.estimate_bps / 1e6, "forecast_mbps": rate.forecast_bps / 1e6,
                            "congestion_events": rate.congestion_events, "rounds": rate.rounds}
     return out
 
 
-def queue_fields(received: list[int], dropped: list[int], ends: list[dict[str, float]]) -> dict[str, Any]:
-    """A scheme's report fields: the share of what the bottleneck took that it dropped, and the
-    controller's mean end state."""
+def queue_fields(received: list[int], dropped: list[int], ends: list[dict[str, float]],
+                 delay_p95s_ms: Sequence[float] = ()) -> dict[str, Any]:
+    """A scheme's report fields: the share of what the bottleneck took that it dropped, the median of the
+    runs' queueing-delay P95s, and the controller's mean end state."""
     took = sum(received)
     out: dict[str, Any] = {"queue_drop_share": sum(dropped) / took if took else 0.0}
+    if delay_p95s_ms:
+        out["queue_delay_ms_p95_median"] = float(np.median(delay_p95s_ms))
     if ends:
         out["rate_end"] = {key: float(np.mean([end[key] for end in ends])) for key in ends[0]}
     return out

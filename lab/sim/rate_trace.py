@@ -219,8 +219,8 @@ def markov_trace(rates_mbps: Iterable[float], mean_hold_s: float, seconds: float
 class TraceQueue:
     """The drop-tail bottleneck over a trace (sans-IO: ``now`` is passed in, in s on the trace's clock)."""
 
-    __slots__ = ("_credit", "_index", "_queue", "backlog_bytes", "delivered", "dropped", "limit_bytes",
-                 "trace")
+    __slots__ = ("_credit", "_index", "_queue", "backlog_bytes", "delays_s", "delivered", "dropped",
+                 "limit_bytes", "trace")
 
     def __init__(self, trace: RateTrace, limit_bytes: int) -> None:
         if limit_bytes <= 0:
@@ -233,6 +233,7 @@ class TraceQueue:
         self.backlog_bytes = 0  # bytes queued, not yet departed, as of the newest send
         self.delivered = 0
         self.dropped = 0
+        self.delays_s: list[float] = []  # each admitted datagram's wait to its departure (queueing delay)
 
     def send(self, now: float, size: int) -> float | None:
         """When a datagram of ``size`` bytes entering the queue at ``now`` leaves the bottleneck (its
@@ -261,4 +262,5 @@ class TraceQueue:
         queue.append((departure, size))
         self.backlog_bytes += size
         self.delivered += 1
+        self.delays_s.append(departure - now)
         return departure

@@ -28,7 +28,9 @@ over the reverse path meeting the reverse loss realization drawn here, reorderin
 ``priority-arq`` (the same in utility order, ours) and ``arq-ideal`` (utility order, lossless instant
 feedback: idealised feedback, not an upper bound of the realistic ARQ's outcome) -- and ``oracle`` (the
 clairvoyant bound, lab/sim/oracle.py). The oracle is computed for every realization even when not asked for:
-every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization.
+every scheme's ``efficiency`` is its recovered utility / the oracle's on the same realization. On a
+trace-driven link, ``known-rate`` and ``known-rate-unbounded`` run our session paced by an idealised
+pacer that is told the trace's rate (lab/sim/known_rate.py): references, not senders.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pfec.lab.sim.arq import ARQ_SCHEMES, simulate_arq_scheme
 from pfec.lab.sim.channel import LossModel, realization_rng
 from pfec.lab.sim.engine import DeadlineScore, SimLink, SimLinks, SimRun
 from pfec.lab.sim.handoff import Handoff, SimConfig, complete_blocks, prepare
+from pfec.lab.sim.known_rate import KNOWN_RATE_DEFINITIONS, KNOWN_RATE_SCHEMES, known_rate_pacer
 from pfec.lab.sim.oracle import DataTiming, oracle_delivered, trace_data_slots
 from pfec.lab.sim.path_link import forward_bottleneck, path_fields, path_rate, queue_fields, sender_budget
 from pfec.lab.sim.rate_trace import queue_limit_bytes
@@ -82,9 +85,10 @@ SIM_FINGERPRINT = b"pfec-sim".ljust(32, b"\0")
 # ``<scheme>@deadline``: a session scheme with the whole deadline as its repair budget (the daemons'
 # default), beside the same scheme at the cell's budget (the paper's fixed 15% by default).
 WHOLE_DEADLINE_VARIANT = "@" + WHOLE_DEADLINE
-REFERENCE_SCHEMES = {  # run outside the sessions, see the module docstring
+REFERENCE_SCHEMES = {  # run outside the sessions, or with an idealised pacer: see the module docstring
     **{name: scheme.definition for name, scheme in ARQ_SCHEMES.items()},
     "oracle": "clairvoyant bound: knows the losses, sends sources in utility order only in arriving slots",
+    **KNOWN_RATE_DEFINITIONS,
 }
 
 
@@ -121,6 +125,7 @@ class RunResult:
     # PathRate at the end (its estimate, its forecast, congestion events; None under a fixed rate).
     queue_received: int = 0
     queue_dropped: int = 0
+    queue_delay_ms_p95: float | None = None  # the bottleneck's queueing delay, P95 over the run's datagrams
     rate_end: dict[str, float] | None = None
 
 
@@ -367,10 +372,12 @@ def run_scheme(handoff: Handoff, name: str, realization: int, verify: bool = Tru
         return run_oracle(handoff, realization)
     if name in ARQ_SCHEMES:
         return run_arq(handoff, realization, name)
-    base = whole_deadline_base(name)
+    base = "priorityfec" if name in KNOWN_RATE_SCHEMES else whole_deadline_base(name)
     if base is not None:  # same handoff and realization, the whole deadline as the repair budget
         whole = dataclasses.replace(handoff, config=dataclasses.replace(handoff.config, repair_budget=None))
-        return dataclasses.replace(run_once(whole, get_scheme(base), realization, verify=verify), scheme=name)
+        pacer = known_rate_pacer(whole, name) if name in KNOWN_RATE_SCHEMES else None  # idealised
+        return dataclasses.replace(run_once(whole, get_scheme(base), realization, verify=verify,
+                                            controller=pacer), scheme=name)
     return run_once(handoff, get_scheme(name), realization, verify=verify)
 
 
@@ -571,10 +578,11 @@ def report(handoff: Handoff, runs: dict[str, list[RunResult]]) -> dict[str, Any]
             },
             "wall_s_mean": float(np.mean([r.wall_s for r in results])),
         }
-        if cfg.bottlenecked and name not in REFERENCE_SCHEMES:
+        if cfg.bottlenecked and (name not in REFERENCE_SCHEMES or name in KNOWN_RATE_SCHEMES):
             out["schemes"][name].update(queue_fields(
                 [r.queue_received for r in results], [r.queue_dropped for r in results],
-                [r.rate_end for r in results if r.rate_end is not None]))
+                [r.rate_end for r in results if r.rate_end is not None],
+                [r.queue_delay_ms_p95 for r in results if r.queue_delay_ms_p95 is not None]))
         if handoff.fidelity is not None:
             out["schemes"][name].update(mean_ci95_fields(
                 "recovered_block_utility", [r.block_utility or 0.0 for r in results]))
