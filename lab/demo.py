@@ -214,6 +214,8 @@ def _result(cfg: DemoConfig, example: QAExample, report: dict[str, Any], local: 
         "deadline_s": (report["deadline_ms"] / 1000) if "deadline_ms" in report else None,
         "answer": report.get("answer"),
         "full_kv_answer": report.get("full_kv_answer"),
+        # the intact cache rounded to the wire's dtype: the answer of a handoff that lost nothing
+        "full_kv_wire_answer": report.get("full_kv_wire_answer"),
         "answer_f1": best_f1(report.get("answer") or "", gold),
         "full_kv_answer_f1": best_f1(report.get("full_kv_answer") or "", gold),
         "answer_contains_gold": contains_answer(report.get("answer") or "", gold),
@@ -293,6 +295,7 @@ def format_demo(result: dict[str, Any]) -> str:
         f"contains the gold answer: {result['answer_contains_gold']})",
         f"full-KV answer : {result['full_kv_answer']!r}  (F1 {result['full_kv_answer_f1']:.2f}, "
         f"contains the gold answer: {result['full_kv_answer_contains_gold']})",
+        f"full KV at the wire's dtype: {result.get('full_kv_wire_answer')!r}",
         f"precision {result.get('precision')} (planner: {result.get('planner_choice')}, predicted TTFT "
         f"{_num(result.get('planner_ttft_s'), '.3f')} s); {_num(result.get('bytes_sent'), ',.0f')} bytes "
         f"sent for {_num(result.get('native_bytes'), ',.0f')} bytes of native KV",

@@ -312,6 +312,9 @@ class SenderDaemon:
             handoff.report["full_kv_answer"] = await self.worker.submit(
                 full_kv_answer, self.runtime, prepared, spec.max_new_tokens, force=True
             )
+            handoff.report["full_kv_wire_answer"] = await self.worker.submit(
+                full_kv_answer, self.runtime, prepared, spec.max_new_tokens, True, force=True
+            )
         return transfer.outcome, utility
 
     def _front_slowdown(self, handoff: Handoff, result: ResultApp | None, address: str) -> float | None:

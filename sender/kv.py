@@ -378,11 +378,20 @@ def prepare_synthetic(identity: ModelIdentity, n_tokens: int, order: str, profil
     return Prepared(plan, utilities, queue, symbols, tuple(question_ids), 0.0, profile_name)
 
 
-def full_kv_answer(runtime: ModelRuntime, prepared: Prepared, max_new_tokens: int) -> str:
-    """The sender's own answer from its intact cache (the reference the handoff is compared with)."""
+def full_kv_answer(runtime: ModelRuntime, prepared: Prepared, max_new_tokens: int,
+                   at_wire_dtype: bool = False) -> str:
+    """The sender's own answer from its intact cache (the reference the handoff is compared with). With
+    ``at_wire_dtype``, from that cache rounded to the transfer dtype and back: what a handoff answers
+    whose every byte arrived at native precision (a greedy answer near a tie can flip on that rounding)."""
+    from dataclasses import replace
+
     from pfec.common.model import llm  # deferred: torch
 
     if prepared.cache is None:
         raise ValueError("the intact cache was not kept for this handoff")
     kv = llm.partial_from_cache(prepared.cache, None, "mask")
+    if at_wire_dtype:
+        wire = runtime.transfer_dtype
+        kv = replace(kv, keys=[k.to(wire).to(k.dtype) for k in kv.keys],
+                     values=[v.to(wire).to(v.dtype) for v in kv.values])
     return llm.generate(runtime, kv, prepared.question_ids, max_new_tokens).text

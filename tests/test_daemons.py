@@ -195,6 +195,8 @@ def test_handoff_through_lossy_relay_matches_full_kv_answer(tiny: llm.ModelRunti
     assert report["recovered_utility"] == pytest.approx(1.0), report
     assert report["blocks_recovered"] == report["n_blocks"]
     assert report["answer"] == report["full_kv_answer"] and report["answer"], report
+    # Every byte arrived at the wire's dtype: the answer of the intact cache rounded to it.
+    assert report["full_kv_wire_answer"] == report["answer"], report
     assert report["precision"] == "native" and report["stream_bytes"] == report["native_bytes"], report
     # Everything decoded: the receiver started when ready, not at the deadline.
     assert report["start"] == "ready" and report["ttft_s"] < report["deadline_ms"] / 1000, report

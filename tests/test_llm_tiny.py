@@ -388,3 +388,33 @@ def test_a_batch_of_partial_caches_decodes_like_each_alone(arch: str,
     with pytest.raises(ValueError, match="one context length"):
         llm.generate_batch(rt, [kvs[0], llm.partial_from_cache(cache, None, "mask", len(CONTEXT) - 1)],
                            QUESTION)
+
+
+def test_the_full_kv_wire_answer_generates_from_the_cache_rounded_to_the_transfer_dtype(
+        tiny: llm.ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference a lossless handoff is held to: the intact cache at the wire's dtype, not at compute's."""
+    from dataclasses import replace
+
+    from pfec.sender.kv import Prepared, full_kv_answer
+
+    tiny = replace(tiny, geometry=replace(tiny.geometry, dtype="bf16"))  # the daemons' wire dtype
+    ids = tiny.tokenizer.encode("w1 w2 w3 w4 w5 w6") if tiny.tokenizer is not None else [1, 2, 3, 4, 5, 6]
+    cache, _ = llm.prefill(tiny, ids)
+    prepared = Prepared(plan=None, block_utility=np.zeros(0), queue=np.zeros(0, dtype=np.int64),  # type: ignore[arg-type]
+                        symbols=np.zeros((0, 1), dtype=np.uint8), question_ids=(7, 8), prefill_s=0.0,
+                        profile="x", cache=cache)
+    seen: list[llm.PartialKV] = []
+    real = llm.generate
+
+    def spy(rt: llm.ModelRuntime, kv: llm.PartialKV, question: tuple[int, ...], n: int) -> llm.Generation:
+        seen.append(kv)
+        return real(rt, kv, question, n)
+
+    monkeypatch.setattr(llm, "generate", spy)
+    assert isinstance(full_kv_answer(tiny, prepared, 2), str)
+    assert isinstance(full_kv_answer(tiny, prepared, 2, at_wire_dtype=True), str)
+    intact, wired = seen
+    assert tiny.transfer_dtype != intact.keys[0].dtype  # bf16 on the wire, fp32 computed
+    for exact, rounded in zip(intact.keys + intact.values, wired.keys + wired.values, strict=True):
+        assert rounded.dtype == exact.dtype and not torch.equal(rounded, exact)
+        assert torch.equal(rounded, exact.to(tiny.transfer_dtype).to(exact.dtype))
