@@ -421,3 +421,24 @@ def test_the_first_window_is_gentle_on_an_empty_queue_and_claims_a_share_of_a_st
     assert _first_window(0.02) == 100
     assert _first_window(0.048) == 100
     assert _first_window(0.08) == 800
+
+
+def test_the_forecast_does_not_fall_to_the_drains_pace() -> None:
+    """Right after a cut the samples start over, and the drain paces at half the estimate: the forecast
+    the session plans its slots on (and the next handoff to that receiver starts from) stays the cut
+    estimate. It read the drain's pace, half the link, in pfec bench breakeven's 20 Mbit/s cells."""
+    seen: list[tuple[Phase, float, float]] = []
+
+    class Recording(PathRate):
+        def on_packets_delivered(self, now: float, count: int) -> None:
+            super().on_packets_delivered(now, count)
+            if now > 0.5:  # the cuts of the link's fall (STARTUP's own ramp samples are another matter)
+                seen.append((self.phase, self.forecast_bps, self.estimate_bps))
+
+    rate = Recording(100e6, DATAGRAM, rtt_prior_s=2 * OWD)
+    link = Bottleneck(rate, 100e6)
+    link.run(0.5)
+    link.run(1.2, link_bps=50e6)  # standing queues: cuts, each followed by a drain
+    drains = [(forecast, estimate) for phase, forecast, estimate in seen if phase is Phase.DRAIN]
+    assert drains
+    assert min(forecast / estimate for forecast, estimate in drains) > 0.75
