@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -383,8 +383,6 @@ def full_kv_answer(runtime: ModelRuntime, prepared: Prepared, max_new_tokens: in
     """The sender's own answer from its intact cache (the reference the handoff is compared with). With
     ``at_wire_dtype``, from that cache rounded to the transfer dtype and back: what a handoff answers
     whose every byte arrived at native precision (a greedy answer near a tie can flip on that rounding)."""
-    from dataclasses import replace
-
     from pfec.common.model import llm  # deferred: torch
 
     if prepared.cache is None:

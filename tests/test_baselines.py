@@ -23,6 +23,7 @@ from pfec.lab.sim.arq import (
     simulate_arq_scheme,
 )
 from pfec.lab.sim.channel import MAIN_GE, Bernoulli, realization_rng
+from pfec.lab.sim.known_rate import KNOWN_RATE_SCHEMES
 from pfec.lab.sim.oracle import DataTiming
 from pfec.lab.sim.simulate import (
     REFERENCE_SCHEMES,
@@ -171,7 +172,7 @@ def test_sim_arq_meets_the_reverse_realization_the_simulator_draws() -> None:
 
 
 def test_sim_lists_every_arq_scheme() -> None:
-    assert set(ARQ_SCHEMES) | {"oracle"} == set(REFERENCE_SCHEMES)
+    assert set(ARQ_SCHEMES) | {"oracle"} | set(KNOWN_RATE_SCHEMES) == set(REFERENCE_SCHEMES)
     assert all(REFERENCE_SCHEMES[n] == s.definition for n, s in ARQ_SCHEMES.items())
     out = run_cli("sim", "--tokens", "64", "--realizations", "1", "--scheme", "nosuch")
     assert out.returncode == 2 and all(n in out.stderr for n in ("arq,", "priority-arq", "arq-ideal"))
