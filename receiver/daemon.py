@@ -62,7 +62,12 @@ log = logging.getLogger("pfec.receiver")
 # The sessions' clock: the loop's monotonic clock at full resolution (uvloop's loop.time() has the same
 # base but 1 ms steps; timers still fire through loop.call_at).
 clock = time.monotonic
+# Loop timers have 1 ms steps and may fire up to a step early. A session's deadline is armed TIMER_EARLY_S
+# early and the rest polled (it starts generation: a late start costs TTFT); every other timer (ACKs,
+# RESULT retries) fires up to TIMER_STEP_S late instead, so the loop never polls for them: on a node with one
+# core the poll would take the CPU from the split's front prefill.
 TIMER_EARLY_S = 0.0015
+TIMER_STEP_S = 0.001
 READ_BATCH = 32  # recvmsg calls per readable event before timers get their turn (each can be a GRO batch)
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
 _RECV_SIZE = 65535
@@ -70,6 +75,13 @@ REAP_EVERY_S = 0.5  # the reaper's sweep period (sessions past their deadline pl
 SPEED_STALE_S = 600.0  # a stated prefill speed older than this is measured again, once no session runs
 _JUNK = 256  # slot of the receive counters for junk (unparseable or unauthentic datagrams)
 _RX_LABELS = (*MSG_TYPE_LABELS.items(), (_JUNK, "junk"))
+
+
+def timer_fires_at(at: float, deadline: float | None) -> float:
+    """When the loop timer for the endpoint's next timer ``at`` goes off: ``TIMER_EARLY_S`` before it when
+    it is a session's deadline (``deadline``, the earliest one), to poll the rest; ``TIMER_STEP_S`` after it
+    otherwise, never before it, so it needs no poll."""
+    return at - TIMER_EARLY_S if at == deadline else at + TIMER_STEP_S
 
 
 @dataclass
@@ -117,6 +129,7 @@ class ReceiverDaemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None
         self._timer_at: float | None = None
+        self.timer_polls = 0  # _on_timer calls that came before their timer and polled again
         self._service_pending = False
         self.worker = ModelWorker("pfec-generate", self.limits.worker_queue, self.limits.worker_stuck_s)
         # The OpenAI API on the control listeners, and its prefix cache store (handed-off contexts too).
@@ -275,14 +288,15 @@ class ReceiverDaemon:
 
     # ------------------------------------------------------------------ timers
     def _arm_timer(self) -> None:
-        """One loop timer for the endpoint's next deadline, armed ``TIMER_EARLY_S`` early.
+        """One loop timer for the endpoint's next timer (``timer_fires_at``).
 
-        Loop timers have 1 ms steps (uvloop); the last stretch is spent polling I/O with ``call_soon``
-        so a deadline starts within tens of microseconds instead of up to a millisecond late.
+        A session's deadline is armed ``TIMER_EARLY_S`` early and the last stretch spent polling I/O with
+        ``call_soon``, so it starts within tens of microseconds instead of up to a millisecond late.
         """
         loop = self._loop
         assert loop is not None
-        at = self.endpoint.get_timer()
+        endpoint = self.endpoint
+        at = endpoint.get_timer()
         if at == self._timer_at:
             return
         if self._timer is not None:
@@ -290,13 +304,14 @@ class ReceiverDaemon:
             self._timer = None
         self._timer_at = at
         if at is not None:
-            self._timer = loop.call_at(at - TIMER_EARLY_S, self._on_timer)
+            self._timer = loop.call_at(timer_fires_at(at, endpoint.next_deadline()), self._on_timer)
 
     def _on_timer(self) -> None:
         assert self._loop is not None
         now = clock()
         at = self._timer_at
-        if at is not None and now < at:
+        if at is not None and now < at:  # a deadline's last stretch (or a timer that fired a step early)
+            self.timer_polls += 1
             self._timer = self._loop.call_soon(self._on_timer)
             return
         self._timer = None

@@ -258,6 +258,16 @@ class ReceiverEndpoint:
                 first = timer
         return first
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of the sessions still receiving: the one timer worth keeping to the
+        microsecond (a late start costs TTFT; an ACK or a RESULT retry a millisecond late costs nothing)."""
+        first: float | None = None
+        for session in self.sessions.values():
+            deadline = session.deadline_timer()
+            if deadline is not None and (first is None or deadline < first):
+                first = deadline
+        return first
+
     def handle_timer(self, now: float) -> None:
         for session in self.sessions.values():
             timer = session.get_timer()

@@ -353,8 +353,11 @@ class ReceiverSession:
     def get_timer(self) -> float | None:
         if self.state is ReceiverState.CLOSED:
             return None
-        deadline = self.deadline if self.state is ReceiverState.RECEIVING else None
-        return earliest(deadline, self._ack_timer, self._result_timer)
+        return earliest(self.deadline_timer(), self._ack_timer, self._result_timer)
+
+    def deadline_timer(self) -> float | None:
+        """The deadline while it can still start the session (receiving); None after."""
+        return self.deadline if self.state is ReceiverState.RECEIVING else None
 
     def handle_timer(self, now: float) -> None:
         if self.state is ReceiverState.RECEIVING and now >= self.deadline:
