@@ -118,11 +118,13 @@ def run_breakeven_bench(cfg: BreakevenConfig, log: Callable[[str], None] = _log)
 async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Child], cpus: NodeCpus,
                    log: Callable[[str], None]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
+    # The receiver times its prefill speed before it is ready: this node waits for that before it loads
+    # and compiles, so the speed it states is the receiver node's alone, not one shared with a model load.
+    rx_addr = tuple(await loop.run_in_executor(None, receiver.wait_ready))
     warm_up()
     runtime, identity = await loop.run_in_executor(None, load_runtime, cfg.model)
     if runtime is None:
         raise ValueError(f"model {cfg.model!r}: the break-even bench needs a real model")
-    rx_addr = tuple(await loop.run_in_executor(None, receiver.wait_ready))
     for rate in cfg.rates_mbps:
         relays[rate] = Child("relay", cpus=cpus.pin("relay"), forward_to=rx_addr, rate_bps=rate * 1e6,
                              owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
