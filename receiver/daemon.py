@@ -78,10 +78,12 @@ _RX_LABELS = (*MSG_TYPE_LABELS.items(), (_JUNK, "junk"))
 
 
 def timer_fires_at(at: float, deadline: float | None) -> float:
-    """When the loop timer for the endpoint's next timer ``at`` goes off: ``TIMER_EARLY_S`` before it when
-    it is a session's deadline (``deadline``, the earliest one), to poll the rest; ``TIMER_STEP_S`` after it
-    otherwise, never before it, so it needs no poll."""
-    return at - TIMER_EARLY_S if at == deadline else at + TIMER_STEP_S
+    """When the loop timer for the endpoint's next timer ``at`` goes off: ``TIMER_STEP_S`` after it (never
+    before it, so it needs no poll), but no later than ``TIMER_EARLY_S`` before the earliest session
+    deadline (``deadline``), whose last stretch is polled: an ACK due just before a deadline must not
+    make that deadline late."""
+    fires = at + TIMER_STEP_S
+    return fires if deadline is None else min(fires, deadline - TIMER_EARLY_S)
 
 
 @dataclass

@@ -281,6 +281,8 @@ def test_timer_fires_a_step_early_only_for_the_deadline() -> None:
     assert timer_fires_at(5.0, 5.0) == pytest.approx(5.0 - TIMER_EARLY_S)
     assert timer_fires_at(4.0, 5.0) == pytest.approx(4.0 + TIMER_STEP_S)
     assert timer_fires_at(4.0, None) == pytest.approx(4.0 + TIMER_STEP_S)
+    # An ACK due within a step of the deadline does not carry the deadline past its time.
+    assert timer_fires_at(5.0 - TIMER_STEP_S / 2, 5.0) == pytest.approx(5.0 - TIMER_EARLY_S)
 
 
 def test_receiver_killed_mid_stream_sender_reports_and_recovers() -> None:
