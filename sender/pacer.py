@@ -141,17 +141,22 @@ class PacedTransfer:
                 self.finished.set_result(None)
 
     def _send_close(self, reason: str) -> None:
-        """Best effort after an internal error: let the session queue its CLOSE and send what it queued
-        (control datagrams only: a failed session sends no data), so the receiver frees the session now."""
-        transport = self.transport
+        """Best effort after an internal error: let the session queue its CLOSE and send it at once."""
         with contextlib.suppress(Exception):
             self.session.cancel(reason, clock())
-            for _ in range(8):
-                datagram = self.session.next_datagram(clock())
-                if datagram is None or transport is None:
-                    break
-                if self._send_one(transport, datagram):
-                    self._count_sent(datagram[1], 1, len(datagram), clock())
+            self._send_control()
+
+    def _send_control(self) -> None:
+        """Send what an ended session queued (its CLOSE: a session that is done or failed sends no data)
+        now, not in a pacing slot: a slot can lie far ahead (a trickle pace while the in-flight cap binds,
+        an estimate cut to the floor) and the socket closes ``LINGER_S`` after the end."""
+        transport = self.transport
+        for _ in range(8):
+            datagram = self.session.next_datagram(clock())
+            if datagram is None or transport is None:
+                break
+            if self._send_one(transport, datagram):
+                self._count_sent(datagram[1], 1, len(datagram), clock())
 
     # ------------------------------------------------------------------ pacing
     def start(self) -> None:
@@ -322,9 +327,7 @@ class PacedTransfer:
     def _finish(self) -> None:
         if self.finished.done():
             return
-        self._idle = False
-        if self._pump_handle is None:  # send what the session queued last (the CLOSE after a RESULT)
-            self._pump_handle = self.loop.call_soon(self.guarded, self._pump)
+        self._send_control()  # the CLOSE after a RESULT or a failure
         self.finished.set_result(None)
 
     def cancel(self, reason: str) -> None:

@@ -370,6 +370,46 @@ def test_sender_vanishing_or_shutting_down_leaves_no_state_on_the_receiver() -> 
     assert cancelled["outcome"] == "cancelled" and "shutting down" in cancelled["failure"], cancelled
 
 
+def test_the_close_after_a_result_leaves_at_once_not_in_a_far_pacing_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLOSE that answers a RESULT is sent when the RESULT arrives, not in the link's next pacing slot:
+    that slot can lie seconds ahead (a trickle pace while the in-flight cap binds, an estimate cut to its
+    floor), past the socket's linger, and the receiver would retry its RESULT until it reaps the session.
+    Here the slot is pushed 10 s ahead as the RESULT arrives; the receiver must free the session at once."""
+    identity = synthetic_identity(SMALL)
+    real_on_event = PacedTransfer._on_event
+
+    def slot_far_ahead(self: PacedTransfer, event: Any) -> None:
+        if type(event).__name__ == "ResultReceived":
+            self.link.next_send = time.monotonic() + 10.0
+        real_on_event(self, event)
+
+    monkeypatch.setattr(PacedTransfer, "_on_event", slot_far_ahead)
+
+    async def main() -> tuple[dict[str, Any], float, bytes]:
+        rx = ReceiverDaemon(identity, PSK)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=256), rx.address, rho=3.0, generate=False))
+        report = await _wait(h, 30)
+        ended = time.monotonic()
+        while rx.endpoint.sessions or rx.sessions:
+            if time.monotonic() - ended > 3.0:
+                break
+            await asyncio.sleep(0.005)
+        freed_after = time.monotonic() - ended
+        metrics = rx.metrics.exposition()
+        await tx.close()
+        await rx.close()
+        return report, freed_after, metrics
+
+    report, freed_after, metrics = run(main())
+    assert report["outcome"] == "done", report
+    # Without the CLOSE the receiver retries its RESULT (20 x 50 ms) and reaps the session after ~1 s.
+    assert freed_after < 0.3, freed_after
+    assert b'pfec_receiver_sessions_total{outcome="timeout"} 1.0' not in metrics
+
+
 def test_concurrent_handoffs_beyond_the_session_limit_are_refused_as_overloaded() -> None:
     identity = synthetic_identity(SMALL)
 
