@@ -43,6 +43,7 @@ from pfec.lab.processes import (
     node_cpu_sets,
     pinned,
     raise_priority,
+    relay_link,
 )
 from pfec.lab.reporting.text import format_handoff_report
 from pfec.lab.sim.channel import parse_loss_spec
@@ -151,8 +152,8 @@ async def _handoff(cfg: DemoConfig, receiver: Child, cpus: NodeCpus, started: fl
     _log("loading the model in the sender ...")
     runtime, identity = await loop.run_in_executor(None, load_runtime, cfg.model)
     rx_addr = await loop.run_in_executor(None, receiver.wait_ready)
-    relay = Child("relay", cpus=cpus.pin("relay"), forward_to=tuple(rx_addr), rate_bps=cfg.rate_mbps * 1e6,
-                  owd_s=cfg.rtt_ms / 2000, loss=cfg.loss, seed=cfg.seed)
+    relay = Child("relay", cpus=cpus.pin("relay"), forward_to=tuple(rx_addr),
+                  link=relay_link(cfg.rate_mbps * 1e6, cfg.rtt_ms / 2000, cfg.loss, cfg.seed))
     relay_addr = await loop.run_in_executor(None, relay.wait_ready)
     if runtime is None:
         raise ValueError(f"model {cfg.model!r}: the demo needs a real model (it asks a question)")

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
 
 __all__ = ["LOOPBACK_PSK", "Child", "NodeCpus", "local_prefill_ttft", "node_cpu_sets", "pinned",
-           "raise_priority"]
+           "raise_priority", "relay_link"]
 
 LOOPBACK_PSK: Final = bytes(range(1, 33))  # loopback only; the daemons of a real deployment read a key file
 MAX_LOCAL_RUNS: Final = 20
@@ -288,14 +288,18 @@ async def _receiver_child(conn: Connection, model: str, psk: bytes, host: str = 
     await daemon.close()
 
 
-async def _relay_child(conn: Connection, forward_to: tuple[str, int], rate_bps: float, owd_s: float,
-                       loss: str, seed: int) -> None:
-    config = EmulatorConfig(
+def relay_link(rate_bps: float, owd_s: float, loss: str, seed: int) -> EmulatorConfig:
+    """A fixed-rate link both ways, ``loss`` (``parse_loss``'s spec) forward only: the demo's and the
+    break-even bench's emulated path."""
+    return EmulatorConfig(
         forward=DirectionSpec(rate_bps, owd_s, parse_loss(loss)),
         reverse=DirectionSpec(rate_bps, owd_s, None),
         seed=seed,
     )
-    async with UdpRelay(config, ("127.0.0.1", 0), forward_to) as relay:
+
+
+async def _relay_child(conn: Connection, forward_to: tuple[str, int], link: EmulatorConfig) -> None:
+    async with UdpRelay(link, ("127.0.0.1", 0), forward_to) as relay:
         async def snapshot() -> dict[str, Any]:
             return {**relay.stats(), "cpus": _cpus_now()}
 

@@ -41,7 +41,7 @@ from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.lab.bench.breakeven_report import plot_measured
 from pfec.lab.demo import start_receiver
 from pfec.lab.kv.workloads import needle_qa
-from pfec.lab.processes import LOOPBACK_PSK, Child, NodeCpus, node_cpu_sets, pinned
+from pfec.lab.processes import LOOPBACK_PSK, Child, NodeCpus, node_cpu_sets, pinned, relay_link
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, prompt_ids
@@ -126,8 +126,8 @@ async def _measure(cfg: BreakevenConfig, receiver: Child, relays: dict[float, Ch
     if runtime is None:
         raise ValueError(f"model {cfg.model!r}: the break-even bench needs a real model")
     for rate in cfg.rates_mbps:
-        relays[rate] = Child("relay", cpus=cpus.pin("relay"), forward_to=rx_addr, rate_bps=rate * 1e6,
-                             owd_s=cfg.rtt_ms / 2000, loss="none", seed=cfg.seed)
+        relays[rate] = Child("relay", cpus=cpus.pin("relay"), forward_to=rx_addr,
+                             link=relay_link(rate * 1e6, cfg.rtt_ms / 2000, "none", cfg.seed))
     addresses = {rate: tuple(await loop.run_in_executor(None, relay.wait_ready))
                  for rate, relay in relays.items()}
     # Each rate has its relay, so its own address: the sender measures each path apart (its rate under

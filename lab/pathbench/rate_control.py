@@ -1,14 +1,15 @@
 """`pfec bench rate-control`: does the told rate still decide a handoff's outcome? (issue: measure the path)
 
-Real daemons over the real relay emulator (``lab/emulator/relay.py``) in this process, one event loop:
-synthetic KV of the default model's plan (``tokens``), scheme heuristic, the whole deadline as the repair
-budget, a fixed ``deadline_ms``, the paper's main Gilbert-Elliott loss forward, ``rtt_ms``, and a
-drop-tail queue of ``QUEUE_MS`` at the link's rate. Per link rate and seed: the reference (``fixed``
-pacing at the link's own rate, the paper's setting told the truth), the same paced at each wrong told rate
-(``fixed``: open loop), and ``link.rate_control = path`` told each rate (the truth included). Each row
-gives the recovered utility, its ratio to the reference of the same seed, the queue's drop share of what
-it received and its queueing-delay P95. Targets (issue 21): path rows >= 0.93x the reference, queue drops
-<= 3%. Every run is quoted; nothing is best-of.
+Real daemons over the real relay emulator (``lab/emulator/relay.py``), two nodes on one machine as the demo
+runs them (``PathBenchNodes``: the receiver in its own process on its own CPUs, the sender here and the
+relay in a process of its own on the others): synthetic KV of the default model's plan (``tokens``), scheme
+heuristic, the whole deadline as the repair budget, a fixed ``deadline_ms``, the paper's main
+Gilbert-Elliott loss forward, ``rtt_ms``, and a drop-tail queue of ``QUEUE_MS`` at the link's rate. Per link
+rate and seed: the reference (``fixed`` pacing at the link's own rate, the paper's setting told the truth),
+the same paced at each wrong told rate (``fixed``: open loop), and ``link.rate_control = path`` told each
+rate (the truth included). Each row gives the recovered utility, its ratio to the reference of the same
+seed, the queue's drop share of what it received and its queueing-delay P95. Targets (issue 21): path rows
+>= 0.93x the reference, queue drops <= 3%. Every run is quoted; nothing is best-of.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from pfec.common.model.runtime import SYNTHETIC_MODEL
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
-from pfec.lab.emulator.relay import UdpRelay
+from pfec.lab.processes import Child, node_cpu_sets, pinned
 from pfec.lab.reporting.machine import machine_info
 from pfec.lab.sim.channel import parse_loss_spec
-from pfec.receiver.daemon import ReceiverDaemon
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput
@@ -36,30 +37,65 @@ DATAGRAM_BYTES: Final = 1300  # for sizing the relay's queue in datagrams
 MAIN_LOSS: Final = "ge:0.001,0.5,0.02,0.1"
 PSK: Final = bytes(range(32))
 UTILITY_TARGET: Final = 0.93
+NODES_DESCRIPTION: Final = ("the receiver in its own process on its CPUs; the sender, and the relay in a "
+                            "process of its own, on the others")
 DROP_TARGET: Final = 0.03
 
 
-async def relay_handoff(
-    link: EmulatorConfig, told_mbps: float, control: str, tokens: int, deadline_ms: float,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One synthetic-KV handoff (scheme heuristic, repairs until the deadline) from a sender daemon told
-    ``told_mbps`` through the relay emulator ``link``: (the sender's report, the relay's forward counters)."""
-    identity = synthetic_identity(DEFAULT_GEOMETRY)
-    rx = ReceiverDaemon(identity, PSK)
-    await rx.start("127.0.0.1", 0)
+class PathBenchNodes:
+    """The two nodes of a path bench on one machine (``lab/processes.py``): a receiver daemon (synthetic KV)
+    in its own process on the receiver's CPUs, started once and kept, as a node is; per handoff a sender
+    daemon in this process and the relay emulator in a process of its own, both on the sender's CPUs. In one
+    process and event loop the three shared one core's timers and GIL: the receiver's loop polling decided
+    how finely the relay and the pacer ran (docs/benchmarks/traces.md's earlier runs)."""
+
+    def __init__(self) -> None:
+        self.cpus = node_cpu_sets()
+        self._receiver = Child("receiver", cpus=self.cpus.pin("receiver"), model=SYNTHETIC_MODEL, psk=PSK)
+        try:
+            self._address = tuple(self._receiver.wait_ready())
+        except BaseException:
+            self._receiver.kill()
+            raise
+
+    def __enter__(self) -> PathBenchNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._receiver.stop()
+
+    def handoff(self, link: EmulatorConfig, told_mbps: float, control: str, tokens: int,
+                deadline_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One synthetic-KV handoff (scheme heuristic, repairs until the deadline) from a sender daemon told
+        ``told_mbps`` through a relay emulating ``link``: (the sender's report, the relay's forward
+        counters)."""
+        relay = Child("relay", cpus=self.cpus.pin("relay"), forward_to=self._address, link=link)
+        try:
+            relay_address = tuple(relay.wait_ready())
+            with pinned(self.cpus.pin("sender")):
+                report = run_event_loop(_send(relay_address, link.forward.owd_s, told_mbps, control, tokens,
+                                              deadline_ms))
+        finally:
+            stats = relay.stop()
+        if "forward" not in stats:
+            raise RuntimeError(f"the relay process ended without its counters: {stats.get('error')}")
+        return report, stats["forward"]
+
+
+async def _send(relay: tuple[Any, ...], owd_s: float, told_mbps: float, control: str, tokens: int,
+                deadline_ms: float) -> dict[str, Any]:
+    tx = SenderDaemon(synthetic_identity(DEFAULT_GEOMETRY), PSK, rate_mbps=told_mbps, owd_ms=owd_s * 1000,
+                      scheme="heuristic", rate_control=control)
     try:
-        async with UdpRelay(link, ("127.0.0.1", 0), rx.address) as relay:
-            tx = SenderDaemon(identity, PSK, rate_mbps=told_mbps, owd_ms=link.forward.owd_s * 1000,
-                              scheme="heuristic", rate_control=control)
-            try:
-                h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), relay.listen_address,
-                                          rho=None, deadline_ms=deadline_ms, generate=False))
-                await asyncio.wait_for(h.done.wait(), 60 + deadline_ms / 1000)
-                return h.view(), relay.stats()["forward"]
-            finally:
-                await tx.close()
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), (relay[0], relay[1]), rho=None,
+                                  deadline_ms=deadline_ms, generate=False))
+        await asyncio.wait_for(h.done.wait(), 60 + deadline_ms / 1000)
+        return h.view()
     finally:
-        await rx.close()
+        await tx.close()
 
 
 def handoff_row(report: dict[str, Any], forward: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +112,8 @@ def handoff_row(report: dict[str, Any], forward: dict[str, Any]) -> dict[str, An
     }
 
 
-async def _handoff(
+def _handoff(
+    nodes: PathBenchNodes,
     link_mbps: float,
     told_mbps: float,
     control: str,
@@ -92,7 +129,7 @@ async def _handoff(
         DirectionSpec(link_mbps * 1e6, owd),
         seed=seed,
     )
-    report, forward = await relay_handoff(link, told_mbps, control, tokens, deadline_ms)
+    report, forward = nodes.handoff(link, told_mbps, control, tokens, deadline_ms)
     return {"link_mbps": link_mbps, "told_mbps": told_mbps, "control": control, "seed": seed,
             **handoff_row(report, forward)}
 
@@ -112,11 +149,12 @@ def run_rate_control_bench(
     cells += [(link, link * f, "path") for link in links for f in sorted({1.0, *factors})]
     rows: list[dict[str, Any]] = []
     total = len(cells) * seeds
-    for seed in range(1, seeds + 1):
-        for link, told, control in cells:
-            rows.append(run_event_loop(_handoff(link, told, control, seed, tokens, deadline_ms, rtt_ms)))
-            if progress is not None:
-                progress(len(rows), total)
+    with PathBenchNodes() as nodes:
+        for seed in range(1, seeds + 1):
+            for link, told, control in cells:
+                rows.append(_handoff(nodes, link, told, control, seed, tokens, deadline_ms, rtt_ms))
+                if progress is not None:
+                    progress(len(rows), total)
     reference = {
         (r["link_mbps"], r["seed"]): r["recovered_utility"] or 0.0
         for r in rows
@@ -139,8 +177,9 @@ def run_rate_control_bench(
             "queue_ms": QUEUE_MS,
             "scheme": "heuristic",
             "repair_budget": "deadline",
-            "processes": "sender, receiver and relay in one process and event loop",
+            "processes": NODES_DESCRIPTION,
         },
+        "cpus": nodes.cpus.to_json(),
         "rows": rows,
         "targets": {
             "path_utility_vs_told_truth_min": min((r["utility_vs_told_truth"] or 0.0) for r in path_rows),

@@ -5,9 +5,10 @@ Each trace (Mahimahi, scaled by K: a link K times faster of the same shape) is m
 evenly spaced starting points of its period (``rate_trace.rotated``): a 2.7 s handoff sees a few seconds
 of a two-minute trace, and the first seconds of a trace are no more typical than any others. Per start:
 
-- ``path``: real daemons through the relay emulator (``lab/emulator/relay.py``: the trace's drop-tail
-  bottleneck forward, the paper's main Gilbert-Elliott loss, a fixed-rate lossless reverse path), the
-  sender told ``told_mbps`` and measuring its path (``link.rate_control = path``);
+- ``path``: real daemons, two nodes as ``PathBenchNodes`` runs them, through the relay emulator
+  (``lab/emulator/relay.py``, in a process of its own: the trace's drop-tail bottleneck forward, the
+  paper's main Gilbert-Elliott loss, a fixed-rate lossless reverse path), the sender told ``told_mbps``
+  and measuring its path (``link.rate_control = path``);
 - ``fixed@mean``: the same daemons pacing open loop at the trace's mean rate (told the right average);
 - ``sim oracle`` and ``sim path``: the simulator on the same rotated trace, loss spec and deadline
   (``sim_realizations`` loss realizations each; the oracle knows the trace's opportunities and the losses).
@@ -28,9 +29,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from pfec.common.node.eventloop import run_event_loop
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
-from pfec.lab.pathbench.rate_control import MAIN_LOSS, handoff_row, relay_handoff
+from pfec.lab.pathbench.rate_control import MAIN_LOSS, NODES_DESCRIPTION, PathBenchNodes, handoff_row
 from pfec.lab.reporting.machine import machine_info
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.rate_trace import RateTrace, TraceQueue, load_rate_trace, queue_limit_bytes, rotated
@@ -42,15 +42,15 @@ REVERSE_MBPS: Final = 100.0  # the feedback path: fixed rate, lossless
 QUARTER: Final = 0.25  # the even sender whose queueing delay shows what the trace alone imposes
 
 
-def _real(trace: RateTrace, told_mbps: float, control: str, seed: int, tokens: int, deadline_ms: float,
-          rtt_ms: float) -> dict[str, Any]:
+def _real(nodes: PathBenchNodes, trace: RateTrace, told_mbps: float, control: str, seed: int, tokens: int,
+          deadline_ms: float, rtt_ms: float) -> dict[str, Any]:
     owd = rtt_ms / 2000
     link = EmulatorConfig(
         DirectionSpec(owd_s=owd, loss=parse_loss_spec(MAIN_LOSS), rate_trace=trace),
         DirectionSpec(REVERSE_MBPS * 1e6, owd),
         seed=seed,
     )
-    report, forward = run_event_loop(relay_handoff(link, told_mbps, control, tokens, deadline_ms))
+    report, forward = nodes.handoff(link, told_mbps, control, tokens, deadline_ms)
     return {**handoff_row(report, forward), "queue_delay_ms_p50": forward["queue_delay_ms_p50"]}
 
 
@@ -83,6 +83,26 @@ def _simulated(trace: RateTrace, told_mbps: float, seed: int, tokens: int, deadl
     return out
 
 
+def _start_rows(nodes: PathBenchNodes, name: str, trace: RateTrace, start_s: float, seed: int,
+                told_mbps: float, tokens: int, deadline_ms: float, rtt_ms: float,
+                sim_realizations: int) -> list[dict[str, Any]]:
+    """One start of one trace: the measuring handoff (with the simulated oracle and path beside it) and the
+    one paced at the trace's mean."""
+    moved = rotated(trace, start_s)
+    common = {"trace": name, "scale": trace.scale, "start_s": round(start_s, 3), "seed": seed,
+              "mean_rate_mbps": round(trace.mean_rate_bps / 1e6, 3)}
+    sim = _simulated(moved, told_mbps, seed, tokens, deadline_ms, rtt_ms, sim_realizations)
+    path_row = _real(nodes, moved, told_mbps, "path", seed, tokens, deadline_ms, rtt_ms)
+    fixed_row = _real(nodes, moved, trace.mean_rate_bps / 1e6, "fixed", seed, tokens, deadline_ms, rtt_ms)
+    return [{**common, "control": "path", "told_mbps": told_mbps, **path_row,
+             "sim_oracle_utility": round(sim["oracle"], 4),
+             "sim_path_utility": round(sim["heuristic"], 4),
+             "trace_delay_ms_p95_at_quarter_rate": round(
+                 paced_delay_p95_ms(moved, QUARTER, deadline_ms / 1000), 1)},
+            {**common, "control": "fixed@mean", "told_mbps": round(trace.mean_rate_bps / 1e6, 3),
+             **fixed_row}]
+
+
 def run_trace_bench(
     traces: list[tuple[Path, float]],
     offsets: int,
@@ -99,26 +119,14 @@ def run_trace_bench(
     loaded = [load_rate_trace(path, scale) for path, scale in traces]
     rows: list[dict[str, Any]] = []
     total, done = len(loaded) * offsets, 0
-    for path, trace in zip((p for p, _ in traces), loaded, strict=True):
-        for k in range(offsets):
-            start_s = k * trace.period_ms / 1000 / offsets
-            moved = rotated(trace, start_s)
-            seed = k + 1
-            common = {"trace": path.name, "scale": trace.scale, "start_s": round(start_s, 3), "seed": seed,
-                      "mean_rate_mbps": round(trace.mean_rate_bps / 1e6, 3)}
-            sim = _simulated(moved, told_mbps, seed, tokens, deadline_ms, rtt_ms, sim_realizations)
-            path_row = _real(moved, told_mbps, "path", seed, tokens, deadline_ms, rtt_ms)
-            fixed_row = _real(moved, trace.mean_rate_bps / 1e6, "fixed", seed, tokens, deadline_ms, rtt_ms)
-            rows.append({**common, "control": "path", "told_mbps": told_mbps, **path_row,
-                         "sim_oracle_utility": round(sim["oracle"], 4),
-                         "sim_path_utility": round(sim["heuristic"], 4),
-                         "trace_delay_ms_p95_at_quarter_rate": round(
-                             paced_delay_p95_ms(moved, QUARTER, deadline_ms / 1000), 1)})
-            rows.append({**common, "control": "fixed@mean", "told_mbps": round(trace.mean_rate_bps / 1e6, 3),
-                         **fixed_row})
-            done += 1
-            if progress is not None:
-                progress(done, total)
+    with PathBenchNodes() as nodes:
+        for path, trace in zip((p for p, _ in traces), loaded, strict=True):
+            for k in range(offsets):
+                rows += _start_rows(nodes, path.name, trace, k * trace.period_ms / 1000 / offsets, k + 1,
+                                    told_mbps, tokens, deadline_ms, rtt_ms, sim_realizations)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
     return {
         "machine": machine_info(),
         "inputs": {
@@ -128,8 +136,9 @@ def run_trace_bench(
             "reverse": f"{REVERSE_MBPS:g} Mbit/s, lossless", "scheme": "heuristic",
             "repair_budget": "deadline",
             "sim_realizations": sim_realizations,
-            "processes": "sender, receiver and relay in one process and event loop",
+            "processes": NODES_DESCRIPTION,
         },
+        "cpus": nodes.cpus.to_json(),
         "rows": rows,
         "per_trace": _per_trace(rows),
         "targets": {"utility_vs_sim_oracle_min": UTILITY_TARGET, "queue_delay_ms_p95_max": DELAY_TARGET_MS},
