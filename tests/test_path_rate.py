@@ -14,7 +14,7 @@ import pytest
 from pfec.lab.sim.channel import Bernoulli, GilbertElliott
 from pfec.lab.sim.handoff import SimConfig
 from pfec.lab.sim.simulate import simulate
-from pfec.sender.transport.path_rate import PathRate, Phase
+from pfec.sender.transport.path_rate import TRICKLE_GAIN, PathRate, Phase
 
 DATAGRAM = 1250  # bytes: 10 kbit, so 100 Mbit/s is 10,000 datagrams/s
 OWD = 0.01
@@ -355,6 +355,31 @@ def test_what_a_finished_handoff_sent_and_no_receiver_counted_is_not_in_flight_i
         rate.on_packets_delivered(start + 0.03, 100)
     rate.on_packet_sent(6.0, DATAGRAM)  # the fourth handoff, after an idle spell
     assert rate.phase is Phase.STARTUP and rate.pacing_bps == rate.pace_bps
+
+
+def test_a_write_off_takes_an_ended_handoffs_uncounted_datagrams_out_of_flight_at_once() -> None:
+    """A handoff that ended left 150 datagrams its receiver will never count. Written off, the next handoff
+    (or one running beside it) paces at once at the controller's pace, not at a trickle under the in-flight
+    cap until the controller sits idle; and the write-off is no loss: the round it falls in keeps its loss
+    share (no congestion cut, no change to the random-loss floor)."""
+    def ended(write_off: bool) -> PathRate:
+        rate = _controller(20.0)
+        for i in range(250):
+            rate.on_packet_sent(i * 5e-4, DATAGRAM)
+        rate.on_rtt_measurement(0.03, 0.02, 0.01)
+        rate.on_packets_delivered(0.03, 100)
+        if write_off:
+            rate.write_off(150)
+        rate.on_packet_sent(0.2, DATAGRAM)  # the next handoff, well inside RESTART_IDLE_S
+        return rate
+
+    kept, written = ended(False), ended(True)
+    assert kept.pacing_bps == kept.pace_bps * TRICKLE_GAIN  # held under the cap by datagrams long gone
+    assert written.pacing_bps == written.pace_bps
+    for i in range(1, 20):  # rounds after the write-off: deliveries only, no loss reported
+        written.on_rtt_measurement(0.2 + 0.03 * i, 0.02, 0.2 + 0.03 * i - 0.02)
+        written.on_packets_delivered(0.2 + 0.03 * i, 1)
+    assert written.congestion_events == 0 and written.loss_floor == 0.0
 
 
 def test_a_link_that_slows_down_4x_is_followed_within_a_few_round_trips() -> None:

@@ -28,6 +28,7 @@ class Recorder:
         self.acked: list[int] = []
         self.lost: list[int] = []
         self.rtts: list[float] = []
+        self.written_off: list[int] = []
 
     def on_packet_sent(self, now: float, size: int) -> None:
         self.sent.append(size)
@@ -46,6 +47,9 @@ class Recorder:
 
     def breaker(self, now: float) -> str | None:
         return None
+
+    def write_off(self, count: int) -> None:
+        self.written_off.append(count)
 
 
 HANDOFF = SimConfig(loss=Bernoulli(0.05), rtt_ms=20, tokens=192, rho=1.0)
@@ -125,3 +129,31 @@ def test_one_controller_serves_two_sessions() -> None:
     _drive(handoff, second)
     data = [s.datagrams_sent["source"] + s.datagrams_sent["repair"] for s in (first, second)]
     assert len(shared.sent) == sum(data) and all(n > 0 for n in data)
+
+
+def test_an_ended_session_writes_off_once_what_its_receiver_never_counted() -> None:
+    """Done (a RESULT) or failed (cancelled mid-stream), a session tells its controller, once, how many of its
+    data datagrams no ACK counted as received or lost: those after its last ACK, which will never be
+    counted. A controller shared with the next handoff would otherwise keep them in flight (PathRate held
+    that handoff under its in-flight cap until it sat idle for a second)."""
+    handoff = prepare(HANDOFF)
+    done_rate = Recorder(handoff.budget.slot_s)
+    done = _sender(handoff, rate=done_rate)
+    _drive(handoff, done)
+    assert done.state.name == "DONE"
+    sent = done.datagrams_sent["source"] + done.datagrams_sent["repair"]
+    # The receiver's loss counter also counts control datagrams lost (an OFFER repeat, a DONE), so the
+    # difference can fall below zero: nothing is written off then.
+    assert done_rate.written_off == [max(0, sent - done.path.received - done.path.lost)]
+    done.cancel("late", 100.0)  # already done: nothing more to write off
+    assert len(done_rate.written_off) == 1
+
+    cancelled_rate = Recorder(handoff.budget.slot_s)
+    cancelled = _sender(handoff, 8, cancelled_rate)
+    cancelled.start(0.0)
+    for _ in range(40):  # the first flight leaves; no ACK ever comes back
+        if cancelled.next_datagram(0.001) is None:
+            break
+    cancelled.cancel("shutting down", 0.002)
+    flight = cancelled.datagrams_sent["source"] + cancelled.datagrams_sent["repair"]
+    assert flight > 0 and cancelled_rate.written_off == [flight]

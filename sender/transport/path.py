@@ -43,7 +43,7 @@ class PathEstimates:
     the receiver's reported deficit and unknowns, and when the decoded prefix last moved. New losses and
     every RTT sample also go to the rate controller."""
 
-    __slots__ = ("last_prefix_change", "lost", "rate", "received", "rtt_var", "tail", "view")
+    __slots__ = ("ended", "last_prefix_change", "lost", "rate", "received", "rtt_var", "tail", "view")
 
     def __init__(self, view: SchedulerView, tail: OpenLoopTail, rate: RateController) -> None:
         self.view = view
@@ -53,6 +53,7 @@ class PathEstimates:
         self.lost = 0  # the largest cumulative loss count any ACK reported
         self.received = 0  # the largest cumulative count of data datagrams received any ACK reported
         self.rtt_var = 0.0  # the RTT samples' smoothed mean deviation (RFC 6298's RTTVAR), seconds
+        self.ended = False  # the session ended and wrote off what its receiver never counted
 
     def start(self, now: float) -> None:
         self.last_prefix_change = now
@@ -90,6 +91,14 @@ class PathEstimates:
         if ack.received > self.received:
             self.rate.on_packets_delivered(now, ack.received - self.received)
             self.received = ack.received
+
+    def end(self, data_sent: int) -> None:
+        """The session ended (done or failed; it reads no ACK after this): of its ``data_sent`` data
+        datagrams, those no ACK counted as received or lost are written off the rate controller's count in
+        flight, which other handoffs on the same path may share. Once."""
+        if not self.ended:
+            self.ended = True
+            self.rate.write_off(max(0, data_sent - self.received - self.lost))
 
     @property
     def measured_loss(self) -> tuple[int, int]:

@@ -63,8 +63,10 @@ Theory of operation:
   stops with the breaker's reason. Tripped stays tripped.
 
 One controller may serve several sessions to one receiver (they share the uplink): every hook takes counts
-(deltas), so each session reports its own growth and the controller sums them. A controller idle for
-``RESTART_IDLE_S`` starts its next handoff in STARTUP from the estimate it remembers.
+(deltas), so each session reports its own growth and the controller sums them; a session that ends writes
+off what it sent and its receiver never counted (``write_off``), so the datagrams after its last ACK do not
+stay in flight for the next handoff. A controller idle for ``RESTART_IDLE_S`` starts its next handoff in
+STARTUP from the estimate it remembers.
 """
 
 from __future__ import annotations
@@ -139,55 +141,14 @@ class PathRate:
     """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
 
     __slots__ = (
-        "_acked_sent_at",
-        "_cap_packets",
-        "_capped",
-        "_cycle",
-        "_delivered",
-        "_drain_until",
-        "_forecast",
-        "_full_bw",
-        "_joined",
-        "_lost",
-        "_missed",
-        "_packets_sent",
-        "_probe_doublings",
-        "_probe_from",
-        "_queued",
-        "_quiet_until",
-        "_recent_floor",
-        "_recent_loss",
-        "_refind",
-        "_round_delivered",
-        "_round_lost",
-        "_round_min_rtt",
-        "_round_open",
-        "_round_sent",
-        "_round_sent_at",
-        "_rtt_prior",
-        "_samples",
-        "_standing",
-        "_standing_delay_s",
-        "_standing_rate",
-        "_warm",
-        "breaker_reason",
-        "bytes_sent",
-        "congestion_events",
-        "datagram_bytes",
-        "estimate_bps",
-        "last_delivery_at",
-        "last_sent_at",
-        "loss_floor",
-        "max_bps",
-        "min_rtt",
-        "min_rtt_at",
-        "pace_bps",
-        "phase",
-        "queue_delay_s",
-        "rounds",
-        "sent_since_delivery",
-        "srtt",
-        "start_bps",
+        "_acked_sent_at", "_cap_packets", "_capped", "_cycle", "_delivered", "_drain_until", "_forecast",
+        "_full_bw", "_joined", "_lost", "_missed", "_packets_sent", "_probe_doublings", "_probe_from",
+        "_queued", "_quiet_until", "_recent_floor", "_recent_loss", "_refind", "_round_delivered",
+        "_round_lost", "_round_min_rtt", "_round_open", "_round_sent", "_round_sent_at", "_rtt_prior",
+        "_samples", "_standing", "_standing_delay_s", "_standing_rate", "_warm", "breaker_reason",
+        "bytes_sent", "congestion_events", "datagram_bytes", "estimate_bps", "last_delivery_at",
+        "last_sent_at", "loss_floor", "max_bps", "min_rtt", "min_rtt_at", "pace_bps", "phase",
+        "queue_delay_s", "rounds", "sent_since_delivery", "srtt", "start_bps",
     )
 
     def __init__(self, start_bps: float, datagram_bytes: int, *, max_bps: float | None = None,
@@ -325,6 +286,12 @@ class PathRate:
 
     def on_packets_lost(self, now: float, count: int) -> None:
         self._lost += count
+
+    def write_off(self, count: int) -> None:
+        """An ended session's datagrams its receiver never counted: out of flight as lost, the round's loss
+        share untouched (kept in flight, they held the next handoff under the cap until an idle restart)."""
+        self._lost += max(0, count)
+        self._round_lost += max(0, count)
 
     def on_packets_delivered(self, now: float, count: int) -> None:
         """An ACK arriving at ``now`` counts ``count`` more data datagrams received than any before it."""

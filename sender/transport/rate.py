@@ -20,6 +20,8 @@ recovery): the session's parts report what happens on the path, the controller a
 - ``on_rtt_measurement(now, rtt, sent_at)``: the ACK intake, before the same ACK's counts, with each RTT
   sample and the send time of the packet it is of (the newest acknowledged packet,
   less the ACK delay);
+- ``write_off(count)``: the ACK intake, once, when the session ends (done or failed), with the data
+  datagrams it sent that no ACK counted as received or lost;
 - ``breaker(now)``: read each decision epoch; a reason stops the stream (RFC 8084's circuit breaker: the
   session tells the receiver it is done, with ``DoneReason.PATH_BROKEN``).
 
@@ -73,6 +75,11 @@ class RateController(Protocol):
         """One RTT sample (seconds, > 0) taken at ``now``, of the datagram sent at ``sent_at``."""
         ...
 
+    def write_off(self, count: int) -> None:
+        """A session ended with ``count`` data datagrams its receiver never counted (what followed its last
+        ACK): they will never be, so they are no longer in flight."""
+        ...
+
 
 class FixedRate:
     """The configured rate, always: the slot the config gives, deaf to every report (today's behaviour,
@@ -102,4 +109,7 @@ class FixedRate:
         pass
 
     def on_rtt_measurement(self, now: float, rtt: float, sent_at: float) -> None:
+        pass
+
+    def write_off(self, count: int) -> None:
         pass

@@ -156,6 +156,11 @@ class SendPath:
         self.repairs_filled += 1
 
     # ------------------------------------------------------------------- sending
+    @property
+    def data_sent(self) -> int:
+        """Source and repair datagrams sealed: every one the rate controller was told of."""
+        return self.datagrams_sent["source"] + self.datagrams_sent["repair"]
+
     def source(self, now: float) -> bytes:
         """The next source symbol's datagram."""
         esi = self.encoder.take_source()

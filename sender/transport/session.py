@@ -566,9 +566,8 @@ class SenderSession:
         blob = b"".join(self._result_parts[i] for i in range(count))
         self._queue_close(CloseCode.DONE, "")
         self.state = SenderState.DONE
-        self._result_timer = None
-        self._offer_timer = None
-        self.completion.timer = None
+        self._result_timer = self._offer_timer = self.completion.timer = None
+        self.path.end(self.send_path.data_sent)
         self._events.append(ResultReceived(result.decoded_count, blob))
 
     def _fail_refused(self, refuse: Refuse) -> None:
@@ -590,9 +589,8 @@ class SenderSession:
             self._queue_close(close, close_text or reason)
         self.state = SenderState.FAILED
         self._burst_left = 0
-        self._offer_timer = None
-        self._result_timer = None
-        self.completion.timer = None
+        self._offer_timer = self._result_timer = self.completion.timer = None
+        self.path.end(self.send_path.data_sent)
         self._events.append(Failed(reason))
 
     def _drop(self, reason: str) -> None:
