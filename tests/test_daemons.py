@@ -61,7 +61,7 @@ from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import Handoff, HandoffSpec
 from pfec.sender.kv import ContextInput, plan_stream
 from pfec.sender.pacer import PacedTransfer
-from pfec.sender.transport.session import SenderSession
+from pfec.sender.transport.session import ResultReceived, SenderSession
 
 T = TypeVar("T")
 PSK = bytes(range(100, 132))
@@ -380,7 +380,7 @@ def test_the_close_after_a_result_leaves_at_once_not_in_a_far_pacing_slot(
     real_on_event = PacedTransfer._on_event
 
     def slot_far_ahead(self: PacedTransfer, event: Any) -> None:
-        if type(event).__name__ == "ResultReceived":
+        if isinstance(event, ResultReceived):
             self.link.next_send = time.monotonic() + 10.0
         real_on_event(self, event)
 

@@ -358,27 +358,32 @@ def test_what_a_finished_handoff_sent_and_no_receiver_counted_is_not_in_flight_i
 
 
 def test_a_write_off_takes_an_ended_handoffs_uncounted_datagrams_out_of_flight_at_once() -> None:
-    """A handoff that ended left 150 datagrams its receiver will never count. Written off, the next handoff
-    (or one running beside it) paces at once at the controller's pace, not at a trickle under the in-flight
-    cap until the controller sits idle; and the write-off is no loss: the round it falls in keeps its loss
-    share (no congestion cut, no change to the random-loss floor)."""
+    """A handoff that ended left datagrams its receiver will never count. Written off, the next handoff (or
+    one running beside it) paces at once at the controller's pace, not at a trickle under the in-flight cap
+    until the controller sits idle; and the write-off is no loss: the round it falls in keeps its loss share
+    (no congestion cut, no change to the random-loss floor)."""
     def ended(write_off: bool) -> PathRate:
         rate = _controller(20.0)
-        for i in range(250):
-            rate.on_packet_sent(i * 5e-4, DATAGRAM)
-        rate.on_rtt_measurement(0.03, 0.02, 0.01)
-        rate.on_packets_delivered(0.03, 100)
+        for i in range(250):  # 1,000 datagrams/s; the receiver counts them 20 ms later, all but the last 150
+            rate.on_packet_sent(i * 1e-3, DATAGRAM)
+            if 20 <= i < 120:
+                rate.on_rtt_measurement(i * 1e-3, 0.02, i * 1e-3 - 0.02)
+                rate.on_packets_delivered(i * 1e-3, 1)
         if write_off:
             rate.write_off(150)
-        rate.on_packet_sent(0.2, DATAGRAM)  # the next handoff, well inside RESTART_IDLE_S
         return rate
 
     kept, written = ended(False), ended(True)
+    assert written.rounds > 2  # warm, with a round open when the write-off comes
+    kept.on_packet_sent(0.3, DATAGRAM)  # the next handoff, well inside RESTART_IDLE_S
+    written.on_packet_sent(0.3, DATAGRAM)
     assert kept.pacing_bps == kept.pace_bps * TRICKLE_GAIN  # held under the cap by datagrams long gone
     assert written.pacing_bps == written.pace_bps
-    for i in range(1, 20):  # rounds after the write-off: deliveries only, no loss reported
-        written.on_rtt_measurement(0.2 + 0.03 * i, 0.02, 0.2 + 0.03 * i - 0.02)
-        written.on_packets_delivered(0.2 + 0.03 * i, 1)
+    for i in range(300, 600):  # the next handoff's rounds: everything delivered, no loss reported
+        t = i * 1e-3
+        written.on_packet_sent(t, DATAGRAM)
+        written.on_rtt_measurement(t + 0.02, 0.02, t)
+        written.on_packets_delivered(t + 0.02, 1)
     assert written.congestion_events == 0 and written.loss_floor == 0.0
 
 

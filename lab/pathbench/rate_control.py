@@ -37,17 +37,17 @@ DATAGRAM_BYTES: Final = 1300  # for sizing the relay's queue in datagrams
 MAIN_LOSS: Final = "ge:0.001,0.5,0.02,0.1"
 PSK: Final = bytes(range(32))
 UTILITY_TARGET: Final = 0.93
+DROP_TARGET: Final = 0.03
 NODES_DESCRIPTION: Final = ("the receiver in its own process on its CPUs; the sender, and the relay in a "
                             "process of its own, on the others")
-DROP_TARGET: Final = 0.03
 
 
 class PathBenchNodes:
     """The two nodes of a path bench on one machine (``lab/processes.py``): a receiver daemon (synthetic KV)
     in its own process on the receiver's CPUs, started once and kept, as a node is; per handoff a sender
     daemon in this process and the relay emulator in a process of its own, both on the sender's CPUs. In one
-    process and event loop the three shared one core's timers and GIL: the receiver's loop polling decided
-    how finely the relay and the pacer ran (docs/benchmarks/traces.md's earlier runs)."""
+    process and event loop the three would share one GIL and one loop's timers: how often the receiver's
+    loop woke would decide how finely the relay and the pacer ran."""
 
     def __init__(self) -> None:
         self.cpus = node_cpu_sets()
@@ -74,9 +74,9 @@ class PathBenchNodes:
         counters)."""
         relay = Child("relay", cpus=self.cpus.pin("relay"), forward_to=self._address, link=link)
         try:
-            relay_address = tuple(relay.wait_ready())
+            host, port = relay.wait_ready()
             with pinned(self.cpus.pin("sender")):
-                report = run_event_loop(_send(relay_address, link.forward.owd_s, told_mbps, control, tokens,
+                report = run_event_loop(_send((host, port), link.forward.owd_s, told_mbps, control, tokens,
                                               deadline_ms))
         finally:
             stats = relay.stop()
@@ -85,12 +85,12 @@ class PathBenchNodes:
         return report, stats["forward"]
 
 
-async def _send(relay: tuple[Any, ...], owd_s: float, told_mbps: float, control: str, tokens: int,
+async def _send(relay: tuple[str, int], owd_s: float, told_mbps: float, control: str, tokens: int,
                 deadline_ms: float) -> dict[str, Any]:
     tx = SenderDaemon(synthetic_identity(DEFAULT_GEOMETRY), PSK, rate_mbps=told_mbps, owd_ms=owd_s * 1000,
                       scheme="heuristic", rate_control=control)
     try:
-        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), (relay[0], relay[1]), rho=None,
+        h = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=tokens), relay, rho=None,
                                   deadline_ms=deadline_ms, generate=False))
         await asyncio.wait_for(h.done.wait(), 60 + deadline_ms / 1000)
         return h.view()

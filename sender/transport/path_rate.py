@@ -290,8 +290,9 @@ class PathRate:
     def write_off(self, count: int) -> None:
         """An ended session's datagrams its receiver never counted: out of flight as lost, the round's loss
         share untouched (kept in flight, they held the next handoff under the cap until an idle restart)."""
-        self._lost += max(0, count)
-        self._round_lost += max(0, count)
+        count = max(0, count)
+        self._lost += count
+        self._round_lost += count
 
     def on_packets_delivered(self, now: float, count: int) -> None:
         """An ACK arriving at ``now`` counts ``count`` more data datagrams received than any before it."""
