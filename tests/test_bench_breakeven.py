@@ -88,3 +88,32 @@ def test_auto_is_held_against_the_measured_fastest_of_its_cell() -> None:
     assert second["same_plan"]
     assert third["fastest"] == "local" and not third["same_plan"]
     assert (out["within"], out["same_plan"], out["of"]) == (1, 2, 3)
+
+
+def test_auto_is_also_held_against_the_fastest_option_its_rule_may_run() -> None:
+    """A stream is admitted only when it kept the floor and beat local prefill by the planner's margin as
+    measured: a split 10% faster than local is not, so auto's local run is held against local; one 30%
+    faster is, and a stream below the floor (int4) never is."""
+    from pfec.common.plan.breakeven import LOCAL_MARGIN
+    from pfec.lab.bench.breakeven import auto_against_fastest
+
+    assert pytest.approx(0.2) == LOCAL_MARGIN  # the figures below sit either side of it
+
+    def row(n: int, mode: str, ttft: float, **extra: Any) -> dict[str, Any]:
+        return {**_run(n, 20, mode, ttft), "state": "done", "start": "ready", **extra}
+
+    split = {"handoff_mode": "split", "precision": "int8", "meeting_token_planned": 256}
+    int4 = {"handoff_mode": "handoff", "precision": "int4", "meeting_token_planned": None}
+    local_run = {"handoff_mode": "local", "precision": None, "meeting_token_planned": None}
+    local = {"512": {"ttft_s": 2.0}, "1024": {"ttft_s": 4.0}}
+    runs = [
+        row(512, "split:auto", 1.8, **split), row(512, "auto", 2.05, planner_choice="local", **local_run),
+        row(1024, "split:auto", 2.8, **split), row(1024, "handoff:auto", 1.0, **int4),
+        row(1024, "auto", 2.9, planner_choice="split:int8", **split),
+    ]
+    first, second = auto_against_fastest(runs, local)["cells"]
+    assert first["fastest"] == "split:auto" and not first["within"]  # charged for the margin
+    assert first["fastest_admitted"] == "local" and first["ratio_to_admitted"] == 1.025
+    assert first["within_admitted"]
+    assert second["fastest"] == "handoff:auto"  # int4: faster, below the floor
+    assert second["fastest_admitted"] == "split:auto" and second["within_admitted"]
