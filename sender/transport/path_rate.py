@@ -46,7 +46,12 @@ Theory of operation:
   through one FIFO queue converge where the cap binds (each holds the same count queued, so each gets the
   same share: TCP Vegas); a cap in proportion to the rate keeps any split. STARTUP's cap is a round trip
   at its pace (twice the estimate); before the first sample, a round trip at the starting rate over the
-  RTT prior (a first RTT measured through a link slower than told is inflated by that very start).
+  RTT prior (a first RTT measured through a link slower than told is inflated by that very start). A
+  second cap follows the ACKs: what they delivered over the last ``DELIVERY_WINDOW_ROUNDS`` rounds, over
+  the RTT plus a queue budget (``QUEUE_BUDGET_S``, or the base RTT if more): the max filter holds a
+  burst's rate, and when an LTE cell stalls after its burst a round trip at it queues 50-100 ms. Not
+  while the recent floor stands above the base RTT: that queue is a neighbour's (CUBIC's), and a cap at
+  our own delivery rate would yield it the link, round by round.
 - **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
   ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
   round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
@@ -129,6 +134,9 @@ BREAKER_LOSS: Final = 0.95
 BREAKER_MIN_PACKETS: Final = 256  # datagrams the loss window must hold before it can trip the breaker
 RESTART_IDLE_S: Final = 1.0
 MIN_RATE_BPS: Final = 100e3  # the estimate never falls below this (a floor, not a target)
+QUEUE_BUDGET_S: Final = 0.03  # the second in-flight cap's queue: this, or QUEUE_BUDGET_RTT base RTTs
+QUEUE_BUDGET_RTT: Final = 1.0
+DELIVERY_WINDOW_ROUNDS: Final = 4.0  # the second cap's delivery rate: the ACKs' count over these rounds
 
 
 class Phase(Enum):
@@ -141,14 +149,14 @@ class PathRate:
     """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
 
     __slots__ = (
-        "_acked_sent_at", "_cap_packets", "_capped", "_cycle", "_delivered", "_drain_until", "_forecast",
-        "_full_bw", "_joined", "_lost", "_missed", "_packets_sent", "_probe_doublings", "_probe_from",
-        "_queued", "_quiet_until", "_recent_floor", "_recent_loss", "_refind", "_round_delivered",
-        "_round_lost", "_round_min_rtt", "_round_open", "_round_sent", "_round_sent_at", "_rtt_prior",
-        "_samples", "_standing", "_standing_delay_s", "_standing_rate", "_warm", "breaker_reason",
-        "bytes_sent", "congestion_events", "datagram_bytes", "estimate_bps", "last_delivery_at",
-        "last_sent_at", "loss_floor", "max_bps", "min_rtt", "min_rtt_at", "pace_bps", "phase",
-        "queue_delay_s", "rounds", "sent_since_delivery", "srtt", "start_bps",
+        "_ack_hist", "_acked_sent_at", "_budget_cap", "_cap_packets", "_capped", "_cycle", "_delivered",
+        "_drain_until", "_forecast", "_full_bw", "_joined", "_lost", "_missed", "_packets_sent",
+        "_probe_doublings", "_probe_from", "_queued", "_quiet_until", "_recent_floor", "_recent_loss",
+        "_refind", "_round_delivered", "_round_lost", "_round_min_rtt", "_round_open", "_round_sent",
+        "_round_sent_at", "_rtt_prior", "_samples", "_standing", "_standing_delay_s", "_standing_rate",
+        "_warm", "breaker_reason", "bytes_sent", "congestion_events", "datagram_bytes", "estimate_bps",
+        "last_delivery_at", "last_sent_at", "loss_floor", "max_bps", "min_rtt", "min_rtt_at", "pace_bps",
+        "phase", "queue_delay_s", "rounds", "sent_since_delivery", "srtt", "start_bps",
     )
 
     def __init__(self, start_bps: float, datagram_bytes: int, *, max_bps: float | None = None,
@@ -208,6 +216,8 @@ class PathRate:
         self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
         self._cap_packets = 0.0  # in flight beyond this: trickle (pacing_bps)
+        self._ack_hist: deque[tuple[float, int]] = deque()  # (ACK time, cumulative delivered)
+        self._budget_cap = math.inf  # in flight beyond this: trickle (the queue budget, _refresh_budget)
         self._refresh_cap()
 
     # ------------------------------------------------------------------ what the session and adapters read
@@ -217,7 +227,7 @@ class PathRate:
         at that rate and ``CWND_EXTRA`` datagrams (BBR's cwnd cap: what is sent before feedback says how
         fast the path is, a start told far too much above all, is bounded by it). Read per datagram: the
         cap in packets is kept current by ``_refresh_cap`` wherever its inputs move."""
-        if self._packets_sent - self._delivered - self._lost < self._cap_packets:
+        if self._packets_sent - self._delivered - self._lost < min(self._cap_packets, self._budget_cap):
             return self.pace_bps
         self._capped = True
         return self.pace_bps * TRICKLE_GAIN
@@ -244,6 +254,24 @@ class PathRate:
                 rtt += CWND_QUEUE_SHARE * max(0.0, rtt - self._base_rtt())
                 packets = CWND_GAIN * max(self.pace_bps, self.estimate_bps) * rtt / self._bits() + CWND_EXTRA
         self._cap_packets = max(CWND_MIN_PACKETS, packets)
+
+    def _refresh_budget(self, now: float) -> None:
+        """The second in-flight cap (module doc), per ACK; in STARTUP the RTT is doubled, as its cap is."""
+        hist = self._ack_hist
+        hist.append((now, self._delivered))
+        window = DELIVERY_WINDOW_ROUNDS * self._round_len()
+        while len(hist) > 1 and hist[1][0] <= now - window:
+            hist.popleft()
+        t0, d0 = hist[0]
+        ref = max(self.min_rtt, self._floor_rtt())  # inf before an RTT sample
+        if now - t0 < window or ref - self._base_rtt() > self._queue_standing():  # or a neighbour's queue
+            self._budget_cap = math.inf
+            return
+        rate = (self._delivered - d0) * self._bits() / (now - t0)
+        budget = max(QUEUE_BUDGET_S, QUEUE_BUDGET_RTT * self._base_rtt())
+        if self.phase is Phase.STARTUP:
+            ref *= STARTUP_GAIN
+        self._budget_cap = max(CWND_MIN_PACKETS, rate * (ref + budget) / self._bits())
 
     def _bits(self) -> float:
         return 8.0 * self.datagram_bytes
@@ -299,6 +327,7 @@ class PathRate:
         self._delivered += count
         self.last_delivery_at = now
         self.sent_since_delivery = 0
+        self._refresh_budget(now)
         if self._round_open is None:
             self._open_round(now)
         elif now - self._round_open >= self._round_len():
@@ -553,6 +582,8 @@ class PathRate:
         self._samples.clear()
         self._recent_loss.clear()
         self._recent_floor.clear()
+        self._ack_hist.clear()
+        self._budget_cap = math.inf
         self._probe_doublings = 0
         self.last_delivery_at = None
         self.breaker_reason = None
