@@ -47,11 +47,9 @@ Theory of operation:
   same share: TCP Vegas); a cap in proportion to the rate keeps any split. STARTUP's cap is a round trip
   at its pace (twice the estimate); before the first sample, a round trip at the starting rate over the
   RTT prior (a first RTT measured through a link slower than told is inflated by that very start). A
-  second cap follows the ACKs: what they delivered over the last ``DELIVERY_WINDOW_ROUNDS`` rounds, over
-  the RTT plus a queue budget (``QUEUE_BUDGET_S``, or the base RTT if more): the max filter holds a
-  burst's rate, and when an LTE cell stalls after its burst a round trip at it queues 50-100 ms. Not
-  while the recent floor stands above the base RTT: that queue is a neighbour's (CUBIC's), and a cap at
-  our own delivery rate would yield it the link, round by round.
+  second cap, per ACK: what the ACKs of the last ``DELIVERY_WINDOW_ROUNDS`` rounds delivered, over the RTT
+  plus ``QUEUE_BUDGET_S`` (the max filter holds a burst's rate: a round trip at it queued 50-100 ms in an
+  LTE cell's stall after its burst); none under a neighbour's standing queue (it would yield CUBIC the link).
 - **Congestion** (RFC 8085 3.1, RFC 9265): a round whose loss exceeds the random-loss floor by
   ``LOSS_MARGIN`` *while* a queue stands (``QUEUED_ROUNDS`` rounds in a row: a bursty link delays one
   round without any queue of ours) is congestion: the estimate is cut to ``CUT`` of the round's delivery
@@ -149,14 +147,15 @@ class PathRate:
     """A delivery-rate and min-RTT rate controller for one path (see the module doc)."""
 
     __slots__ = (
-        "_ack_hist", "_acked_sent_at", "_budget_cap", "_cap_packets", "_capped", "_cycle", "_delivered",
-        "_drain_until", "_forecast", "_full_bw", "_joined", "_lost", "_missed", "_packets_sent",
-        "_probe_doublings", "_probe_from", "_queued", "_quiet_until", "_recent_floor", "_recent_loss",
-        "_refind", "_round_delivered", "_round_lost", "_round_min_rtt", "_round_open", "_round_sent",
-        "_round_sent_at", "_rtt_prior", "_samples", "_standing", "_standing_delay_s", "_standing_rate",
-        "_warm", "breaker_reason", "bytes_sent", "congestion_events", "datagram_bytes", "estimate_bps",
-        "last_delivery_at", "last_sent_at", "loss_floor", "max_bps", "min_rtt", "min_rtt_at", "pace_bps",
-        "phase", "queue_delay_s", "rounds", "sent_since_delivery", "srtt", "start_bps",
+        "_ack_base", "_ack_hist", "_acked_sent_at", "_budget_cap", "_budget_span_s", "_budget_window_s",
+        "_cap_packets", "_capped", "_cycle", "_delivered", "_drain_until", "_forecast", "_full_bw", "_joined",
+        "_lost", "_missed", "_packets_sent", "_probe_doublings", "_probe_from", "_queued", "_quiet_until",
+        "_recent_floor", "_recent_loss", "_refind", "_round_delivered", "_round_lost", "_round_min_rtt",
+        "_round_open", "_round_sent", "_round_sent_at", "_rtt_prior", "_samples", "_standing",
+        "_standing_delay_s", "_standing_rate", "_warm", "breaker_reason", "bytes_sent", "congestion_events",
+        "datagram_bytes", "estimate_bps", "last_delivery_at", "last_sent_at", "loss_floor", "max_bps",
+        "min_rtt", "min_rtt_at", "pace_bps", "phase", "queue_delay_s", "rounds", "sent_since_delivery",
+        "srtt", "start_bps",
     )
 
     def __init__(self, start_bps: float, datagram_bytes: int, *, max_bps: float | None = None,
@@ -216,8 +215,10 @@ class PathRate:
         self._queued = 0  # consecutive rounds whose queueing delay could make loss congestion
         self._warm = False  # the first round closed (its sample is not taken: see _close_round)
         self._cap_packets = 0.0  # in flight beyond this: trickle (pacing_bps)
-        self._ack_hist: deque[tuple[float, int]] = deque()  # (ACK time, cumulative delivered)
-        self._budget_cap = math.inf  # in flight beyond this: trickle (the queue budget, _refresh_budget)
+        self._ack_hist: deque[tuple[float, int]] = deque()  # the second cap's (ACK time, delivered by then)
+        self._ack_base = (math.inf, 0)  # its window's base (inf: none yet)
+        self._budget_window_s = DELIVERY_WINDOW_ROUNDS * FIRST_ROUND_S
+        self._budget_span_s = self._budget_cap = math.inf  # its round trip (inf: none), its cap
         self._refresh_cap()
 
     # ------------------------------------------------------------------ what the session and adapters read
@@ -255,23 +256,15 @@ class PathRate:
                 packets = CWND_GAIN * max(self.pace_bps, self.estimate_bps) * rtt / self._bits() + CWND_EXTRA
         self._cap_packets = max(CWND_MIN_PACKETS, packets)
 
-    def _refresh_budget(self, now: float) -> None:
-        """The second in-flight cap (module doc), per ACK; in STARTUP the RTT is doubled, as its cap is."""
-        hist = self._ack_hist
-        hist.append((now, self._delivered))
-        window = DELIVERY_WINDOW_ROUNDS * self._round_len()
-        while len(hist) > 1 and hist[1][0] <= now - window:
-            hist.popleft()
-        t0, d0 = hist[0]
-        ref = max(self.min_rtt, self._floor_rtt())  # inf before an RTT sample
-        if now - t0 < window or ref - self._base_rtt() > self._queue_standing():  # or a neighbour's queue
-            self._budget_cap = math.inf
+    def _refresh_budget_span(self) -> None:
+        """The second cap's window and round trip, per round (in STARTUP twice the RTT, as the first's)."""
+        ref = max(self.min_rtt, self._floor_rtt())
+        self._budget_window_s = DELIVERY_WINDOW_ROUNDS * self._round_len()
+        if ref - self._base_rtt() > self._queue_standing():  # a neighbour's queue: no second cap
+            self._budget_span_s = self._budget_cap = math.inf
             return
-        rate = (self._delivered - d0) * self._bits() / (now - t0)
         budget = max(QUEUE_BUDGET_S, QUEUE_BUDGET_RTT * self._base_rtt())
-        if self.phase is Phase.STARTUP:
-            ref *= STARTUP_GAIN
-        self._budget_cap = max(CWND_MIN_PACKETS, rate * (ref + budget) / self._bits())
+        self._budget_span_s = ref * (STARTUP_GAIN if self.phase is Phase.STARTUP else 1.0) + budget
 
     def _bits(self) -> float:
         return 8.0 * self.datagram_bytes
@@ -327,7 +320,15 @@ class PathRate:
         self._delivered += count
         self.last_delivery_at = now
         self.sent_since_delivery = 0
-        self._refresh_budget(now)
+        hist = self._ack_hist  # the second cap: what the window's ACKs delivered over its round trip
+        hist.append((now, self._delivered))
+        edge = now - self._budget_window_s
+        while hist[0][0] <= edge:  # the newest ACK at or before the window's edge is its base
+            self._ack_base = hist.popleft()
+        acked_at, delivered = self._ack_base
+        if self._budget_span_s < math.inf and acked_at <= edge:
+            self._budget_cap = max(CWND_MIN_PACKETS,
+                                   (self._delivered - delivered) * self._budget_span_s / (now - acked_at))
         if self._round_open is None:
             self._open_round(now)
         elif now - self._round_open >= self._round_len():
@@ -359,6 +360,7 @@ class PathRate:
         self._round_sent_at = self._acked_sent_at
         self._round_min_rtt = math.inf
         self._capped = False
+        self._refresh_budget_span()
 
     def _close_round(self, now: float) -> None:
         assert self._round_open is not None
@@ -578,13 +580,10 @@ class PathRate:
         self.start_bps = self.pace_bps = self._forecast = self.estimate_bps
         self.phase = Phase.STARTUP
         self._round_open, self._warm, self._missed, self._full_bw = None, False, 0, 0.0
-        self._joined = None
-        self._samples.clear()
-        self._recent_loss.clear()
-        self._recent_floor.clear()
-        self._ack_hist.clear()
-        self._budget_cap = math.inf
-        self._probe_doublings = 0
+        self._joined, self._ack_base, self._probe_doublings = None, (math.inf, 0), 0
+        for history in (self._samples, self._recent_loss, self._recent_floor, self._ack_hist):
+            history.clear()
+        self._budget_span_s = self._budget_cap = math.inf
         self.last_delivery_at = None
         self.breaker_reason = None
         # What the last handoff sent that its receiver never counted (what followed its last ACK: the
