@@ -115,6 +115,17 @@ DEFAULT_FLOOR: Final = "int8"
 LOCAL_MARGIN: Final = 0.2
 
 
+def keeps_floor(name: str, floor: str = DEFAULT_FLOOR,
+                levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS) -> bool:
+    """Whether level ``name`` keeps the fidelity floor: its mean KL is at most the floor level's."""
+    return level_named(name, levels).mean_kl <= level_named(floor, levels).mean_kl
+
+
+def beats_local(ttft_s: float, local_ttft_s: float, local_margin: float = LOCAL_MARGIN) -> bool:
+    """Whether a stream's TTFT beats local prefill's by ``local_margin`` (a share): a planner candidate."""
+    return ttft_s < (1 - local_margin) * local_ttft_s
+
+
 def level_named(name: str, levels: Sequence[PrecisionLevel] = DEFAULT_PRECISION_LEVELS) -> PrecisionLevel:
     """The level called ``name``; an unknown name is refused with the known ones."""
     for level in levels:
@@ -462,15 +473,15 @@ def plan_handoff(n_tokens: int, geometry: KVGeometry, link: LinkModel, receiver:
         raise ValueError(f"local margin must lie in [0, 1), got {local_margin!r}")
     if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
         raise ValueError(f"deadline must be a positive number of seconds, got {deadline_s!r}")
-    floor_kl = level_named(floor, levels).mean_kl
     options = [local_option(int(n_tokens), link, receiver)]
     for make in (handoff_option, split_option):
         for level in levels:
-            options.append(make(int(n_tokens), geometry, level, link, receiver, level.mean_kl <= floor_kl))
+            options.append(make(int(n_tokens), geometry, level, link, receiver,
+                                keeps_floor(level.name, floor, levels)))
     fidelity = {level.name: level.mean_kl for level in levels} | {"exact": -1.0}
     local = options[0]
     beating = [o for o in options[1:]
-               if o.keeps_floor and o.mode in modes and o.ttft_s < (1 - local_margin) * local.ttft_s]
+               if o.keeps_floor and o.mode in modes and beats_local(o.ttft_s, local.ttft_s, local_margin)]
     fitting = [o for o in beating if deadline_s is None or o.ttft_s - receiver.decode_s <= deadline_s]
     if fitting:  # the most faithful level that fits, then its fastest mode
         best = min(fidelity[o.precision] for o in fitting)

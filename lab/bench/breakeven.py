@@ -37,7 +37,7 @@ from pfec.common.model import llm
 from pfec.common.model.runtime import load_runtime
 from pfec.common.node.config_models import SenderLimitsConfig
 from pfec.common.node.eventloop import run_event_loop
-from pfec.common.plan.breakeven import DEFAULT_FLOOR, DEFAULT_PRECISION_LEVELS, LOCAL_MARGIN
+from pfec.common.plan.breakeven import DEFAULT_PRECISION_LEVELS, LOCAL_MARGIN, beats_local, keeps_floor
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.lab.bench.breakeven_report import plot_measured
 from pfec.lab.demo import start_receiver
@@ -343,11 +343,10 @@ def fastest_admitted(local_ttft_s: float, rows: dict[str, dict[str, Any]]) -> st
     that keeps the fidelity floor and beat local prefill by ``LOCAL_MARGIN`` as measured; none did: local.
     Auto against it is what the planner's predictions decide; against the plain fastest, auto is also
     charged for the margin it keeps by design."""
-    fidelity = {level.name: level.mean_kl for level in DEFAULT_PRECISION_LEVELS}
+    known = {level.name for level in DEFAULT_PRECISION_LEVELS}
     admitted = {label: row["ttft_s"] for label, row in rows.items()
-                if row.get("handoff_mode") in ("handoff", "split") and row.get("precision") in fidelity
-                and fidelity[row["precision"]] <= fidelity[DEFAULT_FLOOR]
-                and row["ttft_s"] < (1 - LOCAL_MARGIN) * local_ttft_s}
+                if row.get("handoff_mode") in ("handoff", "split") and row.get("precision") in known
+                and keeps_floor(row["precision"]) and beats_local(row["ttft_s"], local_ttft_s)}
     return min(admitted, key=lambda label: admitted[label]) if admitted else "local"
 
 
