@@ -53,6 +53,7 @@ from pfec.receiver.handoffs import Handoffs, SessionInfo
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.rebuild import Reconstructed
 from pfec.receiver.session import ReceiverConfig
+from pfec.receiver.session import warm_up as session_warm_up
 
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
@@ -109,6 +110,7 @@ class ReceiverDaemon:
         profiles: ProfileStore | None = None,
     ) -> None:
         fec.warm_up()  # codec kernels compiled before any datagram, not mid-handoff
+        session_warm_up()  # and the split's filing kernel
         self.identity = identity
         self.runtime = runtime  # None: synthetic KV, no generation (transport benchmarks)
         self.fingerprint = identity.fingerprint()

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pfec.receiver")
 RESULTS_KEPT = 256
+# How long a split's front waits for the loop to place its next chunk (``meet``) before it runs the planned
+# one: the loop answers between datagram batches (well under a millisecond here).
+MEET_WAIT_S = 0.05
 _REAPED = "receiver reaped the session after its deadline and grace"
 
 
@@ -210,6 +213,17 @@ class Handoffs:
         def progress(tokens: int) -> None:  # worker thread
             loop.call_soon_threadsafe(self._on_front_progress, sid, tokens)
 
+        def meet(done: int, end: int, pace: float) -> int:  # worker thread: the loop owns the session
+            answer: Future[int] = Future()
+            try:
+                loop.call_soon_threadsafe(self._front_meeting, sid, done, end, pace, answer)
+                return answer.result(timeout=MEET_WAIT_S)
+            except (RuntimeError, TimeoutError):  # the loop closed, or is too busy to ask: as planned
+                return end
+
+        if not is_local(app):
+            front.meet = meet
+
         try:
             job = self.worker.submit(compute_front, self.runtime, front, progress)
         except WorkerBusy as exc:
@@ -223,6 +237,15 @@ class Handoffs:
             told, loaded = self.prefill_timed, not is_local(app)
             job.add_done_callback(lambda _job: told(front.timed, loaded))
         return True
+
+    def _front_meeting(self, sid: int, done: int, end: int, pace: float, answer: Future[int]) -> None:
+        """Where the front's next chunk meets this session's stream (``ReceiverSession.front_chunk_end``)."""
+        session = self.endpoint.sessions.get(sid)
+        meets = end
+        if session is not None and not session.closed:
+            with contextlib.suppress(ValueError):  # a chunk the session cannot place: as planned
+                meets = session.front_chunk_end(done, end, pace, self.clock())
+        answer.set_result(meets)
 
     def _on_front_progress(self, sid: int, tokens: int) -> None:
         session = self.endpoint.sessions.get(sid)

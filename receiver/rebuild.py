@@ -66,6 +66,9 @@ class Front:
     compute_s: float = 0.0
     # Every chunk computed whole: (first token, end, seconds), the receiver's prefill under its present load.
     timed: list[tuple[int, int, float]] = field(default_factory=list)
+    # A split's: (done, planned end, seconds per token so far) -> where the stream meets the next chunk
+    # (the session's ``front_chunk_end``); None: the planned chunks (a local prefill: nothing streams).
+    meet: Callable[[int, int, float], int] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -81,6 +84,9 @@ def compute_front(runtime: ModelRuntime, front: Front, progress: Callable[[int],
     started = time.perf_counter()
     while front.tokens < len(ids) and not front.stop.is_set():
         end = front_chunk_end(front.tokens, front.meeting_token, len(ids), front.chunk_tokens)
+        if front.meet is not None and front.timed:
+            met = front.meet(front.tokens, end, seconds_per_token(front.timed))
+            end = min(end, max(front.tokens + 1, met))
         chunk_started = time.perf_counter()
         try:
             front.cache = llm.prefill_chunk(runtime, front.cache, ids[front.tokens : end], stop=front.stop)
@@ -91,6 +97,12 @@ def compute_front(runtime: ModelRuntime, front: Front, progress: Callable[[int],
         progress(end)
     front.compute_s += time.perf_counter() - started
     return front.tokens
+
+
+def seconds_per_token(timed: Sequence[tuple[int, int, float]]) -> float:
+    """This front's pace: its newest whole chunk's seconds per token (it met the stream's present load)."""
+    start, stop, seconds = timed[-1]
+    return seconds / (stop - start)
 
 
 @dataclass(frozen=True)

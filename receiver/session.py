@@ -43,7 +43,9 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import Decoder, FecError
+from pfec.common.codec.gf256 import njit_cached
 from pfec.common.events import CpuMeter, DatagramDropped, Event, earliest
+from pfec.common.plan.prefill import meeting_chunk_end
 from pfec.common.wire.messages import (
     MAX_HOLE_BITS,
     Ack,
@@ -315,19 +317,26 @@ class ReceiverSession:
         self._send_ack(now)
         self._start_if_ready(now)
 
+    def front_chunk_end(self, done: int, end: int, seconds_per_token: float, now: float) -> int:
+        """Where the application's front chunk from ``done`` (computed) should end, at most ``end``: where
+        this stream, at the rate it has delivered so far, meets it (``prefill.meeting_chunk_end``); ``end``
+        while that is not known (not a split, its plan not known yet, nothing decoded, decoding closed)."""
+        have, ends, first = self._split_have, self._split_ends, self.stats.first_data_at
+        decoded = self.decoder.decoded_count
+        if have is None or ends is None or first is None or now <= first or decoded == 0 or (
+                self.state is not ReceiverState.RECEIVING):
+            return end
+        missing = np.sort(ends[~have])
+        return meeting_chunk_end(done, end, seconds_per_token, missing, decoded / (now - first))
+
     def _file_split(self, esis: npt.NDArray[np.int64]) -> None:
         """Newly decoded ESIs -> their stream indices (the first 4 bytes of the symbol), marked decoded."""
         have, ends = self._split_have, self._split_ends
         if have is None or ends is None or len(esis) == 0:
             return
-        rows = np.ascontiguousarray(self.decoder.store[esis, :4])
-        idx = rows.view(">u4").reshape(-1).astype(np.int64)
-        idx = idx[idx < len(have)]
-        new = idx[~have[idx]]
-        if len(new):
-            have[new] = True
-            if self._missing_needed > 0:
-                self._missing_needed -= int(np.count_nonzero(ends[new] > self.computed_tokens))
+        needed = _file_stream_indices(self.decoder.store, esis, have, ends, self.computed_tokens)
+        if self._missing_needed > 0:
+            self._missing_needed -= needed
 
     def _count_missing(self) -> None:
         have, ends = self._split_have, self._split_ends
@@ -545,3 +554,28 @@ class ReceiverSession:
 
     def _drop(self, reason: str) -> None:
         self._events.append(DatagramDropped(reason))
+
+
+@njit_cached
+def _file_stream_indices(store: npt.NDArray[np.uint8], esis: npt.NDArray[np.int64],
+                         have: npt.NDArray[np.bool_], ends: npt.NDArray[np.int64], computed: int) -> int:
+    """Mark the stream index each decoded row of ``esis`` carries (its first 4 bytes, big-endian) in
+    ``have``, once (an index outside it is ignored: an authenticated sender's bug); returns how many newly
+    marked indices end past ``computed`` (no longer missing and needed). Compiled: it runs per datagram."""
+    needed = 0
+    for k in range(esis.shape[0]):
+        row = esis[k]
+        idx = (np.int64(store[row, 0]) << 24) | (np.int64(store[row, 1]) << 16) | (
+            np.int64(store[row, 2]) << 8) | np.int64(store[row, 3])
+        if idx < have.shape[0] and not have[idx]:
+            have[idx] = True
+            if ends[idx] > computed:
+                needed += 1
+    return needed
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the split's filing kernel before any datagram needs it."""
+    store = np.zeros((2, 8), dtype=np.uint8)
+    _file_stream_indices(store, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_),
+                         np.ones(1, dtype=np.int64), 0)

@@ -356,6 +356,26 @@ def test_front_chunks_end_on_the_meeting_token_and_never_past_the_context() -> N
             front_chunk_end(*bad)
 
 
+def test_a_front_chunk_ends_where_the_stream_is_forecast_to_meet_it() -> None:
+    """From 512 toward a planned 768 at 4 ms per token, with the stream delivering 1000 symbols/s: the
+    chunk ends at the first token by whose computation everything missing past it has arrived."""
+    from pfec.common.plan.prefill import meeting_chunk_end
+
+    # 600 symbols missing: 300 of the back (ends past 768), then 20 per 16 tokens of the front's (512, 768].
+    missing = np.sort(np.concatenate([np.full(300, 1024), np.repeat(np.arange(528, 769, 16), 20)]))
+    end = meeting_chunk_end(512, 768, 0.004, missing, 1000.0)
+    # At m, computing takes (m - 512) * 4 ms; the stream needs (300 + 20 (768 - m) / 16) ms past m.
+    assert end == 640 and (640 - 512) * 0.004 >= (300 + 20 * (768 - 640) / 16) / 1000
+    assert (624 - 512) * 0.004 < (300 + 20 * (768 - 624) / 16) / 1000  # one step earlier, the stream is late
+    assert meeting_chunk_end(512, 768, 0.004, missing, 100.0) == 768  # a slow stream: the planned chunk
+    assert meeting_chunk_end(512, 768, 0.004, missing[:0], 1000.0) == 528  # nothing missing: the next step
+    assert meeting_chunk_end(500, 768, 0.004, missing, 1e9) == 512  # steps on the grid, not from ``done``
+    for pace, rate in ((0.0, 1000.0), (0.004, 0.0), (math.nan, 1000.0), (0.004, math.inf), (-1.0, 1000.0)):
+        assert meeting_chunk_end(512, 768, pace, missing, rate) == 768  # no forecast: the planned chunk
+    with pytest.raises(ValueError, match="a chunk"):
+        meeting_chunk_end(768, 768, 0.004, missing, 1000.0)
+
+
 def test_fidelity_first_the_most_faithful_stream_that_fits_then_local_unless_beaten_by_the_margin() -> None:
     """Native where its whole cache starts generating by the deadline, int8 (the floor) where only the
     smaller stream fits, the fastest candidate where none fits, local where no stream beats it by 20%."""

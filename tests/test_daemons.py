@@ -742,6 +742,24 @@ def test_a_front_times_its_chunks_and_the_receiver_states_the_refitted_speed(tin
     assert rx.endpoint.prefill_statement == rx.recent_prefills.stated()
 
 
+def test_a_front_asks_where_each_later_chunk_meets_the_stream(tiny: llm.ModelRuntime) -> None:
+    """After its first chunk the front asks ``meet`` (done, planned end, its pace) where the next ends; an
+    answer outside (done, planned end] is clamped, so the front always moves and never passes the plan."""
+    ids = tuple(int(x) for x in np.random.default_rng(6).integers(3, VOCAB, size=200))
+    asked: list[tuple[int, int]] = []
+
+    def meet(done: int, end: int, pace: float) -> int:
+        assert pace > 0
+        asked.append((done, end))
+        return {64: 72, 72: 72, 73: 10_000}.get(done, end)
+
+    front = Front(ids, meeting_token=200, chunk_tokens=64, meet=meet)
+    assert compute_front(tiny, front, lambda _tokens: None) == 200
+    assert [(start, stop) for start, stop, _ in front.timed] == [(0, 64), (64, 72), (72, 73), (73, 137),
+                                                                 (137, 200)]
+    assert asked == [(64, 128), (72, 136), (73, 137), (137, 200)]
+
+
 def test_rebuild_from_a_partial_stream_masks_the_blocks_with_no_level(tiny: llm.ModelRuntime) -> None:
     """Blocks none of whose pieces arrived are masked (mask mode) or zero (zero mode), the rest are
     dequantised into the compute dtype; the model answers from the result."""

@@ -554,6 +554,35 @@ def test_split_sender_stops_sending_what_the_receiver_computed() -> None:
     assert h.sender.computed_tokens == 80
 
 
+def test_split_session_forecasts_where_its_stream_meets_the_fronts_next_chunk() -> None:
+    """``front_chunk_end``: a front far slower than the stream ends its chunk at the next step; one far
+    faster runs the planned chunk; so does a session that is not (yet) a split."""
+    h, _, ends = make_split_pair()
+    h.run(until=0.03)
+    session = h.endpoint.sessions[SID]
+    assert session.front_chunk_end(16, 160, 1.0, h.now) == 160  # no split plan yet: as planned
+    session.set_split(ends, SPLIT_TOKENS, 0, h.now)
+    assert session.decoder.decoded_count > 0
+    assert session.front_chunk_end(16, 160, 1.0, h.now) == 32  # a second a token: the stream wins at once
+    assert session.front_chunk_end(16, 160, 1e-9, h.now) == 160  # a nanosecond a token: compute it all
+    with pytest.raises(ValueError, match="a chunk"):
+        session.front_chunk_end(160, 160, 1.0, h.now)
+
+
+def test_a_stream_index_is_filed_once_however_often_it_arrives() -> None:
+    """The compiled filing kernel: an index carried by two decoded rows counts once, one outside the plan
+    not at all; only newly filed indices past the computed tokens come off the missing count."""
+    from pfec.receiver.session import _file_stream_indices
+
+    store = np.zeros((4, 8), dtype=np.uint8)
+    store[:, :4] = np.array([2, 2, 0, 7], dtype=">u4").view(np.uint8).reshape(-1, 4)  # row 3: index 7
+    have = np.zeros(3, dtype=np.bool_)
+    ends = np.array([16, 32, 48], dtype=np.int64)
+    assert _file_stream_indices(store, np.arange(4, dtype=np.int64), have, ends, 16) == 1  # index 2 (48)
+    assert have.tolist() == [True, False, True]
+    assert _file_stream_indices(store, np.array([1, 2], dtype=np.int64), have, ends, 0) == 0  # filed before
+
+
 def test_split_receiver_starts_when_it_has_computed_everything() -> None:
     h, _, ends = make_split_pair(budget_s=0.2)
     session = _split_session(h, ends, until=0.016)

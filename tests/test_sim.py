@@ -218,6 +218,21 @@ def test_split_credits_the_computed_front_as_exact_and_streams_the_back_first(pr
     assert r.recovered_utility >= float(handoff.block_utility[front].sum())
 
 
+def test_a_split_front_ends_its_last_chunk_where_the_stream_meets_it() -> None:
+    """A meeting token planned too far up for this link (768 of 1024 tokens at 30 Mbit/s): the stream brings
+    the front's region from 768 down before the front gets there, so the chunk after 512 ends where the two
+    meet. The planned chunks would compute to 768 (the session waits at 512 for the tokens up to it)."""
+    from pfec.lab.sim.split import DEFAULT_RECEIVER, front_schedule
+
+    handoff = prepare(small(loss=Bernoulli(0.0), rho=1.0, tokens=1024, rate_mbps=30.0, precision="int8",
+                            mode="split", meeting_token=768))
+    r = run_once(handoff, get_scheme("priorityfec"), 0)
+    planned = dict((tokens, at) for at, tokens in front_schedule(DEFAULT_RECEIVER.prefill, 1024, 768))
+    assert r.start_s is not None and 512 < r.computed_tokens < 768
+    assert r.start_s < planned[768]  # before the planned chunks reach the meeting token (from the OFFER on)
+    assert r.recovered_utility == pytest.approx(1.0, abs=1e-4)  # int8's fidelity: all of it arrived
+
+
 def test_local_ttft_is_the_speed_models_prefill_time() -> None:
     from pfec.lab.sim.split import DEFAULT_RECEIVER, FRONT_CHUNK_TOKENS
 

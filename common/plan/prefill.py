@@ -22,6 +22,7 @@ __all__ = [
     "fit_prefill_calls",
     "fit_prefill_curve",
     "front_chunk_end",
+    "meeting_chunk_end",
 ]
 
 
@@ -96,6 +97,33 @@ def front_chunk_end(done: int, meeting_token: int, n_tokens: int, chunk_tokens: 
         raise ValueError(f"front chunk from token {done!r} of {n_tokens!r} in chunks of {chunk_tokens!r}")
     end = min(n_tokens, done + chunk_tokens)
     return meeting_token if done < meeting_token < end else end
+
+
+#: Where a front's chunk may end early (tokens): the symbol token ends' grain (a layout's block tokens).
+MEETING_STEP_TOKENS: Final = 16
+
+
+def meeting_chunk_end(done: int, end: int, seconds_per_token: float, missing_token_ends: np.ndarray,
+                      symbols_per_s: float, step: int = MEETING_STEP_TOKENS) -> int:
+    """Where a split's front chunk from ``done`` should end, at most ``end``: the first token m (on the
+    ``step`` grid, or ``end``) by whose computation the stream is forecast to have delivered every symbol
+    still missing past it, so the two sides meet there instead of at the planned meeting token.
+
+    Computing [done, m) is forecast at ``seconds_per_token`` (this front's own pace so far); the stream's
+    missing symbols (``missing_token_ends``, sorted: each one's token end) arrive in send order, the back
+    then the front from the meeting token down, at ``symbols_per_s`` (what this stream has delivered so far).
+    A chunk that ends too early costs only a wait for the stream (the next chunk stops once the session is
+    ready); one that ends too late computes what the stream would have brought: one forward call either
+    way, so the forecast's crossing, without a margin. ``end`` when the stream cannot meet the chunk."""
+    if not 0 <= done < end or step < 1:
+        raise ValueError(f"a chunk [{done!r}, {end!r}) in steps of {step!r}")
+    if not (seconds_per_token > 0 and symbols_per_s > 0) or not (
+            math.isfinite(seconds_per_token) and math.isfinite(symbols_per_s)):
+        return end
+    candidates = np.append(np.arange(done + step - done % step, end, step, dtype=np.int64), end)
+    missing_past = len(missing_token_ends) - np.searchsorted(missing_token_ends, candidates, side="right")
+    met = missing_past / symbols_per_s <= (candidates - done) * seconds_per_token
+    return int(candidates[int(np.argmax(met))]) if met.any() else end
 
 
 def fit_prefill_curve(points: Sequence[tuple[int, float]]) -> PrefillCurve:

@@ -22,7 +22,6 @@ the level their arrived pieces reach. Sans-IO like the sessions: numpy and the p
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, PrefillCurve, front_chu
 from pfec.common.plan.stream import score_stream
 from pfec.lab.reporting.stats import mean_ci95_fields
 from pfec.receiver.endpoint import ReceiverEndpoint
-from pfec.receiver.session import OfferReceived, ReceiverState
+from pfec.receiver.session import OfferReceived, ReceiverSession, ReceiverState
 
 SIM_MODES: Final = ("handoff", "split", "local")
 DEFAULT_RECEIVER: Final = ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
@@ -86,42 +85,55 @@ def local_start_s(receiver: ReceiverModel, n_tokens: int, owd_s: float) -> float
 
 class FrontPrefill:
     """The receiver's front prefill in simulated time (``sim_engine.ReceiverApp``): from the session's
-    OFFER, each chunk's end is reported to the session (``set_computed``), until the session starts."""
+    OFFER, chunk by chunk as the daemon's (``front_chunk_end``, each later chunk ending where the session
+    forecasts its stream meets it: ``ReceiverSession.front_chunk_end``), each chunk's end reported to the
+    session (``set_computed``), until the session starts."""
 
     def __init__(self, endpoint: ReceiverEndpoint, receiver: ReceiverModel, n_tokens: int, meeting_token: int,
                  token_ends: npt.NDArray[np.int64]) -> None:
         self.endpoint = endpoint
-        self.schedule = front_schedule(receiver.prefill, n_tokens, meeting_token)
+        self.curve = receiver.prefill
         self.n_tokens = n_tokens
         self.meeting_token = meeting_token
         self.token_ends = token_ends  # per index a symbol carries (stream index, or native fragment id)
         self.session_id: int | None = None
-        self.started_at = math.nan
-        self.next_chunk = 0
+        self.done = 0  # tokens computed
+        self.chunk: tuple[int, float] | None = None  # the running chunk: its end, when it ends
+        self.pace = 0.0  # the newest chunk's seconds per token (0: none computed yet)
 
     def on_offer(self, event: OfferReceived, now: float) -> None:
         session = self.endpoint.sessions.get(event.session_id)
         if session is None or self.session_id is not None:
             return
-        self.session_id, self.started_at = event.session_id, now
+        self.session_id = event.session_id
         session.set_split(self.token_ends, self.n_tokens, 0, now)  # the stream carries the front too
+        self._next_chunk(session, now)
+
+    def _next_chunk(self, session: ReceiverSession, now: float) -> None:
+        done = self.done
+        end = front_chunk_end(done, self.meeting_token, self.n_tokens)
+        if self.pace > 0:
+            end = session.front_chunk_end(done, end, self.pace, now)
+        self.chunk = (end, now + self.curve.chunk_seconds(done, end))
 
     def get_timer(self) -> float | None:
-        if self.session_id is None or self.next_chunk >= len(self.schedule):
+        if self.session_id is None or self.chunk is None:
             return None
         session = self.endpoint.sessions.get(self.session_id)
         if session is None or session.state is not ReceiverState.RECEIVING:
             return None  # the session started (or closed): the daemon stops its front there
-        return self.started_at + self.schedule[self.next_chunk][0]
+        return self.chunk[1]
 
     def handle_timer(self, now: float) -> None:
         assert self.session_id is not None
         session = self.endpoint.sessions[self.session_id]
-        schedule = self.schedule
-        while self.next_chunk < len(schedule) and self.started_at + schedule[self.next_chunk][0] <= now:
-            tokens = schedule[self.next_chunk][1]
-            self.next_chunk += 1
-            session.set_computed(tokens, now)
+        while self.chunk is not None and self.chunk[1] <= now:
+            end, _ = self.chunk
+            self.pace = self.curve.chunk_seconds(self.done, end) / (end - self.done)
+            self.done, self.chunk = end, None
+            session.set_computed(end, now)
+            if end < self.n_tokens and session.state is ReceiverState.RECEIVING:
+                self._next_chunk(session, now)
 
 
 def computed_blocks(n_blocks: int, n_token_blocks: int, block_tokens: int, n_tokens: int,
