@@ -241,8 +241,10 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     usable, block_utility, levels = score.usable, score.block_utility, score.level_counts()
     precision_utility = score.precision_utility
     split: dict[str, Any] = {}
+    rebuild_levels = score.levels
     if front is not None:
         computed = _computed_blocks(len(usable), app.n_tokens, front.tokens)
+        rebuild_levels = np.where(computed, Level.NONE, score.levels)  # the front's rows replace them
         received = usable & ~computed
         usable = usable | computed
         total = float(utilities.sum())
@@ -261,7 +263,7 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     from pfec.common.model import llm  # deferred: torch
 
     started = time.perf_counter()
-    kv = llm.rebuild_from_stream(runtime, plan, filed, score.levels, score.bases, app.mode)
+    kv = llm.rebuild_from_stream(runtime, plan, filed, rebuild_levels, score.bases, app.mode)
     if front is not None and front.cache is not None:
         kv = llm.join_prefix(kv, front.cache, front.tokens)
     kv.rebuild_s = time.perf_counter() - started
