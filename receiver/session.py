@@ -20,7 +20,8 @@ Session states: RECEIVING -> DEADLINE (decoding closed) -> RESULT_SENT -> CLOSED
   symbol; it does so at once, before the deadline, when every source symbol is decoded and the OFFER is
   complete (start when ready: nothing more can arrive that the receiver could use; ``ready`` says which).
   The sender's DONE (the completion signal: it will send nothing more this session could use) starts it
-  at once too (``sender_done``), once the OFFER is whole (a split: once its front is computed). A DONE
+  at once too (``sender_done``), once the OFFER is whole; not a split, whose front computes what the
+  stream left missing (start when ready, or at the deadline). A DONE
   whose counts contradict what arrived (more sources than the handoff has, fewer than an ESI seen, more
   repairs received than it says were sent, a last data packet at or after its own) is dropped
   (``bad_done``); one after the session stopped decoding changes nothing. The deadline stays the last
@@ -324,7 +325,7 @@ class ReceiverSession:
         have, ends, first = self._split_have, self._split_ends, self.stats.first_data_at
         decoded = self.decoder.decoded_count
         if have is None or ends is None or first is None or now <= first or decoded == 0 or (
-                self.state is not ReceiverState.RECEIVING):
+                self.state is not ReceiverState.RECEIVING or self._sender_done):  # DONE: no more stream
             return end
         missing = np.sort(ends[~have])
         return meeting_chunk_end(done, end, seconds_per_token, missing, decoded / (now - first))
@@ -461,16 +462,16 @@ class ReceiverSession:
         if self.state is not ReceiverState.RECEIVING or not self._offer_complete:
             return
         decoded_all = self.decoder.decoded_count >= self.offer.n_source
-        front_done = self.computed_tokens >= self._split_front
         if self._split_tokens:  # a split: the front computed here, and what is still needed decoded
             computed = self.computed_tokens
-            ready = computed >= self._split_tokens or (
-                front_done and (decoded_all or self._missing_needed == 0))
-        else:
-            ready = decoded_all
-        if ready:
+            front_done = computed >= self._split_front
+            if computed >= self._split_tokens or (front_done and (decoded_all or self._missing_needed == 0)):
+                self._reach_deadline(now, ready=True)
+            # A DONE does not start a split: its front goes on computing what the stream left missing
+            # (a sender that gave up left the whole context to it), until ready or the deadline.
+        elif decoded_all:
             self._reach_deadline(now, ready=True)
-        elif self._sender_done and front_done:
+        elif self._sender_done:
             self._reach_deadline(now, sender_done=True)
 
     def _track_stall(self, now: float) -> None:

@@ -583,6 +583,25 @@ def test_a_stream_index_is_filed_once_however_often_it_arrives() -> None:
     assert _file_stream_indices(store, np.array([1, 2], dtype=np.int64), have, ends, 0) == 0  # filed before
 
 
+def test_a_done_does_not_start_a_split_before_its_front_covers_what_is_missing() -> None:
+    """A split's sender that gives up (its circuit breaker, a spent cap) says DONE with most of the stream
+    unsent: the receiver does not start on what little arrived (it answered garbage from 128 int2 blocks
+    in a demo whose receiver py-spy had paused for a second). Its front computes the rest; it starts ready
+    once that covers everything missing. After the DONE the front's chunks run as planned."""
+    h, _, ends = make_split_pair(budget_s=0.3)
+    session = _split_session(h, ends, until=0.016)
+    sender = h.sender
+    done = Done(sender.encoder.next_esi, sender.view.repairs_sent, sender.protector.packets_sealed - 1,
+                DoneReason.NO_REPAIR)
+    h.endpoint.receive_datagram(sender.protector.seal(done), h.now)
+    assert session.decoder.decoded_count < len(ends)  # type: ignore[attr-defined]
+    assert not [e for e in iter(h.endpoint.next_event, None) if isinstance(e, DeadlineReached)]
+    assert session.front_chunk_end(16, 160, 1.0, h.now) == 160  # type: ignore[attr-defined]
+    session.set_computed(SPLIT_TOKENS, h.now)  # type: ignore[attr-defined]
+    started = [e for e in iter(h.endpoint.next_event, None) if isinstance(e, DeadlineReached)]
+    assert len(started) == 1 and started[0].start == "ready"
+
+
 def test_split_receiver_starts_when_it_has_computed_everything() -> None:
     h, _, ends = make_split_pair(budget_s=0.2)
     session = _split_session(h, ends, until=0.016)
