@@ -18,6 +18,7 @@ from pfec.common.sched.open_loop_tail import BURST_PRIOR, FEEDBACK_RTTS, tail_ra
 from pfec.common.sched.policies import DeficitHeuristic, FixedRate, SourceOnly
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import (
+    Ack,
     Done,
     DoneReason,
     Header,
@@ -46,6 +47,7 @@ from pfec.sender.transport.session import (
     SplitInfo,
 )
 from pfec.sender.transport.session_types import OFFER_RETRY_S
+from pfec.sender.transport.split import SplitBookkeeping
 from pfec.sender.transport.transfer import (
     HANDSHAKE_RETRIES_COVERED,
     MAX_FIRST_FLIGHT,
@@ -552,6 +554,67 @@ def test_split_sender_stops_sending_what_the_receiver_computed() -> None:
     assert h.sender.sources_dropped == len(missing)
     assert h.sender.datagrams_sent["source"] == len(symbols) - len(missing)
     assert h.sender.computed_tokens == 80
+
+
+def test_a_split_sender_is_done_once_the_receiver_lacks_only_what_it_computed() -> None:
+    """The stream's last symbols hold only front blocks (a split sends the front backwards after the back);
+    ten of them are lost and every repair too. Once the receiver has computed past them and decoded the
+    rest, it starts; its ACK tells the sender, which stops with a DONE instead of repairing holes nobody
+    needs until the RESULT (which this receiver holds back)."""
+    h, symbols, _ = make_split_pair(budget_s=0.2)
+    sender = h.sender
+    ends = np.concatenate((np.full(400, 96) + 16 * (np.arange(400) % 5), 80 - 16 * (np.arange(200) // 50)))
+    sender.split.token_end = ends.astype(np.int64)
+    protector = PacketProtector(PSK, SID, Role.SENDER, SYMBOL, random_bytes=random.Random(1).randbytes)
+    h.sender = sender = SenderSession(SID, sender.config, symbols, DeficitHeuristic(), protector,
+                                      split=SplitInfo(ends.astype(np.int64), SPLIT_TOKENS))
+    sender.start(0.0)
+    lost = set(range(590, 600))  # token end 32
+    sources_seen = [0]
+
+    def drop(_i: int, datagram: bytes) -> bool:
+        kind = peek_header(datagram).type
+        if kind is MsgType.REPAIR:
+            return True
+        if kind is MsgType.SOURCE:
+            sources_seen[0] += 1
+            return sources_seen[0] - 1 in lost
+        return False
+
+    h.drop_forward = drop
+    session = _split_session(h, ends, until=0.016)
+    session.send_result = lambda *_args, **_kw: None  # type: ignore[attr-defined]  # no RESULT: only the ACK
+    h.run(until=0.09)
+    assert sender.encoder.next_esi == len(symbols) and session.state.value == "receiving"  # type: ignore[attr-defined]
+    session.set_computed(80, h.now)  # type: ignore[attr-defined]
+    h.receiver_events += list(iter(h.endpoint.next_event, None))
+    assert h.deadline_event().ready
+    h.in_transit += [(h.now + OWD, False, d) for _sid, d in h.endpoint.datagrams_to_send()]  # its ACK
+    h.run(until=h.now + OWD)  # reaches the sender
+    repairs = sender.datagrams_sent["repair"]
+    assert sender.state is SenderState.DRAINING and sender.completion.reason is DoneReason.DECODED
+    h.run(until=0.19)
+    assert sender.datagrams_sent["repair"] == repairs  # nothing more after it
+    assert sender.completion.sent >= 1  # its DONE
+
+
+def test_split_bookkeeping_needs_nothing_only_when_every_missing_symbol_is_computed() -> None:
+    """``needs_nothing``: undecoded = the hole map's set bits, and every ESI past it; needed = token end
+    past the computed tokens."""
+    symbols = make_symbols(8)
+    ends = np.array([64, 64, 48, 48, 32, 32, 16, 16], dtype=np.int64)
+    book = SplitBookkeeping(SplitInfo(ends, 64), symbols)
+    ack = Ack(decoded_prefix=2, seen_end=6, decoded_count=4, deficit=2, unknowns=2, largest_pn=9,
+              ack_delay_us=0, received=6, lost=2, loss_runs=1, hole_bits=4, holes=bytes([0b1010_0000]),
+              computed_tokens=48)
+    assert not book.needs_nothing(ack, 8)  # nothing computed yet
+    book.on_computed(32, 8)
+    assert not book.needs_nothing(ack, 8)  # ESI 2 (token end 48) is a hole
+    book.on_computed(48, 8)
+    assert book.needs_nothing(ack, 8)  # holes 2 and 4, unseen 6 and 7: all computed
+    assert book.needs_nothing(replace(ack, decoded_prefix=0, hole_bits=8, holes=bytes([0b0010_1011])), 8)
+    assert not book.needs_nothing(replace(ack, decoded_prefix=0, hole_bits=8, holes=bytes([0b0110_0000])), 8)
+    assert not SplitBookkeeping(None, symbols).needs_nothing(ack, 8)  # unsplit: never
 
 
 def test_split_session_forecasts_where_its_stream_meets_the_fronts_next_chunk() -> None:

@@ -8,12 +8,15 @@ data packet number) so the receiver can check it against what arrived; it is sea
 keys (never early: the sender is done only after the ACCEPT) with a fresh packet number each time, and
 repeated ``DONE_REPEATS`` times a round trip apart unless the RESULT comes first. A lost DONE costs the
 receiver nothing but time: its deadline stays the last resort.
+
+A split's sender is done too once all the receiver lacks holds only blocks it computed
+(:mod:`.split`'s ``needs_nothing``). The RESULT that ends the handoff may come in parts (``ResultParts``).
 """
 
 from __future__ import annotations
 
 from pfec.common.sched.actions import SchedulerView
-from pfec.common.wire.messages import Done, DoneReason
+from pfec.common.wire.messages import Done, DoneReason, Result
 from pfec.common.wire.seal import PacketProtector
 
 DONE_REPEATS = 3  # DONE datagrams per handoff at most (one may be lost; the deadline is the last resort)
@@ -58,3 +61,27 @@ class Completion:
         if self.sent < DONE_REPEATS:
             self.timer = now + max(rtt, DONE_RETRY_MIN_S)
         return datagram
+
+
+class ResultParts:
+    """The receiver's RESULT as its parts arrive, in any order, repeats allowed: the whole blob once every
+    part is in. ``add`` raises ValueError for a part that does not fit the first one's count (or
+    ``max_parts``)."""
+
+    __slots__ = ("count", "max_parts", "parts")
+
+    def __init__(self, max_parts: int) -> None:
+        self.max_parts = max_parts
+        self.count = 0  # the part count the first part stated (0: none yet)
+        self.parts: dict[int, bytes] = {}
+
+    def add(self, result: Result) -> bytes | None:
+        """The whole RESULT once ``result`` completes it, else None."""
+        count = self.count or result.part_count
+        if result.part_index >= result.part_count or result.part_count != count or count > self.max_parts:
+            raise ValueError(f"RESULT part {result.part_index} of {result.part_count} (expected {count})")
+        self.count = count
+        self.parts[result.part_index] = bytes(result.app)
+        if len(self.parts) < count:
+            return None
+        return b"".join(self.parts[i] for i in range(count))

@@ -35,7 +35,8 @@ States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
   implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
 - A split (``SplitInfo``: the receiver prefills the front while this session streams the back): an ACK's
   ``computed_tokens`` (past the context: dropped, ``bad_ack_computed``) moves the unsent symbols holding
-  only computed blocks behind the others, never to be sent (``split``).
+  only computed blocks behind the others, never to be sent (``split``); once every source is out and all
+  the receiver lacks holds only computed blocks, the session is done (DONE), repairing nothing more.
 - Waiting on feedback that does not come (its last repairs lost, or the ACK that answered them), a
   closed-loop sender probes as QUIC does (RFC 9002 6.2, :mod:`.probe`): repairs where the receiver lacks
   most, whatever the deficit estimate says; the ACK they elicit says what is still missing.
@@ -88,7 +89,7 @@ from pfec.common.wire.messages import (
     clip_text,
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
-from pfec.sender.transport.completion import Completion, done_reason
+from pfec.sender.transport.completion import Completion, ResultParts, done_reason
 from pfec.sender.transport.inflight import InFlight
 from pfec.sender.transport.offer import OfferParts
 from pfec.sender.transport.path import PathEstimates, ack_plausible
@@ -180,8 +181,7 @@ class SenderSession:
         self._handshake_deadline = 0.0
         self._offer_timer: float | None = None
         self._result_timer: float | None = None
-        self._result_parts: dict[int, bytes] = {}
-        self._result_part_count = 0
+        self._result = ResultParts(config.max_result_parts)
         self.drops: dict[str, int] = {}
 
     # ----------------------------------------------------------------- public API
@@ -335,6 +335,11 @@ class SenderSession:
         return self.probe.expiry(self.view, self.inflight, enc.next_esi, enc.ack_prefix, self.path.rtt_var,
                                  self._send_deadline)
 
+    def _done(self, reason: DoneReason, now: float) -> None:
+        self.completion.reason = reason
+        self._stop_sending(now)
+        self._queue_done(now)
+
     def _queue_done(self, now: float) -> None:
         datagram = self.completion.datagram(self.protector, self.encoder.next_esi, self.view.repairs_sent,
                                             now, self.view.rtt_estimate)
@@ -367,9 +372,7 @@ class SenderSession:
         self._refresh_view(now)
         if (broken := self.rate.breaker(now)) is not None:  # RFC 8084: the path stopped delivering
             self._events.append(PathBroken(broken))
-            self.completion.reason = DoneReason.PATH_BROKEN
-            self._stop_sending(now)
-            self._queue_done(now)
+            self._done(DoneReason.PATH_BROKEN, now)
             return False
         if self.view.slots_left == 0:
             self._stop_sending(now)
@@ -411,9 +414,7 @@ class SenderSession:
         slot with a repair (the whole deadline is the budget), or wait for feedback."""
         reason = done_reason(self.view, self.encoder.ack_prefix, self.policy.sends_repairs)
         if reason is not None and self._accepted:
-            self.completion.reason = reason
-            self._stop_sending(now)
-            self._queue_done(now)
+            self._done(reason, now)
             return False
         if not self._may_fill():
             return False
@@ -532,6 +533,9 @@ class SenderSession:
         if cpu is not None:
             cpu.feedback_ns += cpu.clock() - t0
             cpu.acks += 1
+        if (ack.computed_tokens and self.state is SenderState.STREAMING and self._accepted
+                and enc.next_esi >= self.split.source_end and self.split.needs_nothing(ack, enc.next_esi)):
+            self._done(DoneReason.DECODED, now)  # a split's receiver lacks only what it computed itself
 
     def _on_computed(self, computed: int) -> None:
         """The receiver has prefilled [0, ``computed``) itself: stop spending bytes on what it computed
@@ -551,19 +555,13 @@ class SenderSession:
     def _on_result(self, result: Result, now: float) -> None:
         if self.state in (SenderState.DONE, SenderState.FAILED):
             return
-        count = self._result_part_count or result.part_count
-        if (
-            result.part_index >= result.part_count
-            or result.part_count != count
-            or count > self.config.max_result_parts
-        ):
+        try:
+            blob = self._result.add(result)
+        except ValueError:
             self._drop("bad_result_part")
             return
-        self._result_part_count = count
-        self._result_parts[result.part_index] = bytes(result.app)
-        if len(self._result_parts) < count:
+        if blob is None:
             return
-        blob = b"".join(self._result_parts[i] for i in range(count))
         self._queue_close(CloseCode.DONE, "")
         self.state = SenderState.DONE
         self._result_timer = self._offer_timer = self.completion.timer = None

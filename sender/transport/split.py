@@ -8,6 +8,10 @@ symbols that hold only computed blocks then move behind the others (a stable par
 range) and the source count ends before them, so they are never sent. The receiver files each symbol by
 the stream index inside it, so an unsent symbol's ESI may carry any of them; no repair ever covers an
 unsent ESI. The meeting point so follows both sides' measured speeds.
+
+Once every symbol the receiver still lacks holds only computed blocks (``needs_nothing``), it has all it
+will use: the session is done (a DONE, no more repairs), rather than repairing holes nobody needs until
+the RESULT comes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from pfec.common.wire.messages import Ack
 from pfec.sender.transport.session_types import SplitInfo
 
 
@@ -63,3 +68,18 @@ class SplitBookkeeping:
         self.sources_dropped += len(unsent) - kept
         self.source_end = first + kept
         return order
+
+    def needs_nothing(self, ack: Ack, sent: int) -> bool:
+        """Whether every source sent ([0, ``sent``)) that this ACK does not report decoded holds only blocks
+        the receiver computed: its hole map over [prefix, prefix + hole_bits), and every ESI after that
+        (not seen yet: in flight or lost). False unsplit or before any computed tokens."""
+        ends = self.token_end
+        if ends is None or self.computed_tokens == 0:
+            return False
+        first = ack.decoded_prefix
+        needed = ends[first:sent] > self.computed_tokens  # each undecoded one of these is still needed
+        mapped = min(ack.hole_bits, len(needed))
+        if mapped:
+            holes = np.unpackbits(np.frombuffer(ack.holes, dtype=np.uint8), count=mapped)  # MSB first
+            needed[:mapped] &= holes.astype(np.bool_)
+        return not bool(needed.any())
