@@ -115,3 +115,16 @@ def test_bench_breakeven_measures_every_mode_with_the_default_model(tmp_path: Pa
     for name in ("breakeven.json", "breakeven.md", "breakeven.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| 200 | 200 |" in (tmp_path / "breakeven.md").read_text()
+
+
+def test_the_demo_warns_of_a_starved_sender_only_when_its_receiver_waited_for_the_deadline() -> None:
+    """A session that started ready (a split streams only the back; what was in flight arrives after the
+    start) used little of the link by design: no warning. At the deadline with sources unsent: a warning."""
+    from pfec.lab.demo import DemoConfig, _diagnostics
+
+    report = {"deadline_ms": 7000.0, "bytes_sent": 10_000_000, "source_sent": 7000, "n_source": 15000,
+              "receiver_stats": {"late": 300}, "start": "ready"}
+    cfg = DemoConfig(rate_mbps=30.0, rtt_ms=30.0)
+    assert _diagnostics(cfg, report)["warnings"] == []
+    warnings = _diagnostics(cfg, {**report, "start": "deadline"})["warnings"]
+    assert len(warnings) == 2 and "short of CPU" in warnings[0] and "300 datagrams" in warnings[1]
