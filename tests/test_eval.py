@@ -275,3 +275,15 @@ def test_progress_for_a_log_is_a_line_per_stage_and_tenth() -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) == 12 and lines[0].endswith("utility sweep: 0/100 (0%)"), lines
     assert lines[-2].endswith("utility sweep: 100/100 (100%)") and lines[-1].endswith("grid: 0/7 (0%)")
+
+
+def test_the_quic_rows_definitions_name_the_stack_they_ran_on() -> None:
+    """The scheme table printed 'QUIC ({stack})': a definition's template, never filled in."""
+    from pfec.lab.baselines.reliable import DEFAULT_QUIC_STACK
+    from pfec.lab.eval.config import scheme_definitions
+
+    rows = {row["scheme"]: str(row["definition"])
+            for row in scheme_definitions(["quic", "priority-quic", "tcp"])}
+    named = f"QUIC ({DEFAULT_QUIC_STACK})"
+    assert named in rows["quic"] and named in rows["priority-quic"]
+    assert not any("{" in text for text in rows.values())

@@ -324,7 +324,7 @@ def scheme_definitions(names: Sequence[str], congestion: Sequence[str] = CONGEST
             ccs = ccs if rel.protocol == "tcp" else ""
             role = "paper baseline" if rel.paper_baseline else "reference (ours)"
             out.append({"scheme": name, "role": role, "paper_baseline": rel.paper_baseline,
-                        "definition": rel.definition + ccs})  # fmt: skip
+                        "definition": rel.describe() + ccs})  # fmt: skip
         elif name == "oracle":
             out.append({"scheme": name, "role": "bound", "paper_baseline": False,
                         "definition": REFERENCE_SCHEMES["oracle"]})  # fmt: skip
