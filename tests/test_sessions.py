@@ -614,6 +614,7 @@ def test_split_bookkeeping_needs_nothing_only_when_every_missing_symbol_is_compu
     assert book.needs_nothing(ack, 8)  # holes 2 and 4, unseen 6 and 7: all computed
     assert book.needs_nothing(replace(ack, decoded_prefix=0, hole_bits=8, holes=bytes([0b0010_1011])), 8)
     assert not book.needs_nothing(replace(ack, decoded_prefix=0, hole_bits=8, holes=bytes([0b0110_0000])), 8)
+    assert not book.needs_nothing(ack, 7)  # ESI 7 not sent yet
     assert not SplitBookkeeping(None, symbols).needs_nothing(ack, 8)  # unsplit: never
 
 

@@ -533,8 +533,8 @@ class SenderSession:
         if cpu is not None:
             cpu.feedback_ns += cpu.clock() - t0
             cpu.acks += 1
-        if (ack.computed_tokens and self.state is SenderState.STREAMING and self._accepted
-                and enc.next_esi >= self.split.source_end and self.split.needs_nothing(ack, enc.next_esi)):
+        streaming = self.state is SenderState.STREAMING and self._accepted
+        if streaming and self.split.needs_nothing(ack, enc.next_esi):
             self._done(DoneReason.DECODED, now)  # a split's receiver lacks only what it computed itself
 
     def _on_computed(self, computed: int) -> None:

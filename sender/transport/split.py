@@ -70,11 +70,12 @@ class SplitBookkeeping:
         return order
 
     def needs_nothing(self, ack: Ack, sent: int) -> bool:
-        """Whether every source sent ([0, ``sent``)) that this ACK does not report decoded holds only blocks
-        the receiver computed: its hole map over [prefix, prefix + hole_bits), and every ESI after that
-        (not seen yet: in flight or lost). False unsplit or before any computed tokens."""
+        """Whether every source worth sending is out (``sent``: the next ESI) and each one this ACK does not
+        report decoded holds only blocks the receiver computed: its hole map over [prefix, prefix +
+        hole_bits), and every ESI after that (not seen yet: in flight or lost). False unsplit, or before
+        any computed tokens."""
         ends = self.token_end
-        if ends is None or self.computed_tokens == 0:
+        if ends is None or self.computed_tokens == 0 or sent < self.source_end:
             return False
         first = ack.decoded_prefix
         needed = ends[first:sent] > self.computed_tokens  # each undecoded one of these is still needed
