@@ -426,10 +426,4 @@ class ReceiverDaemon:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Readiness (``/readyz``): red while the model worker runs a job past ``limits.worker_stuck_s``."""
-        stuck = self.worker.stuck_for()
-        body: dict[str, Any] = {"status": "ready" if stuck is None else "stuck", "role": "receiver",
-                                "worker": self.worker.view()}
-        if stuck is not None:
-            body["error"] = (f"the model worker has run one job for {stuck:.1f} s (limits.worker_stuck_s = "
-                             f"{self.worker.stuck_after_s:g})")
-        return stuck is None, body
+        return self.worker.readiness("receiver")

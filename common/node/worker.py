@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["ModelWorker", "WorkerBusy"]
 
@@ -78,6 +78,17 @@ class ModelWorker:
             "running_s": None if since is None else round(self.clock() - since, 3),
             "stuck": self.stuck_for() is not None,
         }
+
+    def readiness(self, role: str) -> tuple[bool, dict[str, Any]]:
+        """The ``role`` daemon's readiness (``/readyz``): red while this worker runs a job past
+        ``stuck_after_s`` (``limits.worker_stuck_s``)."""
+        stuck = self.stuck_for()
+        body: dict[str, Any] = {"status": "ready" if stuck is None else "stuck", "role": role,
+                                "worker": self.view()}
+        if stuck is not None:
+            body["error"] = (f"the model worker has run one job for {stuck:.1f} s (limits.worker_stuck_s = "
+                             f"{self.stuck_after_s:g})")
+        return stuck is None, body
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
