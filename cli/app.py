@@ -20,7 +20,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks; each writes docs/benchmarks/<name>.json.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; each writes docs/benchmarks/NAME.json.", no_args_is_help=True)
 tune_app = typer.Typer(help="Parameter searches on simulated handoffs.", no_args_is_help=True)
 sender_app = typer.Typer(help="The sender daemon (prefill, stream KV, control API).", no_args_is_help=True)
 receiver_app = typer.Typer(help="The receiver daemon (decode, rebuild, generate).", no_args_is_help=True)

@@ -74,16 +74,18 @@ def eval_cmd(
     configs: Annotated[
         str | None,
         typer.Option(
-            help="Loss configs: main,milder,burstier,trace and/or NAME=SPEC (e.g. cap=trace:PATH) [all four]."
+            help="Loss configs: main,milder,burstier,trace and/or NAME=SPEC (e.g. cap=trace:PATH) "
+            "(default: all four)."
         ),
     ] = None,
     schemes: Annotated[
-        str | None, typer.Option(help="Schemes [every known one; unregistered ones are reported].")
+        str | None, typer.Option(help="Schemes (default: every known one; unregistered ones are reported).")
     ] = None,
     profile: Annotated[
         str | None,
         typer.Option(
-            help="Profile JSON, or 'synthetic' [profiles/smollm2-135m-instruct.json; small synthetic]."
+            help="Profile JSON, or 'synthetic' "
+            "(default: profiles/smollm2-135m-instruct.json; small: synthetic)."
         ),
     ] = None,
     tokens: Annotated[int | None, typer.Option(help="Context tokens of the sweep [1536; small 384].")] = None,
@@ -95,7 +97,8 @@ def eval_cmd(
     ] = None,
     task_rhos: Annotated[str | None, typer.Option(help="Deadlines of the task score [0.6,0.8,1.0].")] = None,
     task_schemes: Annotated[
-        str | None, typer.Option(help="Schemes of the task score [udp,priority,heuristic,priorityfec].")
+        str | None, typer.Option(help="Schemes of the task score "
+                                 "(default: udp,priority,heuristic,priorityfec).")
     ] = None,
     overhead_realizations: Annotated[
         int | None, typer.Option(help="Realizations per overhead row (0 skips) [3; small 1].")
@@ -111,7 +114,8 @@ def eval_cmd(
         str | None, typer.Option(help="Deadlines rho of the real tcp/quic runs [0.8; small 0.8].")
     ] = None,
     congestion: Annotated[
-        str | None, typer.Option(help="Kernel TCP congestion controls, one tcp row each [cubic,bbr].")
+        str | None, typer.Option(help="Kernel TCP congestion controls, one tcp row each "
+                                 "(default: cubic,bbr).")
     ] = None,
     grid_realizations: Annotated[
         int | None,
@@ -132,7 +136,7 @@ def eval_cmd(
         str | None, typer.Option(help="Deadlines rho of the grid [0.6,0.8,1.0; small 0.8].")
     ] = None,
     grid_schemes: Annotated[
-        str | None, typer.Option(help="Schemes of the grid [priorityfec,priority-arq,arq,oracle].")
+        str | None, typer.Option(help="Schemes of the grid (default: priorityfec,priority-arq,arq,oracle).")
     ] = None,
     precision_prompts: Annotated[
         int | None,
@@ -146,7 +150,7 @@ def eval_cmd(
     precision_variants: Annotated[
         str | None,
         typer.Option(help="Variants of the fidelity stage, with native (the reference) "
-                     "[native,int8,int8-int4,int4,int2,auto,split]."),
+                     "(default: native,int8,int8-int4,int4,int2,auto,split)."),
     ] = None,
     trace_files: Annotated[
         str | None,

@@ -17,11 +17,11 @@ RateScaleOpt = Annotated[float, typer.Option(
     help="With --rate-trace: opportunities per line (K: a K times faster link of the same shape).")]
 QueueMsOpt = Annotated[float | None, typer.Option(
     help="With --rate-trace (`pfec sim`: or a bottleneck): the bottleneck's depth in ms at the link's mean "
-    "rate [default: 100].")]
+    "rate (default 100).")]
 QueueBytesOpt = Annotated[int | None, typer.Option(
     help="With --rate-trace (`pfec sim`: or a bottleneck): the bottleneck's depth in bytes (instead of "
     "--queue-ms).")]
-TOLD_HELP = ("The rate the sender is told, Mbit/s [default: --rate-mbps]: it paces at it (--rate-control "
+TOLD_HELP = ("The rate the sender is told, Mbit/s (default: --rate-mbps): it paces at it (--rate-control "
              "fixed) or starts measuring from it (path); told another rate, the link is a drop-tail "
              "bottleneck at --rate-mbps.")
 RATE_CONTROL_HELP = ("fixed: pace at the told rate (the paper) | path: the sender's rate controller "

@@ -28,7 +28,7 @@ def reliable_cmd(
         help="tcp | quic (the paper's: natural order) | priority-tcp | priority-quic (ours: utility order); "
         "TCP is kernel TCP between namespaces (root), QUIC is --quic-stack over the UDP relay.")] = "tcp",
     congestion: Annotated[str | None, typer.Option(
-        help="Kernel TCP congestion control: cubic | bbr [the kernel's default]; TCP only.")] = None,
+        help="Kernel TCP congestion control: cubic | bbr (default: the kernel's); TCP only.")] = None,
     quic_stack: Annotated[str, typer.Option(
         help="QUIC only: qh3 (native packet core) | aioquic (pure Python).")] = QUIC_STACK_NAMES[0],
     rho: Annotated[
