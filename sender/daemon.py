@@ -15,7 +15,6 @@ import itertools
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from pfec.common.plan.deadline import (
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, SplitOffer, default_profile_name
 from pfec.common.plan.stream import AUTO
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
-from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR, MAX_LOSS
+from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme, get_scheme
 from pfec.common.wire.messages import MsgType, split_app
 from pfec.sender.handoffs import (
@@ -47,10 +46,10 @@ from pfec.sender.handoffs import (
 )
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
-from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
+from pfec.sender.pacer import LINGER_S, PacedTransfer, clock
+from pfec.sender.paths import PathLinks, PathLossPriors, path_rate_report
 from pfec.sender.peers import PeerMemory, PeerNumbers, front_slowdown
 from pfec.sender.speed_ask import ask_speed
-from pfec.sender.transport.path_rate import PathRate
 from pfec.sender.transport.repair_plan import warm_up as planner_warm_up
 from pfec.sender.transport.transfer import LinkBudget, SenderSetup, SendQueue, assemble_sender
 
@@ -60,16 +59,6 @@ if TYPE_CHECKING:
 #: OFFER datagrams a receiver takes by default (``ReceiverConfig.max_offer_parts``): a longer blob is refused
 #: here, before anything is sent.
 MAX_OFFER_PARTS = 64
-def path_rate_report(rate: PathRate, congestion_at_start: int) -> dict[str, Any]:
-    """The path controller as a handoff leaves it (the report's ``path_rate``)."""
-    return {
-        "estimate_mbps": round(rate.estimate_bps / 1e6, 3),
-        "forecast_mbps": round(rate.forecast_bps / 1e6, 3),
-        "pacing_mbps": round(rate.pace_bps / 1e6, 3), "phase": rate.phase.value,
-        "min_rtt_ms": None if rate.min_rtt == float("inf") else round(rate.min_rtt * 1000, 3),
-        "queue_delay_ms": round(rate.queue_delay_s * 1000, 3), "loss_floor": round(rate.loss_floor, 4),
-        "congestion_events": rate.congestion_events - congestion_at_start, "rounds": rate.rounds,
-    }
 
 
 def offer_blob(app: OfferApp, prefix_optional: bool) -> tuple[OfferApp, bytes]:
@@ -87,54 +76,15 @@ def offer_blob(app: OfferApp, prefix_optional: bool) -> tuple[OfferApp, bytes]:
                      "use --mode handoff for this context)")
 
 
-MAX_PATHS = 256  # receivers whose path controller the daemon keeps
 log = logging.getLogger("pfec.sender")
 
 
 def _plans(spec: HandoffSpec) -> bool:
     """Whether the break-even planner decides this handoff (it then predicts the receiver's prefill)."""
     return spec.inputs.synthetic_tokens is None and (spec.precision == AUTO or spec.handoff_mode != "handoff")
+
+
 GENERATION_WAIT_S = 30.0  # extra RESULT wait when the receiver generates an answer before replying
-
-
-class PathLossPriors:
-    """Per receiver address, the loss rate past handoffs there measured (each one's final ACK counters),
-    as an exponentially weighted average: the next handoff's loss prior to that address (its open-loop
-    tail plans for it before the ACKs say more). Least recently used addresses go past ``capacity``."""
-
-    WEIGHT = 0.3  # the newest handoff's share: a few handoffs follow a change, one bad one moves it less
-    MIN_SEEN = 64  # datagrams the final ACK must account for (a coding window) before its rate counts
-
-    def __init__(self, default: float = DEFAULT_LOSS_PRIOR, capacity: int = 256) -> None:
-        if not 0.0 <= default < 1.0:
-            raise ValueError(f"loss prior must be in [0, 1), got {default!r}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
-        self.default = default
-        self.capacity = capacity
-        self._rates: OrderedDict[str, float] = OrderedDict()
-
-    def prior(self, address: str) -> float:
-        rate = self.measured(address)
-        return self.default if rate is None else rate
-
-    def measured(self, address: str) -> float | None:
-        """The loss past handoffs to ``address`` measured (None: none did): the planner's, unlike the
-        open-loop tail's prior, stays 0 until a handoff measures it."""
-        rate = self._rates.get(address)
-        if rate is not None:
-            self._rates.move_to_end(address)
-        return rate
-
-    def record(self, address: str, lost: int, seen: int) -> None:
-        """A finished handoff to ``address`` whose final ACK counted ``lost`` of ``seen`` datagrams."""
-        if seen < self.MIN_SEEN or not 0 <= lost <= seen:
-            return
-        measured = min(lost / seen, MAX_LOSS)
-        old = self._rates.pop(address, None)
-        self._rates[address] = measured if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * measured
-        while len(self._rates) > self.capacity:
-            self._rates.popitem(last=False)
 
 
 class SenderDaemon:
@@ -169,11 +119,11 @@ class SenderDaemon:
         self.runtime = runtime
         self.fingerprint = identity.fingerprint()
         self.rate_mbps = rate_mbps
-        if rate_control not in ("fixed", "path"):
-            raise ValueError(f"rate_control must be fixed or path, got {rate_control!r}")
-        self.rate_control = rate_control
-        self.max_rate_bps = None if max_rate_mbps is None else max_rate_mbps * 1e6
         self.owd_s = owd_ms / 1000.0
+        # fixed: one transmit clock per pacing rate; path: one clock and one controller per receiver
+        self.links = PathLinks(rate_control, None if max_rate_mbps is None else max_rate_mbps * 1e6,
+                               rtt_prior_s=2 * self.owd_s)
+        self.rate_control = rate_control
         self.scheme = scheme
         self.window_cap = window_cap
         self.repair_budget = repair_fraction(repair_budget)  # None: the whole deadline
@@ -198,9 +148,6 @@ class SenderDaemon:
         self._ids = itertools.count(1)
         self.transfers: set[PacedTransfer] = set()
         self.shutting_down = False  # set by close(): no transfer starts after it
-        self._links: dict[float, LinkClock] = {}  # fixed: one transmit clock per pacing rate
-        # path: one clock and one controller per receiver (concurrent handoffs share its uplink)
-        self._paths: dict[str, LinkClock] = {}
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: HandoffSpec) -> Handoff:
@@ -386,18 +333,16 @@ class SenderDaemon:
     def paths_view(self) -> list[dict[str, Any]]:
         """Each receiver's path controller as it stands (``GET /paths``; path control only): the per-peer
         view beside each handoff's ``path_rate`` and the metrics' latest values."""
-        return [{"receiver": address, **path_rate_report(link.controller, 0)}
-                for address, link in self._paths.items() if link.controller is not None]
+        return self.links.view()
 
     def _planning_rate(self, address: str) -> tuple[float | None, str]:
         """The rate the planner divides by for a whole-cache handoff to ``address`` and where it comes
         from: under ``path``, the cautious forecast of that receiver's controller once a handoff there
         measured it, as the newest whole-cache handoff left it (a split's stream delivers less where the
         receiver's CPU bounds it; ``PeerNumbers.split_rate_bps`` plans the split's back)."""
-        link = self._paths.get(address) if self.rate_control == "path" else None
-        if link is None or link.controller is None or not link.controller.rounds:
+        rate = self.links.controller(address)
+        if rate is None or not rate.rounds:
             return None, "told (link.rate_mbps or the request's rate_mbps)"
-        rate = link.controller
         whole = self.peers.get(address).handoff_rate_bps
         if whole is not None:
             return whole, "forecast of the path's measured rate after its newest whole-cache handoff"
@@ -481,7 +426,7 @@ class SenderDaemon:
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
                          None if stream is None else stream.block_of_symbol,
                          None if split is None or split.meeting_token >= plan.n_tokens else split.token_ends)
-        link = self._link_for(destination.address, budget, setup.loss_prior)
+        link = self.links.link_for(destination.address, budget, setup.loss_prior)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns), link.controller)
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         prefilled = spec.inputs.prefilled
@@ -495,21 +440,6 @@ class SenderDaemon:
         fraction = setup.repair_budget
         handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
         return PacedTransfer(handoff, session, link, self.metrics)
-
-    def _link_for(self, address: str, budget: LinkBudget, loss_prior: float) -> LinkClock:
-        """The transmit clock a handoff paces on: the configured rate's (fixed), or the receiver's path
-        with its controller (path; made on the first handoff there, from the told rate)."""
-        if self.rate_control == "fixed":
-            return self._links.setdefault(budget.rate_bps, LinkClock(budget.rate_bps))
-        link = self._paths.get(address)
-        if link is None:
-            datagram_bytes = round(budget.slot_s * budget.rate_bps / 8)
-            rate = PathRate(budget.rate_bps, datagram_bytes, max_bps=self.max_rate_bps, loss_prior=loss_prior,
-                            rtt_prior_s=2 * self.owd_s)
-            while len(self._paths) >= MAX_PATHS:  # the oldest receiver's memory goes first
-                self._paths.pop(next(iter(self._paths)))
-            link = self._paths[address] = LinkClock(budget.rate_bps, controller=rate)
-        return link
 
     def _report_transfer(self, handoff: Handoff, transfer: PacedTransfer, prepared: Prepared) -> float | None:
         session = transfer.session

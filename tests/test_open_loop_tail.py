@@ -21,7 +21,7 @@ from pfec.common.sched.open_loop_tail import (
 )
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.handoff import SimConfig
-from pfec.sender.daemon import PathLossPriors
+from pfec.sender.paths import PathLossPriors
 from pfec.sender.transport.session import SenderConfig
 
 
