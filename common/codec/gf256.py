@@ -16,8 +16,8 @@ The codec's kernels live in four modules, lowest first:
 * :mod:`.decoder_kernels`: the decoder's state layout, its inserts (one compiled call per received
   symbol) and the ACK snapshot.
 
-Each also holds plain numpy / pure Python references (``ref_*``) that the tests use as oracles; they
-are never on the hot path.
+Each also holds plain numpy / pure Python references (``ref_*``) that the tests use as oracles (the
+decoder's rank and solve are :mod:`.reference`'s); they are never on the hot path.
 
 Region kernels work eight bytes at a time: a byte ``x`` times a constant ``c``
 is ``XOR_b bit_b(x) * (c * 2^b)``, so for a 64-bit word holding eight bytes we
