@@ -1,8 +1,8 @@
 """PriorityFEC wire format: the only module that turns bytes into messages (sans-IO).
 
-Byte layouts, encoding and the one parser (raising ``ParseError``). The messages, sizes and codes are
-:mod:`.messages`'; sealing and opening (keys, AEAD, the replay window) are :mod:`.seal`'s, which calls
-the per-packet pieces here.
+Byte layouts and the one parser (raising ``ParseError``). Encoding our own messages with these layouts
+is :mod:`.encoding`'s; the messages, sizes and codes are :mod:`.messages`'; sealing and opening (keys,
+AEAD, the replay window) are :mod:`.seal`'s, which calls the per-packet pieces here.
 
 Every datagram is a 14-byte cleartext header (the AEAD associated data), the AEAD
 ciphertext of a type-specific body, and a 16-byte AES-256-GCM tag. All integers are
@@ -75,7 +75,7 @@ Protection: :class:`pfec.common.wire.seal.PacketProtector` (one session, one loc
 
 Parsing failures raise ``ParseError`` (:mod:`.seal`'s ``AuthError``/``ReplayError`` are subclasses)
 whose ``.reason`` is one of ``PARSE_REASONS``. Encoding our own malformed message
-raises ``ValueError`` (``TypeError`` for something that is not a message).
+raises ``ValueError`` (``TypeError`` for something that is not a message; :mod:`.encoding`).
 """
 
 from __future__ import annotations
@@ -86,24 +86,20 @@ from dataclasses import fields
 from typing import Any, Final, TypeAlias
 
 from pfec.common.wire.messages import (
-    _U16_MAX,
     ACCEPT_BODY_SIZE,
     ACK_BODY_SIZE,
     CLOSE_BY_INT,
     DEFAULT_SYMBOL_SIZE,
     DONE_BODY_SIZE,
     DONE_BY_INT,
-    FINGERPRINT_SIZE,
     HEADER_SIZE,
     MAX_DATAGRAM,
     MAX_HOLE_BITS,
-    MAX_TEXT,
     MSGTYPE_BY_INT,
     NONCE_SIZE,
     OFFER_FIXED_SIZE,
     OVERHEAD,
     PHASE_MASK,
-    RANDOM_SIZE,
     REFUSE_BY_INT,
     REPAIR_ID_SIZE,
     RESULT_FIXED_SIZE,
@@ -125,184 +121,34 @@ from pfec.common.wire.messages import (
     Result,
     Source,
     body_bounds,
-    max_app_chunk,
 )
 
-_HEADER = struct.Struct(">BBQI")
-_U32 = struct.Struct(">I")
-_REPAIR_ID = struct.Struct(">HHI")
-_ACK = struct.Struct(">IIIHHIIIIIIH")
-_OFFER = struct.Struct(">HHII32sHH16sH")
-_ACCEPT = struct.Struct(">HI16sIIII")
-_RESULT = struct.Struct(">IHH")
-_DONE = struct.Struct(">IIIB")
+HEADER_LAYOUT = struct.Struct(">BBQI")
+U32_LAYOUT = struct.Struct(">I")
+REPAIR_ID_LAYOUT = struct.Struct(">HHI")
+ACK_LAYOUT = struct.Struct(">IIIHHIIIIIIH")
+OFFER_LAYOUT = struct.Struct(">HHII32sHH16sH")
+ACCEPT_LAYOUT = struct.Struct(">HI16sIIII")
+RESULT_LAYOUT = struct.Struct(">IHH")
+DONE_LAYOUT = struct.Struct(">IIIB")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are
 # :mod:`.seal`'s per-packet layout steps).
-pack_header: Final = _HEADER.pack  # (version, type, session_id, packet_number) -> 14 B
-_HEADER_UNPACK_FROM: Final = _HEADER.unpack_from
-pack_source_id: Final = _U32.pack  # (esi,) -> the SOURCE FEC Payload ID
-_REPAIR_ID_PACK: Final = _REPAIR_ID.pack  # (repair_key, dt << 12 | nss, fss_esi)
-_U32_UNPACK_FROM: Final = _U32.unpack_from
+pack_header: Final = HEADER_LAYOUT.pack  # (version, type, session_id, packet_number) -> 14 B
+_HEADER_UNPACK_FROM: Final = HEADER_LAYOUT.unpack_from
+pack_source_id: Final = U32_LAYOUT.pack  # (esi,) -> the SOURCE FEC Payload ID
+_U32_UNPACK_FROM: Final = U32_LAYOUT.unpack_from
 
-assert _HEADER.size == HEADER_SIZE
-assert _REPAIR_ID.size == REPAIR_ID_SIZE
-assert _ACK.size == ACK_BODY_SIZE
-assert _OFFER.size == OFFER_FIXED_SIZE
-assert _ACCEPT.size == ACCEPT_BODY_SIZE
-assert _RESULT.size == RESULT_FIXED_SIZE
-assert _DONE.size == DONE_BODY_SIZE
+assert HEADER_LAYOUT.size == HEADER_SIZE
+assert REPAIR_ID_LAYOUT.size == REPAIR_ID_SIZE
+assert ACK_LAYOUT.size == ACK_BODY_SIZE
+assert OFFER_LAYOUT.size == OFFER_FIXED_SIZE
+assert ACCEPT_LAYOUT.size == ACCEPT_BODY_SIZE
+assert RESULT_LAYOUT.size == RESULT_FIXED_SIZE
+assert DONE_LAYOUT.size == DONE_BODY_SIZE
 
 
-def _buflen(buf: bytes | bytearray | memoryview) -> int:
+def buflen(buf: bytes | bytearray | memoryview) -> int:
     return buf.nbytes if isinstance(buf, memoryview) else len(buf)
-
-
-# --------------------------------------------------------------------------- encoding
-
-
-def _pack(st: struct.Struct, what: str, *values: object) -> bytes:
-    try:
-        return st.pack(*values)
-    except struct.error as exc:
-        raise ValueError(f"{what}: field out of range: {exc} (values {values!r})") from exc
-
-
-def _encode_text(code: int, text: str, what: str) -> bytes:
-    if not isinstance(text, str):
-        raise ValueError(f"{what}: text must be a str, got {type(text).__name__}")
-    raw = text.encode("utf-8")
-    if len(raw) > MAX_TEXT:
-        raise ValueError(f"{what}: text is {len(raw)} B UTF-8, at most {MAX_TEXT}")
-    return bytes((code,)) + raw
-
-
-def _check_parts(part_index: int, part_count: int, what: str) -> None:
-    if not (
-        isinstance(part_index, int)
-        and isinstance(part_count, int)
-        and 1 <= part_count <= _U16_MAX
-        and 0 <= part_index < part_count
-    ):
-        raise ValueError(f"{what}: need 0 <= part_index < part_count <= 65535, got {part_index}/{part_count}")
-
-
-def _check_random(value: bytes, what: str) -> None:
-    if not isinstance(value, (bytes, bytearray)) or len(value) != RANDOM_SIZE:
-        raise ValueError(f"{what} must be {RANDOM_SIZE} fresh random bytes")
-
-
-def repair_fec_id(repair_key: int, dt: int, nss: int, fss_esi: int) -> bytes:
-    """The 8-byte REPAIR FEC Payload ID (RFC 8681); ValueError for a field out of its domain."""
-    if type(dt) is not int or type(nss) is not int or not (0 <= dt <= 15 and 1 <= nss <= 0xFFF):
-        raise ValueError(f"REPAIR: need 0 <= dt <= 15 and 1 <= nss <= 4095, got {dt!r}, {nss!r}")
-    try:
-        return _REPAIR_ID_PACK(repair_key, (dt << 12) | nss, fss_esi)
-    except struct.error as exc:
-        raise ValueError(f"REPAIR: field out of range: {exc}") from exc
-
-
-def _enc_symbol(msg: Source | Repair, symbol_size: int | None) -> bytes:
-    n = _buflen(msg.symbol)
-    if symbol_size is None:
-        if not 1 <= n <= DEFAULT_SYMBOL_SIZE:
-            raise ValueError(f"symbol of {n} B: must be 1..{DEFAULT_SYMBOL_SIZE}")
-    elif n != symbol_size:
-        raise ValueError(f"symbol of {n} B, session symbol_size is {symbol_size}")
-    if isinstance(msg, Source):
-        return _pack(_U32, "SOURCE", msg.esi) + msg.symbol
-    return repair_fec_id(msg.repair_key, msg.dt, msg.nss, msg.fss_esi) + msg.symbol
-
-
-def _enc_ack(msg: Ack) -> bytes:
-    deficit, unknowns = msg.deficit, msg.unknowns
-    if not (0 <= msg.hole_bits <= MAX_HOLE_BITS and len(msg.holes) == (msg.hole_bits + 7) // 8):
-        raise ValueError(
-            f"ACK: hole map of {len(msg.holes)} bytes does not fit hole_bits {msg.hole_bits!r} "
-            f"(<= {MAX_HOLE_BITS})"
-        )
-    if not (isinstance(deficit, int) and isinstance(unknowns, int) and deficit >= 0 and unknowns >= 0):
-        raise ValueError(f"ACK: deficit/unknowns must be non-negative ints, got {deficit!r}/{unknowns!r}")
-    return _pack(
-        _ACK,
-        "ACK",
-        msg.decoded_prefix,
-        msg.seen_end,
-        msg.decoded_count,
-        min(deficit, _U16_MAX),
-        min(unknowns, _U16_MAX),
-        msg.largest_pn,
-        msg.ack_delay_us,
-        msg.received,
-        msg.lost,
-        msg.loss_runs,
-        msg.computed_tokens,
-        msg.hole_bits,
-    ) + bytes(msg.holes)
-
-
-def _enc_offer(msg: Offer) -> bytes:
-    if not isinstance(msg.fingerprint, (bytes, bytearray)) or len(msg.fingerprint) != FINGERPRINT_SIZE:
-        raise ValueError(f"OFFER: fingerprint must be {FINGERPRINT_SIZE} bytes")
-    _check_parts(msg.part_index, msg.part_count, "OFFER")
-    _check_random(msg.sender_random, "OFFER: sender_random")
-    if not (isinstance(msg.symbol_size, int) and 1 <= msg.symbol_size <= DEFAULT_SYMBOL_SIZE):
-        raise ValueError(f"OFFER: symbol_size must be 1..{DEFAULT_SYMBOL_SIZE}, got {msg.symbol_size!r}")
-    if len(msg.app) > max_app_chunk(MsgType.OFFER):
-        raise ValueError(f"OFFER: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.OFFER)}")
-    fixed = _pack(
-        _OFFER,
-        "OFFER",
-        msg.symbol_size,
-        msg.window_cap,
-        msg.n_source,
-        msg.budget_us,
-        bytes(msg.fingerprint),
-        msg.part_index,
-        msg.part_count,
-        bytes(msg.sender_random),
-        msg.span,
-    )
-    return fixed + msg.app
-
-
-def _enc_result(msg: Result) -> bytes:
-    _check_parts(msg.part_index, msg.part_count, "RESULT")
-    if len(msg.app) > max_app_chunk(MsgType.RESULT):
-        raise ValueError(f"RESULT: app chunk of {len(msg.app)} B > {max_app_chunk(MsgType.RESULT)}")
-    return _pack(_RESULT, "RESULT", msg.decoded_count, msg.part_index, msg.part_count) + msg.app
-
-
-def _enc_coded_text(msg: Refuse | Close) -> bytes:
-    what, codes = ("REFUSE", REFUSE_BY_INT) if isinstance(msg, Refuse) else ("CLOSE", CLOSE_BY_INT)
-    if msg.code not in codes:
-        raise ValueError(f"{what}: unknown code {msg.code!r}")
-    return _encode_text(msg.code, msg.text, what)
-
-
-def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
-    """Plaintext body of ``msg``. ``symbol_size`` (if given) fixes SOURCE/REPAIR symbol length.
-
-    Raises ValueError for out-of-range fields or a body that would not fit MAX_DATAGRAM.
-    """
-    if isinstance(msg, (Source, Repair)):
-        return _enc_symbol(msg, symbol_size)
-    if isinstance(msg, Ack):
-        return _enc_ack(msg)
-    if isinstance(msg, Offer):
-        return _enc_offer(msg)
-    if isinstance(msg, Accept):
-        _check_random(msg.receiver_random, "ACCEPT: receiver_random")
-        return _pack(_ACCEPT, "ACCEPT", msg.window_cap, msg.n_source, bytes(msg.receiver_random),
-                     msg.prefill_a_us, msg.prefill_b_ns, msg.prefill_c_ps, msg.decode_us)
-    if isinstance(msg, Result):
-        return _enc_result(msg)
-    if isinstance(msg, (Refuse, Close)):
-        return _enc_coded_text(msg)
-    if isinstance(msg, Done):
-        if msg.reason not in DONE_BY_INT.values():
-            raise ValueError(f"DONE: unknown reason {msg.reason!r}")
-        return _pack(_DONE, "DONE", msg.sources_sent, msg.repairs_sent, msg.last_data_pn, msg.reason)
-    raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
 # --------------------------------------------------------------------------- decoding
@@ -351,11 +197,11 @@ _Body: TypeAlias = bytes | memoryview
 
 
 def _dec_source(body: _Body) -> Source:
-    return Source(_U32.unpack_from(body)[0], memoryview(body)[SOURCE_ID_SIZE:])
+    return Source(U32_LAYOUT.unpack_from(body)[0], memoryview(body)[SOURCE_ID_SIZE:])
 
 
 def _dec_repair(body: _Body) -> Repair:
-    key, dtnss, fss = _REPAIR_ID.unpack_from(body)
+    key, dtnss, fss = REPAIR_ID_LAYOUT.unpack_from(body)
     nss = dtnss & 0xFFF
     if nss == 0:
         raise ParseError("bad_field", "REPAIR nss 0")
@@ -363,7 +209,7 @@ def _dec_repair(body: _Body) -> Repair:
 
 
 def _dec_ack(body: _Body) -> Ack:
-    fields = _ACK.unpack_from(body)
+    fields = ACK_LAYOUT.unpack_from(body)
     hole_bits = fields[-1]
     if hole_bits > MAX_HOLE_BITS or len(body) != ACK_BODY_SIZE + (hole_bits + 7) // 8:
         raise ParseError("bad_length", f"ACK hole map: {hole_bits} bits in {len(body) - ACK_BODY_SIZE} bytes")
@@ -377,7 +223,7 @@ def _dec_parts(pi: int, pc: int, what: str) -> None:
 
 
 def _dec_offer(body: _Body) -> Offer:
-    ss, wc, ns, budget, fp, pi, pc, r_s, span = _OFFER.unpack_from(body)
+    ss, wc, ns, budget, fp, pi, pc, r_s, span = OFFER_LAYOUT.unpack_from(body)
     _dec_parts(pi, pc, "OFFER")
     if not 1 <= ss <= DEFAULT_SYMBOL_SIZE:  # no datagram could carry such a symbol
         raise ParseError("bad_field", f"OFFER symbol_size {ss}")
@@ -385,7 +231,7 @@ def _dec_offer(body: _Body) -> Offer:
 
 
 def _dec_accept(body: _Body) -> Accept:
-    return Accept(*_ACCEPT.unpack_from(body))
+    return Accept(*ACCEPT_LAYOUT.unpack_from(body))
 
 
 def _dec_text(body: _Body, what: str) -> str:
@@ -403,7 +249,7 @@ def _dec_refuse(body: _Body) -> Refuse:
 
 
 def _dec_result(body: _Body) -> Result:
-    dc, pi, pc = _RESULT.unpack_from(body)
+    dc, pi, pc = RESULT_LAYOUT.unpack_from(body)
     _dec_parts(pi, pc, "RESULT")
     return Result(dc, pi, pc, bytes(body[RESULT_FIXED_SIZE:]))
 
@@ -416,7 +262,7 @@ def _dec_close(body: _Body) -> Close:
 
 
 def _dec_done(body: _Body) -> Done:
-    sources, repairs, last_pn, code = _DONE.unpack_from(body)
+    sources, repairs, last_pn, code = DONE_LAYOUT.unpack_from(body)
     reason = DONE_BY_INT.get(code)
     if reason is None:
         raise ParseError("bad_field", f"DONE reason {code}")
@@ -444,7 +290,7 @@ def decode_body(mtype: int, body: bytes | memoryview, symbol_size: int) -> Messa
     if mtype not in MSGTYPE_BY_INT:
         raise ParseError("bad_type", f"type {mtype}")
     lo, hi = body_bounds(mtype, symbol_size)
-    n = _buflen(body)
+    n = buflen(body)
     if n < lo:
         raise ParseError("truncated", f"{MsgType(mtype).name} body {n} B < {lo}")
     if n > hi:
@@ -466,7 +312,7 @@ def unpack_header(datagram: bytes | bytearray | memoryview) -> tuple[int, int, i
     """(version, type byte, session id, packet number) of a datagram of a possible size and our version;
     ParseError otherwise. The checks of the type byte (phase and type) and the packet number are the
     caller's."""
-    n = _buflen(datagram)
+    n = buflen(datagram)
     if n < OVERHEAD:
         raise ParseError("truncated", f"{n} B datagram")
     if n > MAX_DATAGRAM:
@@ -490,7 +336,7 @@ def peek_header(datagram: bytes | bytearray | memoryview) -> Header:
     if pn == 0:
         raise ParseError("bad_field", "packet number 0")
     phase = split[1]
-    if phase is _HANDSHAKE and _buflen(datagram) < OVERHEAD + NONCE_SIZE:
+    if phase is _HANDSHAKE and buflen(datagram) < OVERHEAD + NONCE_SIZE:
         raise ParseError("truncated", "handshake datagram without its nonce")
     return new_header(version, split[0], sid, pn, phase)
 

@@ -11,7 +11,8 @@ from typing import Final
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from pfec.common.wire.frames import decode_checked_body, encode_body, pack_header
+from pfec.common.wire.encoding import encode_body
+from pfec.common.wire.frames import decode_checked_body, pack_header
 from pfec.common.wire.keyring import Keyring, check_random
 from pfec.common.wire.messages import (
     HEADER_SIZE,

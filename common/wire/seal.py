@@ -60,13 +60,12 @@ from typing import Final
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from pfec.common.wire.encoding import encode_body, repair_fec_id
 from pfec.common.wire.frames import (
     decode_checked_body,
-    encode_body,
     new_header,
     pack_header,
     pack_source_id,
-    repair_fec_id,
     unpack_header,
 )
 from pfec.common.wire.handshake import (
