@@ -16,14 +16,12 @@ import typer
 from pfec.cli.shared import fail
 from pfec.common.plan.breakeven import (
     DEFAULT_FLOOR,
-    PRESETS,
     LinkModel,
-    ModelPreset,
     Plan,
     ReceiverModel,
     plan_handoff,
-    preset_named,
 )
+from pfec.common.plan.breakeven_scan import PRESETS, ModelPreset, preset_named
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RTT_MS
 
 

@@ -13,18 +13,15 @@ from typer.testing import CliRunner
 from pfec.cli.plan import plan_cmd
 from pfec.common.plan.breakeven import (
     DEFAULT_PRECISION_LEVELS,
-    PRESETS,
     LinkModel,
     PrecisionLevel,
     ReceiverModel,
-    Switch,
-    beats_local_from,
-    choice_switches,
     level_named,
     meeting_point,
     plan_handoff,
     split_at,
 )
+from pfec.common.plan.breakeven_scan import PRESETS, Switch, beats_local_from, choice_switches
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
 from pfec.common.plan.prefill import PrefillCurve, fit_prefill_curve
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE

@@ -23,14 +23,11 @@ from typing import Any, Final
 from pfec.common.plan.breakeven import (
     DEFAULT_FLOOR,
     DEFAULT_TIE_TOLERANCE,
-    PRESETS,
     LinkModel,
     Mode,
-    ModelPreset,
-    beats_local_from,
-    choice_switches,
     plan_handoff,
 )
+from pfec.common.plan.breakeven_scan import PRESETS, ModelPreset, beats_local_from, choice_switches
 from pfec.common.plan.deadline import DEFAULT_RTT_MS
 from pfec.lab.reporting.figures import pyplot, save_figure
 
