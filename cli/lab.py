@@ -38,14 +38,8 @@ from pfec.common.plan.deadline import (
     repair_fraction,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import (
-    AUTO,
-    PLANNER_MODES,
-    check_mix,
-    choose_mix,
-    choose_mode,
-    handoff_deadline_s,
-)
+from pfec.common.plan.mode_choice import PLANNER_MODES, choose_mix, choose_mode, handoff_deadline_s
+from pfec.common.plan.stream import AUTO, check_mix
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
 from pfec.lab.emulator.emulate import emulate
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss

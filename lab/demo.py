@@ -32,7 +32,8 @@ from pfec.common.node.eventloop import run_event_loop
 from pfec.common.plan.deadline import DEFAULT_RATE_MBPS, DEFAULT_RHO, DEFAULT_RTT_MS
 from pfec.common.plan.handoff import load_profile, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, HANDOFF_MODES, PRECISION_CHOICES
+from pfec.common.plan.mode_choice import HANDOFF_MODES
+from pfec.common.plan.stream import AUTO, PRECISION_CHOICES
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.kv.workloads import QAExample, best_f1, contains_answer, needle_qa
 from pfec.lab.processes import (

@@ -41,7 +41,7 @@ class HandoffSpec:
     repair_budget: RepairBudget | None = None  # None: the daemon's (fec.repair_budget)
     destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
     precision: str = AUTO  # auto (the planner's mix; native for synthetic KV) or a mix of stream.MIXES
-    handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (stream.HANDOFF_MODES)
+    handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (mode_choice.HANDOFF_MODES)
 
 
 @dataclass

@@ -21,20 +21,22 @@ import numpy.typing as npt
 from pfec.common.plan.breakeven import ReceiverModel
 from pfec.common.plan.handoff import BLOCK_TOKENS, LOCAL_SOURCE_SYMBOLS, ModelIdentity, PrefixOffer
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, KVGeometry
+from pfec.common.plan.mode_choice import (
+    AUTO_MODES,
+    AUTO_MODES_UNSTATED,
+    ModeChoice,
+    choose_mix,
+    choose_mode,
+    handoff_deadline_s,
+)
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
     AUTO,
-    AUTO_MODES,
-    AUTO_MODES_UNSTATED,
     NATIVE,
-    ModeChoice,
     PrecisionOffer,
-    choose_mix,
-    choose_mode,
     fidelity_name_for,
     fidelity_named,
-    handoff_deadline_s,
     mix_summary,
     plan_digest,
     split_order,

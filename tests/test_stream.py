@@ -17,6 +17,7 @@ from pfec.common.model import quant
 from pfec.common.plan.breakeven import LOCAL_MARGIN
 from pfec.common.plan.handoff import OfferApp, ResultApp, SplitOffer, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
+from pfec.common.plan.mode_choice import AUTO_MODES_UNSTATED, aligned_meeting_token, choose_mix, choose_mode
 from pfec.common.plan.precision import (
     SCHEME,
     Level,
@@ -26,12 +27,8 @@ from pfec.common.plan.precision import (
     value_order,
 )
 from pfec.common.plan.stream import (
-    AUTO_MODES_UNSTATED,
     PrecisionOffer,
-    aligned_meeting_token,
     check_offer,
-    choose_mix,
-    choose_mode,
     default_fidelity,
     fidelity_named,
     file_by_stream_index,

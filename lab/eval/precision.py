@@ -11,7 +11,7 @@ masked. The answer is generated greedily and scored (``kv.answer_score``): agree
 and gold accuracy (gold contained), with paired bootstrap CIs of each variant's difference to native.
 
 Variants (``PRECISION_VARIANTS``): ``native`` (priorityfec at native precision, the reference), each fixed
-mix, ``auto`` (the break-even planner's mix, ``stream.choose_mix``) and ``split`` (the receiver prefills the
+mix, ``auto`` (the break-even planner's, ``mode_choice.choose_mix``) and ``split`` (the receiver prefills the
 front up to the planner's meeting point while the back streams at the planner's split mix). The full-KV
 cache is computed once per prompt; identical deliveries share one generation. This module loads torch.
 """
@@ -33,8 +33,8 @@ from transformers import DynamicCache
 
 from pfec.common.model import llm
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
+from pfec.common.plan.mode_choice import choose_mix, choose_mode, handoff_deadline_s
 from pfec.common.plan.precision import Level, PiecePlan
-from pfec.common.plan.stream import choose_mix, choose_mode, handoff_deadline_s
 from pfec.common.plan.utility import UtilityProfile
 from pfec.lab.eval.config import (
     NAMED_CONFIGS,

@@ -20,7 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY
-from pfec.common.plan.stream import AUTO, NATIVE, choose_mix, handoff_deadline_s
+from pfec.common.plan.mode_choice import choose_mix, handoff_deadline_s
+from pfec.common.plan.stream import AUTO, NATIVE
 from pfec.common.plan.utility import UtilityProfile
 from pfec.common.sched.policies import SCHEMES
 from pfec.lab.baselines.reliable import run_reliable
@@ -251,7 +252,7 @@ def _reliable_efficiency(res: dict[str, Any], cell: dict[str, Any]) -> None:
 
 def grid_cells(cfg: EvalConfig) -> list[dict[str, Any]]:
     """The grid's cells, largest first (the longest tasks start first): RTT, tokens, rho, and the mix that
-    ``--precision auto`` picks for that handoff (the break-even planner, ``stream.choose_mix``)."""
+    ``--precision auto`` picks for that handoff (the break-even planner, ``mode_choice.choose_mix``)."""
     cells = []
     for tokens in sorted(cfg.grid_tokens, reverse=True):
         for rtt in cfg.grid_rtts_ms:

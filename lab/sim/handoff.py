@@ -21,11 +21,11 @@ from pfec.common.plan.deadline import (
     resolve_window_cap,
 )
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, BlockPlan, KVGeometry, fitted_symbol_size
+from pfec.common.plan.mode_choice import choose_mode
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
     NATIVE,
     check_mix,
-    choose_mode,
     fidelity_name_for,
     fidelity_named,
     score_stream,
