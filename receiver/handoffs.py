@@ -57,7 +57,6 @@ from pfec.receiver.session import (
     DeadlineReached,
     OfferReceived,
     ReceiverSession,
-    ReceiverState,
     SessionClosed,
 )
 
@@ -249,7 +248,7 @@ class Handoffs:
 
     def _on_front_progress(self, sid: int, tokens: int) -> None:
         session = self.endpoint.sessions.get(sid)
-        if session is None or session.closed or session.state is not ReceiverState.RECEIVING:
+        if session is None or session.closed or not session.decoding:
             return
         now = self.clock()
         session.set_computed(tokens, now)
@@ -292,7 +291,7 @@ class Handoffs:
                 session.refuse(RefuseCode.BAD_PARAMETERS, str(exc))
             return True
         session = self.endpoint.sessions.get(info.session_id)
-        if app.split is not None and session is not None and session.state is ReceiverState.RECEIVING:
+        if app.split is not None and session is not None and session.decoding:
             # The stream carries the front too, after the back (``stream_plan``'s ``front_after``): no
             # token is the front's alone, so the session starts once what is not computed has arrived.
             session.set_split(symbol_token_ends(stream.plan), app.n_tokens, 0, self.clock())
@@ -425,7 +424,7 @@ class Handoffs:
         info = self.sessions.get(sid)
         if info is None:
             info = self.sessions[sid] = SessionInfo(sid, self.peers.get(sid), now, session.deadline)
-        if session.state is ReceiverState.RECEIVING:  # its deadline never fired (cannot happen; be sure)
+        if session.decoding:  # its deadline never fired (cannot happen; be sure)
             session.refuse(RefuseCode.OTHER, _REAPED)
             return
         error = (f"receiver gave up: no result {self.limits.session_grace_s:g} s after the deadline "

@@ -36,7 +36,7 @@ from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, PrefillCurve, front_chu
 from pfec.common.plan.stream import score_stream
 from pfec.lab.reporting.stats import mean_ci95_fields
 from pfec.receiver.endpoint import ReceiverEndpoint
-from pfec.receiver.session import OfferReceived, ReceiverSession, ReceiverState
+from pfec.receiver.session import OfferReceived, ReceiverSession
 
 SIM_MODES: Final = ("handoff", "split", "local")
 DEFAULT_RECEIVER: Final = ReceiverModel(DEFAULT_MODEL_PREFILL, DEFAULT_MODEL_DECODE_S)
@@ -120,7 +120,7 @@ class FrontPrefill:
         if self.session_id is None or self.chunk is None:
             return None
         session = self.endpoint.sessions.get(self.session_id)
-        if session is None or session.state is not ReceiverState.RECEIVING:
+        if session is None or not session.decoding:
             return None  # the session started (or closed): the daemon stops its front there
         return self.chunk[1]
 
@@ -132,7 +132,7 @@ class FrontPrefill:
             self.pace = self.curve.chunk_seconds(self.done, end) / (end - self.done)
             self.done, self.chunk = end, None
             session.set_computed(end, now)
-            if end < self.n_tokens and session.state is ReceiverState.RECEIVING:
+            if end < self.n_tokens and session.decoding:
                 self._next_chunk(session, now)
 
 
