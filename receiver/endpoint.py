@@ -40,13 +40,10 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from pfec.common.codec.fec import MAX_NSS
 from pfec.common.events import CpuMeter, DatagramDropped
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import (
@@ -76,6 +73,17 @@ from pfec.common.wire.seal import (
     open_handshake,
     seal_handshake,
 )
+from pfec.receiver.handshake import (
+    AMPLIFICATION_FACTOR,
+    MAX_HELD_REPEATS,
+    MAX_SPAN,
+    Admission,
+    HandshakeInfo,
+    Pending,
+    check_offer,
+    decoder_bytes,
+    grant_span,
+)
 from pfec.receiver.session import (
     ReceiverConfig,
     ReceiverEvent,
@@ -90,73 +98,8 @@ __all__ = [
     "decoder_bytes", "grant_span",
 ]
 
-#: The application's own admission check: ``(session id, offer)`` -> a refusal, or None to admit.
-Admission = Callable[[int, Offer], tuple[RefuseCode, str] | None]
-
-AMPLIFICATION_FACTOR = 3  # bytes sent <= 3 x bytes received before establishment (RFC 9000 s8.1)
 _REFUSE_OVERHEAD = OVERHEAD + NONCE_SIZE + 1  # a handshake REFUSE without its text
 _HANDSHAKE = KeyPhase.HANDSHAKE
-MAX_SPAN = MAX_NSS  # the largest decoder span: an RFC 8681 window (12-bit NSS)
-
-
-def decoder_bytes(span: int, symbol_size: int) -> int:
-    """What a decoder of ``span`` allocates on top of the session's store: its span x span coefficient
-    matrix, span payload rows and its integer state (about 4 x span int64)."""
-    return span * span + span * symbol_size + 32 * span
-
-
-def grant_span(offer: Offer, config: ReceiverConfig) -> int:
-    """The decoder span a session for ``offer`` gets (told to the sender in the ACCEPT): the OFFER's request
-    within [max(window_cap, config.decoder_span), min(MAX_SPAN, n_source)], shrunk until the store and the
-    decoder fit ``max_session_bytes`` (never below that floor: ``_check_offer`` refuses what cannot fit)."""
-    floor = max(offer.window_cap, config.decoder_span)
-    span = max(floor, min(offer.span, MAX_SPAN, offer.n_source))
-    room = config.max_session_bytes - offer.n_source * offer.symbol_size
-    if span > floor and decoder_bytes(span, offer.symbol_size) > room:
-        # The largest span whose decoder fits the room: s^2 + s (S + 32) <= room.
-        b = offer.symbol_size + 32
-        fit = (math.isqrt(b * b + 4 * max(0, room)) - b) // 2
-        span = max(floor, fit)
-    return span
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeInfo:
-    """A pending handshake, for ``/sessions`` and metrics: answered with an ACCEPT, not yet established."""
-
-    session_id: int
-    created_at: float
-    expires_at: float
-    parts_received: int
-    part_count: int
-    n_source: int
-    symbol_size: int
-    budget_s: float
-    bytes_received: int
-    bytes_sent: int
-    span: int = 0  # the decoder span granted (the ACCEPT's)
-
-
-MAX_HELD_REPEATS = 64  # repeated OFFER packet numbers a pending handshake remembers (bounded)
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One pending handshake (small: a few hundred bytes plus the held OFFER parts and early data)."""
-
-    offer: Offer  # the first part received
-    offer_pn: int
-    config: ReceiverConfig  # the session's: the endpoint's with the decoder span granted to this OFFER
-    created_at: float
-    expires_at: float
-    receiver_random: bytes
-    reply: bytes  # the sealed ACCEPT, sent again as is for a repeated OFFER
-    parts: dict[int, int] = field(default_factory=dict)  # part index -> packet number
-    repeats: set[int] = field(default_factory=set)  # packet numbers of repeated OFFER parts
-    held: list[tuple[int, Message]] = field(default_factory=list)  # (pn, message): later parts, early data
-    protector: PacketProtector | None = None  # the session's, built (keys derived) on first need
-    bytes_received: int = 0
-    bytes_sent: int = 0
 
 
 class ReceiverEndpoint:
@@ -189,7 +132,7 @@ class ReceiverEndpoint:
         # c ps/token^2, decode us; all 0: not stated). The daemon sets it from its measurements.
         self.prefill_statement: tuple[int, int, int, int] = (0, 0, 0, 0)
         self.speed_queries = 0  # speed queries answered
-        self._handshakes: OrderedDict[int, _Pending] = OrderedDict()  # by creation, so by expiry
+        self._handshakes: OrderedDict[int, Pending] = OrderedDict()  # by creation, so by expiry
         self._early: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()  # before any OFFER
         self._closed: OrderedDict[int, None] = OrderedDict()
         self._events: deque[ReceiverEvent] = deque()
@@ -284,14 +227,7 @@ class ReceiverEndpoint:
 
     def pending_handshakes(self) -> list[HandshakeInfo]:
         """Every pending handshake (not yet a session), oldest first."""
-        return [
-            HandshakeInfo(
-                sid, p.created_at, p.expires_at, len(p.parts), p.offer.part_count, p.offer.n_source,
-                p.offer.symbol_size, p.offer.budget_us * 1e-6, p.bytes_received, p.bytes_sent,
-                p.config.decoder_span,
-            )
-            for sid, p in self._handshakes.items()
-        ]
+        return [p.info(sid) for sid, p in self._handshakes.items()]
 
     @property
     def early_held(self) -> int:
@@ -378,7 +314,7 @@ class ReceiverEndpoint:
         accept = Accept(decoder_span(offer, session_cfg), offer.n_source, r_r, *self.prefill_statement)
         reply = seal_handshake(self.keyring, Role.RECEIVER, accept, sid, 1, self.random_bytes(NONCE_SIZE),
                                offer.sender_random)
-        pending = _Pending(offer, header.packet_number, session_cfg, now, now + cfg.handshake_timeout_s, r_r,
+        pending = Pending(offer, header.packet_number, session_cfg, now, now + cfg.handshake_timeout_s, r_r,
                            reply, {offer.part_index: header.packet_number}, bytes_received=size)
         handshakes[sid] = pending
         self._reply(pending, sid)
@@ -409,7 +345,7 @@ class ReceiverEndpoint:
                                                   self.random_bytes(NONCE_SIZE), offer.sender_random)))
         self.speed_queries += 1
 
-    def _reply(self, pending: _Pending, sid: int) -> None:
+    def _reply(self, pending: Pending, sid: int) -> None:
         """Send the pending handshake's ACCEPT (again), within the anti-amplification budget."""
         size = len(pending.reply)
         if pending.bytes_sent + size > AMPLIFICATION_FACTOR * pending.bytes_received:
@@ -419,43 +355,8 @@ class ReceiverEndpoint:
         self._replies.append((sid, pending.reply))
 
     def _check_offer(self, sid: int, offer: Offer) -> tuple[RefuseCode, str] | None:
-        """Every OFFER field bounded before anything is allocated for it."""
-        cfg = self.config
-        if offer.fingerprint != self.fingerprint:
-            return (
-                RefuseCode.FINGERPRINT_MISMATCH,
-                f"sender model fingerprint {offer.fingerprint.hex()[:16]} differs from this receiver's "
-                f"{self.fingerprint.hex()[:16]}: both nodes must serve the same model and KV layout",
-            )
-        if offer.n_source == 0 or offer.window_cap == 0 or offer.window_cap > 4095:
-            return (
-                RefuseCode.BAD_PARAMETERS,
-                f"n_source {offer.n_source} and window_cap {offer.window_cap} must be positive, "
-                "window_cap <= 4095",
-            )
-        if offer.span > MAX_SPAN:
-            return (RefuseCode.BAD_PARAMETERS,
-                    f"decoder span {offer.span} asked for, above the largest window {MAX_SPAN}")
-        if offer.part_count > cfg.max_offer_parts:
-            return (RefuseCode.BAD_PARAMETERS,
-                    f"OFFER of {offer.part_count} parts, above max_offer_parts {cfg.max_offer_parts}")
-        if offer.budget_us > cfg.max_budget_s * 1e6:
-            return (RefuseCode.BAD_PARAMETERS,
-                    f"budget {offer.budget_us / 1e6:.3f} s above max_budget_s {cfg.max_budget_s:g}")
-        # The store and the smallest decoder this receiver would run (grant_span shrinks a larger one).
-        floor = max(offer.window_cap, cfg.decoder_span)
-        need = offer.n_source * offer.symbol_size + decoder_bytes(floor, offer.symbol_size)
-        if need > cfg.max_session_bytes:
-            return (
-                RefuseCode.OVERLOADED,
-                f"handoff needs {need} bytes (store and decoder of span {floor}), above this receiver's "
-                f"max_session_bytes {cfg.max_session_bytes}",
-            )
-        if len(self.sessions) >= cfg.max_sessions:
-            return (RefuseCode.OVERLOADED, f"receiver already holds {len(self.sessions)} sessions")
-        if self.admit is not None:
-            return self.admit(sid, offer)
-        return None
+        """Every OFFER field bounded before anything is allocated for it (``handshake.check_offer``)."""
+        return check_offer(sid, offer, self.config, self.fingerprint, len(self.sessions), self.admit)
 
     def _refuse_handshake(self, header: Header, offer: Offer, size: int, code: RefuseCode, text: str) -> None:
         """A REFUSE sealed with the handshake key, its text clipped to the anti-amplification budget."""
@@ -472,7 +373,7 @@ class ReceiverEndpoint:
                                                   self.random_bytes(NONCE_SIZE), offer.sender_random)))
 
     # ------------------------------------------------------------------ pending handshakes: data
-    def _pending_protector(self, sid: int, pending: _Pending) -> PacketProtector:
+    def _pending_protector(self, sid: int, pending: Pending) -> PacketProtector:
         protector = pending.protector
         if protector is None:  # the session keys, derived once per pending handshake
             offer = pending.offer
@@ -482,7 +383,7 @@ class ReceiverEndpoint:
             )
         return protector
 
-    def _on_pending_data(self, pending: _Pending, header: Header, data: bytes, now: float) -> Header | None:
+    def _on_pending_data(self, pending: Pending, header: Header, data: bytes, now: float) -> Header | None:
         """Early data is opened and held; the first datagram under the session key establishes."""
         sid = header.session_id
         protector = self._pending_protector(sid, pending)
@@ -507,7 +408,7 @@ class ReceiverEndpoint:
             pending.held.append((pn, message))
         return header
 
-    def _establish(self, sid: int, pending: _Pending, pn: int, message: Message, now: float) -> None:
+    def _establish(self, sid: int, pending: Pending, pn: int, message: Message, now: float) -> None:
         del self._handshakes[sid]
         protector = pending.protector
         assert protector is not None

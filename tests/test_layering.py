@@ -22,7 +22,8 @@ FOLDERS = ("common", "sender", "receiver", "lab", "cli")  # installed as pfec.<f
 SANS_IO = (
     "pfec.common.codec", "pfec.common.wire", "pfec.common.sched", "pfec.common.plan", "pfec.common.events",
     "pfec.sender.transport",
-    "pfec.receiver.session", "pfec.receiver.endpoint",
+    "pfec.receiver.session", "pfec.receiver.endpoint", "pfec.receiver.session_states",
+    "pfec.receiver.session_types", "pfec.receiver.split", "pfec.receiver.handshake",
 )
 IO = {"asyncio", "socket", "time", "threading", "selectors", "uvloop", "aiohttp", "prometheus_client"}
 TORCH = {"torch", "transformers", "safetensors", "accelerate", "gguf"}
