@@ -13,23 +13,34 @@ the ACKs' prefix but not their hole maps, and moves to the window at the prefix 
 the receiver's decoder stalled (undecoded range past its span: a newer window would be refused).
 
 Runs per datagram: no allocation beyond the datagram itself, every buffer preallocated.
+
+``Epochs`` decides, between bursts, what the next one is: an owed probe (:mod:`.probe`), the open-loop
+tail's credit, the policy's action, or a repair in a slot that would idle; or that the session stops.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter
-from pfec.common.sched.actions import SchedulerView
+from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
 from pfec.common.sched.open_loop_tail import FEEDBACK_RTTS, OpenLoopTail
+from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import Ack
 from pfec.common.wire.seal import PacketProtector
+from pfec.sender.transport.completion import done_reason
 from pfec.sender.transport.inflight import InFlight
+from pfec.sender.transport.path import PathEstimates
+from pfec.sender.transport.probe import ProbeTimer
 from pfec.sender.transport.rate import RateController
 from pfec.sender.transport.repair_plan import RESEND_RTTS, SEEN_MIN_S, SEEN_RTTS, Plan, RepairPlanner
-from pfec.sender.transport.session_types import MAX_SPAN, SenderConfig
+from pfec.sender.transport.session_types import MAX_SPAN, SenderConfig, UtilityFeatures
+from pfec.sender.transport.states import Event
 
 
 class SendPath:
@@ -269,3 +280,114 @@ class SendPath:
             0 if open_loop else ack.seen_end,
             0 if open_loop else min(inflight.acked_source_end, ack.decoded_prefix + self.planner.span),
         )
+
+
+Burst: TypeAlias = tuple[Action, int]  # the action and how many datagrams it sends
+ONE_REPAIR: Final[Burst] = (Action.REPAIR_1, 1)
+
+
+class Epochs:
+    """A session's decision epochs: between bursts, refresh the scheduler's view from its own sends and
+    the newest ACK, then choose the next burst, or find that the session stops sending (an event it
+    ``fire``s at the session's table: :mod:`.states`)."""
+
+    __slots__ = ("config", "cpu", "encoder", "fire", "inflight", "path", "policy", "probe", "rate",
+                 "send_path", "utility_features", "view")
+
+    def __init__(self, config: SenderConfig, send_path: SendPath, policy: Policy, probe: ProbeTimer,
+                 path: PathEstimates, utility_features: UtilityFeatures | None,
+                 fire: Callable[[Event, float, object], bool]) -> None:
+        self.config = config
+        self.send_path = send_path
+        self.view = send_path.view
+        self.encoder = send_path.encoder
+        self.inflight = send_path.inflight
+        self.rate = send_path.rate
+        self.cpu = send_path.cpu
+        self.policy = policy
+        self.probe = probe
+        self.path = path
+        self.utility_features = utility_features
+        self.fire = fire
+
+    def slots_left(self, now: float, send_deadline: float) -> int:
+        """Slots before the send deadline, counted at the rate forecast, not the rate paced at."""
+        return max(0, int((send_deadline - now) / self.rate.plan_slot_s))
+
+    def decide(self, now: float, start: float, send_deadline: float, accepted: bool) -> Burst | None:
+        """The next burst (None: nothing to send now). ``accepted``: the receiver's ACCEPT came."""
+        cpu = self.cpu
+        t0 = cpu.clock() if cpu is not None else 0
+        self._refresh_view(now, start, send_deadline)
+        if (broken := self.rate.breaker(now)) is not None:  # RFC 8084: the path stopped delivering
+            self.fire(Event.PATH_BROKEN, now, broken)
+            return None
+        if self.view.slots_left == 0:
+            self.fire(Event.NO_SLOT_LEFT, now, None)
+            return None
+        burst = self._choose(now, accepted)
+        if burst is not None and cpu is not None:
+            cpu.policy_ns += cpu.clock() - t0
+            cpu.decisions += 1
+        return burst
+
+    def _choose(self, now: float, accepted: bool) -> Burst | None:
+        view, send_path = self.view, self.send_path
+        # An owed probe goes first, then the open-loop tail's credit: one repair each (over what the
+        # receiver lacks most, over the newest window). The policy decides the rest.
+        if view.repairs_left > 0 and self.probe.take():
+            send_path.take_probe()
+            return ONE_REPAIR
+        if send_path.take_tail_repair():
+            return ONE_REPAIR
+        if not view.update_mask():
+            return self._nothing_allowed(now, accepted)
+        action = self.policy.decide(view)
+        if not view.mask[action]:
+            raise ValueError(f"policy {self.policy.name!r} chose masked action {action.name}")
+        if action is Action.SOURCE:
+            return action, min(SOURCE_BURST, view.sources_left, view.slots_left)
+        return action, REPAIR_SIZES[action]
+
+    def _nothing_allowed(self, now: float, accepted: bool) -> Burst | None:
+        """The masks allow nothing (every source sent, no deficit left): done (say so and stop), fill the
+        slot with a repair (the whole deadline is the budget), or wait for feedback."""
+        reason = done_reason(self.view, self.encoder.ack_prefix, self.policy.sends_repairs)
+        if reason is not None and self.fire(Event.FINISHED, now, reason):  # the table: not before the ACCEPT
+            return None
+        if not (accepted and self._may_fill()):
+            return None
+        self.send_path.take_fill()
+        return ONE_REPAIR
+
+    def _may_fill(self) -> bool:
+        """Whether a slot that would idle carries a repair: the whole deadline is the budget, the policy
+        repairs closed loop, and the newest ACK names symbols the receiver lacks (hole regions). Not on
+        sources merely unacknowledged yet: repairs filling a clean link's last round trip cost sender CPU
+        and receiver lateness for nothing; a lost tail is the probe timeout's."""
+        view = self.view
+        return (
+            self.config.fill_idle
+            and not view.open_loop
+            and view.repairs_left > 0
+            and self.send_path.planner.regions > 0
+        )
+
+    def _refresh_view(self, now: float, start: float, send_deadline: float) -> None:
+        view = self.view
+        enc = self.encoder
+        next_esi = enc.next_esi
+        view.now = now
+        view.sources_sent = next_esi
+        slots_left = view.slots_left = self.slots_left(now, send_deadline)
+        view.acked_prefix = enc.ack_prefix
+        view.ack_staleness = now - self.path.last_prefix_change
+        inflight = self.inflight
+        view.repairs_in_flight = view.repairs_sent - inflight.repairs_acked
+        view.sources_in_flight = next_esi - inflight.acked_source_end
+        rtt = view.rtt_estimate
+        since_start = None if rtt > 0 else now - start  # no RTT sample: no ACK yet
+        self.send_path.plan_epoch(next_esi, view.loss_estimate, rtt, slots_left * self.rate.plan_slot_s,
+                                  since_start)
+        if self.utility_features is not None:
+            self.utility_features.write(view, next_esi)

@@ -2,60 +2,37 @@
 
 Theory of operation
 -------------------
-States: IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state.
+Callers see IDLE -> STREAMING -> DRAINING -> DONE, or FAILED from any state. The handshake, the stop and
+the end, the phases behind those states and every transition are one table in :mod:`.states`, which the
+session follows: it changes phase nowhere else. What it sends meanwhile:
 
-- ``start(now)`` queues the OFFER (the receiver's time budget, never a timestamp; the sender's fresh R_s)
-  and moves to STREAMING at once: a first flight of at most ``first_flight`` data datagrams (about one
-  bandwidth-delay product) follows the OFFER under the sender's early key without waiting a round trip,
-  because the deadline counts from the first transmission. Then the session waits for the receiver's
-  ACCEPT (its R_r, and the R_s it authenticates), repeating the OFFER every ``offer_retry_s``; the ACCEPT
-  gives the session keys (:mod:`pfec.common.wire.seal`) and streaming goes on under them. Without an
-  ACCEPT by ``start + handshake_timeout_s`` the session fails and queues a CLOSE. Right after the
-  ACCEPT the session sends the OFFER's last part again under the session key: the receiver establishes
-  the session on it even when no data is left to send.
-- The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts the session
-  refreshes its ``SchedulerView`` from its own sends and the newest ACK, recomputes the hard masks (source
-  left, estimated deficit for repair, repair budget, slots before the deadline) and asks the policy for
-  an action; the burst is then sent one datagram per call. The slots left are counted at the rate
-  controller's forecast (``rate``: :mod:`.rate`'s ``FixedRate``, or :mod:`.path_rate`'s measured
-  ``PathRate``, whose circuit breaker stops the stream with a DONE). An open-loop policy (a fixed-rate
-  code) needs no deficit for a repair and its repairs cover the newest window (``send_path``).
-- A closed-loop repair policy's sources sent with under 1.5 RTT left (the path's RTT prior before a
-  sample) cannot be repaired from feedback: the session protects them open loop at the expected-loss rate
-  (the loss prior until ACKs measure it) before asking the policy (``common/sched/open_loop_tail.py``),
-  each repair over all of the tail's sources the decoder span reaches. When the first ACK (two round trips
-  after the start) leaves no room for a closed-loop cycle, the whole handoff is that tail.
-- ACKs move the encoder's window (cumulative decoded prefix) and feed the loss, burst, RTT and deficit
-  estimates. A deficit estimate is the receiver's reported window deficit, minus the repairs still in
-  flight that the receiver had not seen when it wrote the ACK (each counts as arriving while a lost one
-  could still be replaced, with probability 1 - loss within ``RESEND_RTTS`` of the deadline), plus the
-  expected losses among in-flight sources that fall inside the window.
-- ACK fields are checked against what was sent (decoded prefix, seen end and decoded count within the
-  sources sent, largest packet number within those sealed, counters within the datagrams sealed); an
-  implausible ACK is dropped and counted (``bad_ack``), and no codec error escapes a session method.
-- A split (``SplitInfo``: the receiver prefills the front while this session streams the back): an ACK's
-  ``computed_tokens`` (past the context: dropped, ``bad_ack_computed``) moves the unsent symbols holding
-  only computed blocks behind the others, never to be sent (``split``); once every source is out and all
-  the receiver lacks holds only computed blocks, the session is done (DONE), repairing nothing more.
-- Waiting on feedback that does not come (its last repairs lost, or the ACK that answered them), a
-  closed-loop sender probes as QUIC does (RFC 9002 6.2, :mod:`.probe`): repairs where the receiver lacks
-  most, whatever the deficit estimate says; the ACK they elicit says what is still missing.
-- Once it will send nothing more the receiver could use (every source out, and all decoded, its repair
-  cap spent, or no closed-loop repair in its scheme) it stops (DRAINING) and sends a DONE (the completion
-  signal, :mod:`.completion`), on which the receiver starts generating rather than at its deadline.
-- With no slot left before the deadline it stops sending data (DRAINING) and waits for the RESULT,
-  answered with CLOSE (DONE); none by ``deadline + result_wait_s``: it fails with a reason. Giving up
-  (no ACCEPT, no RESULT, ``cancel``) it queues a CLOSE for the receiver first.
+- The link pacer calls ``next_datagram(now)`` whenever the link is free. Between bursts a decision epoch
+  (``epochs``: :mod:`.send_path`) refreshes the ``SchedulerView`` from the session's sends and the newest
+  ACK, recomputes the hard masks (source left, estimated deficit for repair, repair budget, slots before
+  the deadline) and asks the policy for an action; the burst is then sent one datagram per call. The
+  slots left are counted at the rate controller's forecast (``rate``: :mod:`.rate`'s ``FixedRate``, or
+  :mod:`.path_rate`'s measured ``PathRate``, whose circuit breaker stops the stream with a DONE).
+- A closed-loop repair policy's sources sent too late for feedback to save them are protected open loop
+  (``common/sched/open_loop_tail.py``); an open-loop policy (a fixed-rate code) needs no deficit for a
+  repair, and its repairs cover the newest window (:mod:`.send_path`).
+- ACKs are checked against what was sent (:mod:`.path`: an implausible one is dropped and counted, and
+  no codec error escapes a session method), move the encoder's window (cumulative decoded prefix) and
+  feed the loss, burst, RTT and deficit estimates (:mod:`.repair_plan`: the reported deficit less the
+  repairs in flight, plus the expected losses among the sources in flight).
+- A split (``SplitInfo``): an ACK's ``computed_tokens`` moves the unsent symbols holding only computed
+  blocks behind the others, never to be sent; once all the receiver lacks is computed, it is done
+  (:mod:`.split`).
+- Waiting on feedback that does not come, a closed-loop sender probes as QUIC does (:mod:`.probe`).
 
 Parts
 -----
-The session holds the states, the OFFER/ACCEPT/RESULT/CLOSE flow, timers, events and decision epochs, and
-delegates the rest, each part sans-IO with a narrow interface:
+The session holds the OFFER/ACCEPT/RESULT/CLOSE flow, its timers and events, and follows the table
+(:mod:`.states`); it delegates the rest, each part sans-IO with a narrow interface:
 
 - ``path`` (:mod:`.path`): ACK intake, plausibility check, path estimates (loss, burst, RTT, staleness);
 - ``inflight`` (:mod:`.inflight`): what was sent and not yet ACKed; the newest ACKed one's RTT sample;
 - ``send_path`` (:mod:`.send_path`): source and repair datagrams, the tail's window, and the
-  repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps;
+  repair planner (:mod:`.repair_plan`) fed from the ACKs' hole maps; ``epochs``: the decision epochs;
 - ``split`` (:mod:`.split`): a split handoff's token ends, computed tokens and unsent reorder;
 - ``probe`` (:mod:`.probe`): the probe timer's clock and backoff;
 - ``completion`` (:mod:`.completion`): when the sender is done, and its DONE;
@@ -66,6 +43,7 @@ delegates the rest, each part sans-IO with a narrow interface:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -73,7 +51,7 @@ import numpy.typing as npt
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
 from pfec.common.plan.receiver_speed import stated_receiver
-from pfec.common.sched.actions import REPAIR_SIZES, SOURCE_BURST, Action, SchedulerView
+from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
 from pfec.common.wire.messages import (
@@ -89,15 +67,14 @@ from pfec.common.wire.messages import (
     clip_text,
 )
 from pfec.common.wire.seal import PacketProtector, drop_reason
-from pfec.sender.transport.completion import Completion, ResultParts, done_reason
+from pfec.sender.transport.completion import Completion, ResultParts
 from pfec.sender.transport.inflight import InFlight
 from pfec.sender.transport.offer import OfferParts
 from pfec.sender.transport.path import PathEstimates, ack_plausible
 from pfec.sender.transport.probe import ProbeTimer
 from pfec.sender.transport.rate import FixedRate, RateController
-from pfec.sender.transport.send_path import SendPath
+from pfec.sender.transport.send_path import Epochs, SendPath
 from pfec.sender.transport.session_types import (
-    EARLY_OFFER_EVERY,
     MAX_SPAN,
     Accepted,
     Failed,
@@ -113,10 +90,15 @@ from pfec.sender.transport.session_types import (
     UtilityFeatures,
 )
 from pfec.sender.transport.split import SplitBookkeeping
+from pfec.sender.transport.states import ARMED, INITIAL, TRANSITIONS, Event, Invalid, Move, Stay, Timer, acts
 
 # The session's inputs and outputs live in session_types; callers import them from here too.
 __all__ = ["MAX_SPAN", "Accepted", "Failed", "PathBroken", "Refused", "ResultReceived", "SenderConfig",
            "SenderEvent", "SenderSession", "SenderState", "SendingStopped", "SourceInfo", "SplitInfo"]
+
+# The receiver's messages as the table's events (any other type is dropped).
+_EVENT_OF_MESSAGE: dict[type, Event] = {Accept: Event.ACCEPT, Refuse: Event.REFUSE, Ack: Event.ACK,
+                                        Result: Event.RESULT, Close: Event.CLOSE}
 
 
 class SenderSession:
@@ -124,18 +106,10 @@ class SenderSession:
     RESULT and CLOSE (see the module doc), assembled in ``transfer.py``. ``rate``: the rate controller
     (:mod:`.rate`); None paces at ``config.slot_s``."""
 
-    def __init__(
-        self,
-        session_id: int,
-        config: SenderConfig,
-        symbols: npt.NDArray[np.uint8],
-        policy: Policy,
-        protector: PacketProtector,
-        source_info: SourceInfo | None = None,
-        cpu: CpuMeter | None = None,
-        split: SplitInfo | None = None,
-        rate: RateController | None = None,
-    ) -> None:
+    def __init__(self, session_id: int, config: SenderConfig, symbols: npt.NDArray[np.uint8], policy: Policy,
+                 protector: PacketProtector, source_info: SourceInfo | None = None,
+                 cpu: CpuMeter | None = None, split: SplitInfo | None = None,
+                 rate: RateController | None = None) -> None:
         self.session_id = session_id
         self.config = config
         self.policy = policy
@@ -153,7 +127,7 @@ class SenderSession:
             target_nonzeros=config.target_nonzeros,
             fixed_dt=config.fixed_dt,
         )
-        self.state = SenderState.IDLE
+        self._phase = INITIAL  # moved only by _fire, as the table (states.py) says
         self.view = view = SchedulerView(n_source=self.encoder.n_source, repair_budget=config.repair_budget)
         view.repairs_left = config.repair_budget if policy.sends_repairs else 0
         # Open loop (a fixed-rate code): repairs need no deficit, and the planner never sees the ACKs' hole
@@ -173,39 +147,57 @@ class SenderSession:
         self.completion = Completion()  # the DONE: why, how many, the next repeat
         self.datagrams_sent = self.send_path.datagrams_sent  # source / repair / control datagrams sealed
         self._utility_features = None if source_info is None else UtilityFeatures(source_info)
+        self.epochs = Epochs(config, self.send_path, policy, self.probe, self.path, self._utility_features,
+                             self._fire)
         self._events: deque[SenderEvent] = deque()
         self._control: deque[bytes] = deque()  # OFFER / CLOSE datagrams, sent before data
         self._burst_action, self._burst_left = Action.SOURCE, 0
         self._start = self._send_deadline = self._deadline = 0.0
-        self._accepted = False  # the receiver's ACCEPT arrived: the session keys are set
         self._handshake_deadline = 0.0
-        self._offer_timer: float | None = None
         self._result_timer: float | None = None
         self._result = ResultParts(config.max_result_parts)
         self.drops: dict[str, int] = {}
+        # When each timer is due (None: not set); the table says in which phases it counts.
+        self._clocks: dict[Timer, Callable[[], float | None]] = {
+            Timer.OFFER_REPEAT: lambda: self.offer.repeat_at,
+            Timer.OFFER_RETRY: lambda: self.offer.retry_at,
+            Timer.HANDSHAKE: lambda: self._handshake_deadline,
+            Timer.SEND_DEADLINE: lambda: self._send_deadline,
+            Timer.PROBE: lambda: self.probe.expiry(self.view, self.inflight, self.encoder.next_esi,
+                                                   self.encoder.ack_prefix, self.path.rtt_var,
+                                                   self._send_deadline),
+            Timer.DONE_REPEAT: lambda: self.completion.timer,
+            Timer.RESULT_WAIT: lambda: self._result_timer,
+        }
 
     # ----------------------------------------------------------------- public API
+    @property
+    def state(self) -> SenderState:
+        """Where the session stands, as callers see it (its phase in :mod:`.states` refines it)."""
+        return self._phase.public
+
     def start(self, now: float) -> None:
-        if self.state is not SenderState.IDLE:
-            raise RuntimeError(f"start() called in state {self.state.value}")
+        self._fire(Event.START, now)
+
+    def _begin(self, now: float, _arg: None) -> bool:
         cfg = self.config
         self._start = now
         self._deadline = now + cfg.budget_s
         # The last datagram must be serialised and propagated before the receiver's deadline.
         self._send_deadline = self._deadline - cfg.owd_s
-        self.view.slots_total = self._slots_left(now)
+        self.view.slots_total = self.epochs.slots_left(now, self._send_deadline)
         self.path.start(now)
         self._handshake_deadline = now + cfg.handshake_timeout_s
-        self.state = SenderState.STREAMING
-        self._queue_offer(now)
+        return self._retry_offer(now, None)  # the OFFER, then the first flight
 
     def next_datagram(self, now: float) -> bytes | None:
         """The next datagram to put on the link now, or None when there is nothing to send yet."""
         if self._control:
             return self._control.popleft()
-        if self.state is not SenderState.STREAMING:
+        phase = self._phase
+        if not phase.sends:
             return None
-        if not self._accepted and self.encoder.next_esi + self.view.repairs_sent >= self.config.first_flight:
+        if phase.awaits_accept and self.encoder.next_esi + self.view.repairs_sent >= self.config.first_flight:
             return None  # the first flight is out: wait for the ACCEPT
         if self._burst_left == 0 and not self._decide(now):
             return None
@@ -244,63 +236,53 @@ class SenderSession:
             self._drop("bad_feedback")
 
     def get_timer(self) -> float | None:
-        send_deadline = self._send_deadline if self.state is SenderState.STREAMING else None
-        handshake = (
-            self._handshake_deadline
-            if not self._accepted and self.state in (SenderState.STREAMING, SenderState.DRAINING)
-            else None
-        )
-        repeat = self.offer.repeat_at if self.state in (SenderState.STREAMING, SenderState.DRAINING) else None
-        return earliest(send_deadline, self._offer_timer, self._result_timer, handshake, self._probe_at(),
-                        self.completion.timer, repeat)
+        clocks = self._clocks
+        return earliest(*[clocks[timer]() for timer in ARMED[self._phase]])
 
     def handle_timer(self, now: float) -> None:
-        live = self.state in (SenderState.STREAMING, SenderState.DRAINING)  # needed till the receiver starts
-        if live and (repeats := self.offer.repeats_due(self._deadline, now)):
-            self._control.extend(repeats)
-            self.datagrams_sent["control"] += len(repeats)
-        if self._offer_timer is not None and now >= self._offer_timer:
-            if self.state is SenderState.STREAMING and not self._accepted:
-                self._queue_offer(now)
-            else:
-                self._offer_timer = None
-        if (
-            not self._accepted
-            and self.state in (SenderState.STREAMING, SenderState.DRAINING)
-            and now >= self._handshake_deadline
-        ):
-            waited = self._handshake_deadline - self._start
-            self._fail(f"no ACCEPT from the receiver within {waited:.3f} s", CloseCode.TIMEOUT)
-            return
-        if self.state is SenderState.STREAMING and now >= self._send_deadline:
-            self._stop_sending(now)
-        probe_at = self._probe_at()
-        if probe_at is not None and now >= probe_at:
-            self.probe.expire()
-        done_at = self.completion.timer
-        if done_at is not None and now >= done_at:
-            self.completion.timer = None
-            if self.state is SenderState.DRAINING and now < self._deadline:
-                self._queue_done(now)
-        if self._result_timer is not None and now >= self._result_timer:
-            self._result_timer = None
-            if self.state is SenderState.DRAINING:
-                self._fail("no RESULT from the receiver by the deadline plus result_wait_s",
-                           CloseCode.TIMEOUT)
+        """Fire each timer the phase arms that is due, in ``Timer`` order: one may move the phase (the send
+        deadline stops the sending), which arms or disarms the next."""
+        for timer in Timer:
+            if timer in ARMED[self._phase] and (due := self._clocks[timer]()) is not None and now >= due:
+                self._fire(timer, now)
+
+    def _fire(self, trigger: Event | Timer, now: float, arg: object = None) -> bool:
+        """Apply the table's row for ``trigger`` in this phase, with its input ``arg``: the session changes
+        phase only here. Whether the row acted (False: ignored, or its move did not go through)."""
+        row = TRANSITIONS[self._phase][trigger]
+        if isinstance(row, Move):
+            if not getattr(self, row.action)(now, arg):
+                return False
+            self._phase = row.to
+            return True
+        if isinstance(row, Stay):
+            return bool(getattr(self, row.action)(now, arg))
+        if isinstance(row, Invalid):
+            raise RuntimeError(f"{trigger.value} called in state {self.state.value}")
+        return False
 
     def next_event(self) -> SenderEvent | None:
         return self._events.popleft() if self._events else None
 
     def cancel(self, reason: str, now: float) -> None:
         """Give up: queue a CLOSE for the receiver and report the failure."""
-        if self.state in (SenderState.DONE, SenderState.FAILED):
-            return
-        self._fail(f"cancelled: {reason}", CloseCode.CANCELLED, reason)
+        self._fire(Event.CANCEL, now, reason)
 
     @property
     def accepted(self) -> bool:
         """Whether the receiver's ACCEPT arrived (the session keys are set)."""
-        return self._accepted
+        return self.protector.has_session_keys
+
+    @property
+    def _accepted(self) -> bool:
+        return self.accepted
+
+    @_accepted.setter
+    def _accepted(self, keyed: bool) -> None:
+        """A test that sets the session keys itself skips the handshake: the phase the ACCEPT leads to."""
+        row = TRANSITIONS[self._phase][Event.ACCEPT]
+        if keyed and isinstance(row, Move):
+            self._phase = row.to
 
     @property
     def deadline(self) -> float:
@@ -327,175 +309,80 @@ class SenderSession:
         return self.split.sources_dropped
 
     # ------------------------------------------------------------ decision epochs
-    def _probe_at(self) -> float | None:
-        """When the probe timer expires (None: not armed; it runs only while streaming after the ACCEPT)."""
-        if self.state is not SenderState.STREAMING or not self._accepted:
-            return None
-        enc = self.encoder
-        return self.probe.expiry(self.view, self.inflight, enc.next_esi, enc.ack_prefix, self.path.rtt_var,
-                                 self._send_deadline)
-
-    def _done(self, reason: DoneReason, now: float) -> None:
+    def _finish(self, now: float, reason: DoneReason) -> bool:
+        """Nothing more the receiver could use: stop sending, and say why with a DONE."""
         self.completion.reason = reason
-        self._stop_sending(now)
+        self._stop_sending(now, None)
         self._queue_done(now)
+        return True
+
+    def _path_broken(self, now: float, reason: str) -> bool:
+        self._events.append(PathBroken(reason))
+        return self._finish(now, DoneReason.PATH_BROKEN)
+
+    def _repeat_done(self, now: float, _arg: None) -> bool:
+        self.completion.timer = None
+        if now < self._deadline:  # past it the receiver has started anyway
+            self._queue_done(now)
+        return True
+
+    def _probe(self, now: float, _arg: None) -> bool:
+        self.probe.expire()
+        return True
 
     def _queue_done(self, now: float) -> None:
         datagram = self.completion.datagram(self.protector, self.encoder.next_esi, self.view.repairs_sent,
                                             now, self.view.rtt_estimate)
         if datagram is not None:
-            self._control.append(datagram)
-            self.datagrams_sent["control"] += 1
-
-    def _may_fill(self) -> bool:
-        """Whether a slot that would idle carries a repair: the whole deadline is the budget, the policy
-        repairs closed loop, and the newest ACK names symbols the receiver lacks (hole regions). Not on
-        sources merely unacknowledged yet: on a clean link that filled the last round trip with repairs
-        (measured, pfec bench transport: sender CPU per packet +30%, receiver lateness p99 0.2 -> 11 ms);
-        a lost tail is the probe timeout's."""
-        view = self.view
-        return (
-            self.config.fill_idle
-            and self._accepted
-            and not view.open_loop
-            and view.repairs_left > 0
-            and self.planner.regions > 0
-        )
-
-    def _slots_left(self, now: float) -> int:  # counted at the rate forecast, not the rate paced at
-        return max(0, int((self._send_deadline - now) / self.rate.plan_slot_s))
+            self._send_control([datagram])
 
     def _decide(self, now: float) -> bool:
-        """A decision epoch: refresh the view, then choose the next burst (False: nothing to send now)."""
-        cpu = self.cpu
-        t0 = cpu.clock() if cpu is not None else 0
-        self._refresh_view(now)
-        if (broken := self.rate.breaker(now)) is not None:  # RFC 8084: the path stopped delivering
-            self._events.append(PathBroken(broken))
-            self._done(DoneReason.PATH_BROKEN, now)
+        """A decision epoch (``epochs``): the next burst, or False with nothing to send now."""
+        burst = self.epochs.decide(now, self._start, self._send_deadline, not self._phase.awaits_accept)
+        if burst is None:
             return False
-        if self.view.slots_left == 0:
-            self._stop_sending(now)
-            return False
-        chosen = self._choose_burst(now)
-        if chosen and cpu is not None:
-            cpu.policy_ns += cpu.clock() - t0
-            cpu.decisions += 1
-        return chosen
-
-    def _choose_burst(self, now: float) -> bool:
-        view, send_path = self.view, self.send_path
-        # An owed probe goes first, then the open-loop tail's credit: one repair each (over what the
-        # receiver lacks most, over the newest window). The policy decides the rest.
-        if view.repairs_left > 0 and self.probe.take():
-            send_path.take_probe()
-            return self._one_repair()
-        if send_path.take_tail_repair():
-            return self._one_repair()
-        if not view.update_mask():
-            return self._nothing_allowed(now)
-        action = self.policy.decide(view)
-        if not view.mask[action]:
-            raise ValueError(f"policy {self.policy.name!r} chose masked action {action.name}")
-        self._burst_action = action
-        if action is Action.SOURCE:
-            self._burst_left = min(SOURCE_BURST, view.sources_left, view.slots_left)
-        else:
-            self._burst_left = REPAIR_SIZES[action]
+        self._burst_action, self._burst_left = burst
         return True
-
-    def _one_repair(self) -> bool:
-        self._burst_action = Action.REPAIR_1
-        self._burst_left = 1
-        return True
-
-    def _nothing_allowed(self, now: float) -> bool:
-        """The masks allow nothing (every source sent, no deficit left): done (say so and stop), fill the
-        slot with a repair (the whole deadline is the budget), or wait for feedback."""
-        reason = done_reason(self.view, self.encoder.ack_prefix, self.policy.sends_repairs)
-        if reason is not None and self._accepted:
-            self._done(reason, now)
-            return False
-        if not self._may_fill():
-            return False
-        self.send_path.take_fill()
-        return self._one_repair()
-
-    def _refresh_view(self, now: float) -> None:
-        view = self.view
-        enc = self.encoder
-        next_esi = enc.next_esi
-        view.now = now
-        view.sources_sent = next_esi
-        slots_left = view.slots_left = self._slots_left(now)
-        view.acked_prefix = enc.ack_prefix
-        view.ack_staleness = now - self.path.last_prefix_change
-        inflight = self.inflight
-        view.repairs_in_flight = view.repairs_sent - inflight.repairs_acked
-        view.sources_in_flight = next_esi - inflight.acked_source_end
-        rtt = view.rtt_estimate
-        since_start = None if rtt > 0 else now - self._start  # no RTT sample: no ACK yet
-        self.send_path.plan_epoch(next_esi, view.loss_estimate, rtt, slots_left * self.rate.plan_slot_s,
-                                  since_start)
-        if self._utility_features is not None:
-            self._utility_features.write(self.view, next_esi)
 
     # ------------------------------------------------------------------- control
-    def _queue_offer(self, now: float) -> None:
-        parts = self.offer.all(self._deadline, now)
-        self._control.extend(parts)
-        self.datagrams_sent["control"] += len(parts)
-        # Until the ACCEPT, the OFFER also repeats every EARLY_OFFER_EVERY data datagrams: a receiver that
-        # lost it holds only its first 256 (unauthenticated) datagrams and drops the rest, which in
-        # utility order are the most valuable (measured: a lost OFFER cut a handoff to 0.27 of its utility).
-        self._offer_timer = now + min(self.config.offer_retry_s, EARLY_OFFER_EVERY * self.rate.slot_s)
+    def _send_control(self, datagrams: list[bytes]) -> None:
+        self._control.extend(datagrams)  # sent before data
+        self.datagrams_sent["control"] += len(datagrams)
 
-    def _stop_sending(self, now: float) -> None:
-        if self.state is not SenderState.STREAMING:
-            return
-        self.state = SenderState.DRAINING
+    def _retry_offer(self, now: float, _arg: None) -> bool:
+        self._send_control(self.offer.first(self._deadline, now, self.rate.slot_s))
+        return True
+
+    def _repeat_offer(self, now: float, _arg: None) -> bool:
+        self._send_control(self.offer.repeats_due(self._deadline, now))
+        return True
+
+    def _stop_sending(self, now: float, _arg: None) -> bool:
         self._burst_left = 0
-        self._offer_timer = None
+        self.offer.retry_at = None
         self._result_timer = self._deadline + self.config.result_wait_s
         self._events.append(SendingStopped(self.encoder.next_esi, self.view.repairs_sent))
+        return True
 
     # ----------------------------------------------------------------- receiving
     def _handle(self, message: Message, now: float) -> None:
-        if isinstance(message, Ack):
-            self._on_ack(message, now)
-        elif isinstance(message, Accept):
-            self._on_accept(message, now)
-        elif isinstance(message, Refuse):
-            self._fail_refused(message)
-        elif isinstance(message, Result):
-            self._on_result(message, now)
-        elif isinstance(message, Close):
-            if self.state not in (SenderState.DONE, SenderState.FAILED):
-                self._fail(f"receiver closed the session ({message.code.name}): {message.text}")
-        else:
+        event = _EVENT_OF_MESSAGE.get(type(message))
+        if event is None:
             self._drop("unexpected_type")
+            return
+        self._fire(event, now, message)
 
-    def _on_accept(self, accept: Accept, now: float) -> None:
+    def _take_accept(self, now: float, accept: Accept) -> bool:
         """The receiver's ACCEPT (its R_r; the open verified our R_s): the session keys, then streaming."""
-        if self._accepted:
-            if accept.receiver_random != self.protector.peer_random:
-                self._drop("accept_mismatch")  # another ACCEPT for this attempt: a restarted receiver's
-            return
-        if self.state not in (SenderState.STREAMING, SenderState.DRAINING):
-            return
         if accept.n_source != self.encoder.n_source or accept.window_cap == 0:
             self._drop("accept_mismatch")
-            return
+            return False
         self.protector.set_peer_random(accept.receiver_random)
         # The first OFFER's round trip: ahead of any queued data.
         self.rate.on_rtt_measurement(now, now - self._start, self._start)
-        self._accepted = True
-        self._offer_timer = None
-        self.offer.on_accept(now)
         # The receiver establishes the session on our first datagram under the session key: send one now
         # (the OFFER's last, smallest part again) rather than wait for data, which may be over already.
-        self._control.append(self.offer.part(len(self.offer.parts) - 1, self._deadline, now))
-        self.datagrams_sent["control"] += 1
+        self._send_control([self.offer.on_accept(now, self._deadline)])
         self.send_path.on_accept(accept.window_cap)  # ACCEPT carries the receiver's decoder span
         try:  # and the receiver's stated prefill speed, checked before a planner may use it
             stated = stated_receiver(accept.prefill_a_us, accept.prefill_b_ns, accept.prefill_c_ps,
@@ -504,17 +391,22 @@ class SenderSession:
             self.drops["bad_prefill_speed"] = self.drops.get("bad_prefill_speed", 0) + 1
             stated = None
         self._events.append(Accepted(accept.window_cap, stated))
+        return True
 
-    def _on_ack(self, ack: Ack, now: float) -> None:
-        if self.state not in (SenderState.STREAMING, SenderState.DRAINING):
-            return
+    def _check_accept(self, now: float, accept: Accept) -> bool:
+        """Another ACCEPT once the keys are set (a restarted receiver's): dropped unless it is ours again."""
+        if self.accepted and accept.receiver_random != self.protector.peer_random:
+            self._drop("accept_mismatch")
+        return True
+
+    def _take_ack(self, now: float, ack: Ack) -> bool:
         enc = self.encoder
         if not ack_plausible(ack, enc.next_esi, self.protector.packets_sealed):
             self._drop("bad_ack")
-            return
+            return False
         if ack.computed_tokens > self.split.n_tokens:  # past the context (or any value but 0 unsplit)
             self._drop("bad_ack_computed")
-            return
+            return False
         if ack.computed_tokens:
             self.offer.proven()  # the receiver computes from the context the OFFER carries: it has it
             self._on_computed(ack.computed_tokens)
@@ -533,9 +425,10 @@ class SenderSession:
         if cpu is not None:
             cpu.feedback_ns += cpu.clock() - t0
             cpu.acks += 1
-        streaming = self.state is SenderState.STREAMING and self._accepted
-        if streaming and self.split.needs_nothing(ack, enc.next_esi):
-            self._done(DoneReason.DECODED, now)  # a split's receiver lacks only what it computed itself
+        # A split's receiver may lack only what it computed itself: done (where the phase lets it finish).
+        if acts(self._phase, Event.FINISHED) and self.split.needs_nothing(ack, enc.next_esi):
+            self._fire(Event.FINISHED, now, DoneReason.DECODED)
+        return True
 
     def _on_computed(self, computed: int) -> None:
         """The receiver has prefilled [0, ``computed``) itself: stop spending bytes on what it computed
@@ -552,44 +445,54 @@ class SenderSession:
         if self._burst_action is Action.SOURCE:
             self._burst_left = min(self._burst_left, view.n_source - first)
 
-    def _on_result(self, result: Result, now: float) -> None:
-        if self.state in (SenderState.DONE, SenderState.FAILED):
-            return
+    def _take_result(self, now: float, result: Result) -> bool:
+        """A RESULT part: the move to DONE goes through with the part that completes the RESULT."""
         try:
             blob = self._result.add(result)
         except ValueError:
             self._drop("bad_result_part")
-            return
+            return False
         if blob is None:
-            return
+            return False
         self._queue_close(CloseCode.DONE, "")
-        self.state = SenderState.DONE
-        self._result_timer = self._offer_timer = self.completion.timer = None
+        self._result_timer = self.offer.retry_at = self.completion.timer = None
         self.path.end(self.send_path.data_sent)
         self._events.append(ResultReceived(result.decoded_count, blob))
+        return True
 
-    def _fail_refused(self, refuse: Refuse) -> None:
-        if self.state in (SenderState.DONE, SenderState.FAILED):
-            return
+    def _refused(self, now: float, refuse: Refuse) -> bool:
         self._events.append(Refused(int(refuse.code), refuse.text))
-        self._fail(f"receiver refused the handoff ({refuse.code.name}): {refuse.text}")
+        return self._fail(f"receiver refused the handoff ({refuse.code.name}): {refuse.text}")
+
+    def _closed(self, now: float, close: Close) -> bool:
+        return self._fail(f"receiver closed the session ({close.code.name}): {close.text}")
+
+    def _cancelled(self, now: float, reason: str) -> bool:
+        return self._fail(f"cancelled: {reason}", CloseCode.CANCELLED, reason)
+
+    def _handshake_timeout(self, now: float, _arg: None) -> bool:
+        waited = self._handshake_deadline - self._start
+        return self._fail(f"no ACCEPT from the receiver within {waited:.3f} s", CloseCode.TIMEOUT)
+
+    def _result_timeout(self, now: float, _arg: None) -> bool:
+        return self._fail("no RESULT from the receiver by the deadline plus result_wait_s", CloseCode.TIMEOUT)
 
     def _queue_close(self, code: CloseCode, text: str) -> None:
         try:
-            self._control.append(self.protector.seal(Close(code, clip_text(text))))
+            self._send_control([self.protector.seal(Close(code, clip_text(text)))])
         except ValueError:  # the packet-number space is spent: the receiver reaps the session itself
             return
-        self.datagrams_sent["control"] += 1
 
-    def _fail(self, reason: str, close: CloseCode | None = None, close_text: str = "") -> None:
-        """FAILED with ``reason``; with ``close`` a CLOSE goes to the receiver first (so its session ends)."""
+    def _fail(self, reason: str, close: CloseCode | None = None, close_text: str = "") -> bool:
+        """Failing with ``reason`` (the table moves to FAILED); with ``close`` a CLOSE goes to the receiver
+        first (so its session ends)."""
         if close is not None:
             self._queue_close(close, close_text or reason)
-        self.state = SenderState.FAILED
         self._burst_left = 0
-        self._offer_timer = self._result_timer = self.completion.timer = None
+        self.offer.retry_at = self._result_timer = self.completion.timer = None
         self.path.end(self.send_path.data_sent)
         self._events.append(Failed(reason))
+        return True
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
