@@ -1,7 +1,9 @@
-"""The sender session's inputs and outputs (sans-IO): its config, its states, the events it emits and the
-per-ESI application context it may be given (``SourceInfo``; ``SplitInfo`` for a split handoff).
+"""The sender session's inputs and outputs (sans-IO): its config, the states callers see, the events it
+emits and the per-ESI application context it may be given (``SourceInfo``; ``SplitInfo`` for a split
+handoff).
 
-:mod:`.session` holds the state machine itself and re-exports every name here.
+:mod:`.states` holds the state machine's phases and transitions; :mod:`.session` follows them and
+re-exports every name here.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class SenderConfig:
 
 
 class SenderState(Enum):
+    """Where a sender session stands, as callers see it; :class:`.states.Phase` refines it."""
+
     IDLE = "idle"
     STREAMING = "streaming"
     DRAINING = "draining"
