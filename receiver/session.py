@@ -215,10 +215,14 @@ class ReceiverSession:
         """The deadline while it can still start the session (decoding); None after."""
         return self._timers.get(Timer.DEADLINE)
 
+    def timer(self, which: Timer) -> float | None:
+        """When ``which`` fires (None: not armed)."""
+        return self._timers.get(which)
+
     def handle_timer(self, now: float) -> None:
         """Each due timer fires its input through the table, in ``Timer`` order."""
         for timer in Timer:
-            due = self._timers.get(timer)
+            due = self._timers.get(timer)  # read afresh: an earlier timer's action may disarm it
             if due is not None and now >= due:
                 self._fire(self._timer_input(timer), now)
 
@@ -284,9 +288,6 @@ class ReceiverSession:
         )
 
     # ------------------------------------------------------------------ actions (see ``Action``)
-    def _nothing(self, now: float, arg: object) -> None:
-        pass
-
     def _check_early(self, now: float, arg: object = None) -> None:
         self._fire(self._early_input(), now)
 
@@ -350,18 +351,6 @@ class ReceiverSession:
         self._send_ack(now)
         self._check_early(now)
 
-    def _start_at_deadline(self, now: float, arg: object) -> None:
-        self._start(now)
-
-    def _start_ready(self, now: float, arg: object) -> None:
-        self._start(now, ready=True)
-
-    def _start_sender_done(self, now: float, arg: object) -> None:
-        self._start(now, sender_done=True)
-
-    def _send_ack_action(self, now: float, arg: object) -> None:
-        self._send_ack(now)
-
     def _send_result(self, now: float, arg: object) -> None:
         app_blob = cast(bytes, arg)
         chunk = max_app_chunk(MsgType.RESULT)
@@ -383,9 +372,6 @@ class ReceiverSession:
         message = cast(Close, arg)
         self._close(f"sender closed ({message.code.name}) {message.text}".strip())
 
-    def _give_up(self, now: float, arg: object) -> None:
-        self._close("no CLOSE from the sender after the RESULT (sender gone?)")
-
     def _refuse(self, now: float, arg: object) -> None:
         self._send_refuse(now, arg)
         self._close(f"refused: {cast(tuple[RefuseCode, str], arg)[1]}")
@@ -393,9 +379,6 @@ class ReceiverSession:
     def _send_refuse(self, now: float, arg: object) -> None:
         code, text = cast(tuple[RefuseCode, str], arg)
         self._outbox.append(self.protector.seal(Refuse(code, clip_text(text))))
-
-    def _impossible(self, now: float, arg: object) -> None:
-        raise AssertionError("unreachable: _fire refuses IMPOSSIBLE entries")
 
     # ------------------------------------------------------------------ receiving
     def _count_packet(self, pn: int, now: float) -> None:
@@ -477,8 +460,8 @@ class ReceiverSession:
 
 
 ReceiverSession._ACTIONS = {
-    Action.NOTHING: ReceiverSession._nothing,
-    Action.IMPOSSIBLE: ReceiverSession._impossible,
+    Action.NOTHING: lambda session, now, arg: None,
+    Action.IMPOSSIBLE: lambda session, now, arg: None,  # ``_fire`` raises first
     Action.DECODE: ReceiverSession._decode,
     Action.COUNT_LATE: ReceiverSession._count_late,
     Action.HOLD_OFFER_PART: ReceiverSession._hold_offer_part,
@@ -486,14 +469,15 @@ ReceiverSession._ACTIONS = {
     Action.DROP: ReceiverSession._drop_input,
     Action.CHECK_EARLY: ReceiverSession._check_early,
     Action.RECORD_COMPUTED: ReceiverSession._record_computed,
-    Action.START_AT_DEADLINE: ReceiverSession._start_at_deadline,
-    Action.START_READY: ReceiverSession._start_ready,
-    Action.START_SENDER_DONE: ReceiverSession._start_sender_done,
-    Action.SEND_ACK: ReceiverSession._send_ack_action,
+    Action.START_AT_DEADLINE: lambda session, now, arg: session._start(now),
+    Action.START_READY: lambda session, now, arg: session._start(now, ready=True),
+    Action.START_SENDER_DONE: lambda session, now, arg: session._start(now, sender_done=True),
+    Action.SEND_ACK: lambda session, now, arg: session._send_ack(now),
     Action.SEND_RESULT: ReceiverSession._send_result,
     Action.RESEND_RESULT: ReceiverSession._resend_result,
     Action.CLOSE: ReceiverSession._close_by_sender,
-    Action.GIVE_UP: ReceiverSession._give_up,
+    Action.GIVE_UP: lambda session, now, arg: session._close(
+        "no CLOSE from the sender after the RESULT (sender gone?)"),
     Action.REFUSE: ReceiverSession._refuse,
     Action.SEND_REFUSE: ReceiverSession._send_refuse,
 }
