@@ -1,4 +1,4 @@
-"""PathRate (sender/transport/path_rate.py), sans-IO with fake time: a toy bottleneck feeds it the reports a
+"""PathRate (sender/transport/path_rate/), sans-IO with fake time: a toy bottleneck feeds it the reports a
 session would (sends, the receiver's delivery and loss counts, RTT samples), and the simulator runs it
 against a sender told the wrong rate."""
 
@@ -14,7 +14,22 @@ import pytest
 from pfec.lab.sim.channel import Bernoulli, GilbertElliott
 from pfec.lab.sim.handoff import SimConfig
 from pfec.lab.sim.simulate import simulate
-from pfec.sender.transport.path_rate import TRICKLE_GAIN, PathRate, Phase
+from pfec.sender.transport.path_rate import PathRate, Phase
+from pfec.sender.transport.path_rate.breaker import CircuitBreaker
+from pfec.sender.transport.path_rate.caps import TRICKLE_GAIN, InFlightCaps
+from pfec.sender.transport.path_rate.congestion import CongestionRule
+from pfec.sender.transport.path_rate.delivery import DeliveryRate, RoundSample
+from pfec.sender.transport.path_rate.forecast import Forecast
+from pfec.sender.transport.path_rate.phases import (
+    PROBE_MAX_GAIN,
+    PROBE_STEP_PACKETS,
+    STANDING_ROUNDS,
+    STARTUP_MISSES,
+    TRANSITIONS,
+    PhaseEvent,
+    Phases,
+)
+from pfec.sender.transport.path_rate.rtt import RttEstimate
 
 DATAGRAM = 1250  # bytes: 10 kbit, so 100 Mbit/s is 10,000 datagrams/s
 OWD = 0.01
@@ -279,9 +294,11 @@ def test_bunched_acks_do_not_inflate_the_estimate(seed: int) -> None:
     estimates: list[float] = []
 
     class Recording(PathRate):
-        def _update_forecast(self) -> None:
-            super()._update_forecast()
-            estimates.append(self.estimate_bps)
+        def _close_round(self, now: float) -> None:
+            rounds = self.rounds
+            super()._close_round(now)
+            if self.rounds > rounds:  # a round taken (not the first after the start)
+                estimates.append(self.estimate_bps)
 
     link = SharedLink([0.0], jitter_s=0.004, seed=seed)
     link.rates = [Recording(100e6, DATAGRAM, rtt_prior_s=2 * OWD)]
@@ -427,7 +444,6 @@ def test_a_link_that_bursts_and_stalls_queues_for_what_it_delivers_not_for_its_b
 
 def test_a_probe_never_paces_above_its_gain_over_the_estimate() -> None:
     """The doubled probe step stops at PROBE_MAX_GAIN of the estimate (it reached 6x on the traces)."""
-    from pfec.sender.transport.path_rate import PROBE_MAX_GAIN, PROBE_STEP_PACKETS
     rate = _controller(50.0)
     link = Bottleneck(rate, 50e6)
     worst = 0.0
@@ -495,3 +511,130 @@ def test_the_forecast_does_not_fall_to_the_drains_pace() -> None:
     drains = [(forecast, estimate) for phase, forecast, estimate in seen if phase is Phase.DRAIN]
     assert drains
     assert min(forecast / estimate for forecast, estimate in drains) > 0.75
+
+
+# ------------------------------------------------------------------------------------------------ the parts
+def _phases() -> Phases:
+    """A phase machine over a path with a 20 ms min RTT, no queue, and an estimate of 100 Mbit/s."""
+    rtt = RttEstimate(2 * OWD)
+    rtt.on_sample(0.0, 0.02, -0.02)
+    return Phases(rtt, DeliveryRate(100e6, None, 0.0, 16), DATAGRAM)
+
+
+def _round(rate_bps: float = 100e6, app_limited: bool = False, ack_span_s: float = 0.02) -> RoundSample:
+    return RoundSample(rate_bps, app_limited, 200, 0, ack_span_s, 0.02)
+
+
+def _walk(phases: Phases, event: PhaseEvent) -> PhaseEvent | None:
+    """Drive ``phases`` (in the table entry's phase) with the round that makes ``event``."""
+    if event is PhaseEvent.IDLE:
+        phases.restart()
+        return event
+    if event is PhaseEvent.CONGESTED:
+        return phases.on_round(1.0, _round(), True, 1e6)[1]
+    if event is PhaseEvent.QUEUE_BUILT:
+        phases._rtt.queue_delay_s = 0.05
+        return phases.on_round(1.0, _round(), False, 1e6)[1]
+    if event is PhaseEvent.PIPE_FULL:
+        phases.full_bw = 1e9  # the estimate no longer grows
+        events = [phases.on_round(1.0 + k, _round(), False, 1e6)[1] for k in range(STARTUP_MISSES)]
+        assert events[:-1] == [None] * (STARTUP_MISSES - 1)
+        return events[-1]
+    if event is PhaseEvent.QUEUE_STOOD:
+        phases._rtt.standing_delay_s = 0.05
+        events = [phases.on_round(1.0 + k, _round(), False, 1e6)[1] for k in range(STANDING_ROUNDS)]
+        return events[-1]
+    phases.refind = event is PhaseEvent.DRAINED_LINK_FELL  # DRAINED, DRAINED_LINK_FELL: the queue is gone
+    return phases.on_round(1.0, _round(), False, 1e6)[1]
+
+
+@pytest.mark.parametrize(("phase", "event"), list(TRANSITIONS))
+def test_every_phase_table_entry_is_reached_by_its_round_and_leads_where_it_says(phase: Phase,
+                                                                                event: PhaseEvent) -> None:
+    phases = _phases()
+    phases.phase = phase
+    assert _walk(phases, event) is event
+    assert phases.phase is TRANSITIONS[(phase, event)]
+    if phases.phase is Phase.DRAIN:  # for at least a round
+        assert phases.drain_until >= 1.0 + phases._rtt.round_len_s
+
+
+def test_the_phase_table_refuses_what_it_does_not_list_and_covers_every_phase() -> None:
+    """Each event leads to one phase, whatever the phase it meets; DRAIN has no congestion: the rule is
+    silent while draining (and the table would refuse one)."""
+    assert {phase for phase, _ in TRANSITIONS} == set(Phase) == set(TRANSITIONS.values())
+    leads_to = {PhaseEvent.QUEUE_BUILT: Phase.DRAIN, PhaseEvent.PIPE_FULL: Phase.DRAIN,
+                PhaseEvent.QUEUE_STOOD: Phase.DRAIN, PhaseEvent.CONGESTED: Phase.CRUISE,
+                PhaseEvent.DRAINED: Phase.CRUISE, PhaseEvent.DRAINED_LINK_FELL: Phase.STARTUP,
+                PhaseEvent.IDLE: Phase.STARTUP}
+    assert {event: TRANSITIONS[(phase, event)] for phase, event in TRANSITIONS} == leads_to
+    phases = _phases()
+    phases.phase = Phase.DRAIN
+    with pytest.raises(KeyError):
+        phases.on_round(1.0, _round(), True, 1e6)
+    rule = CongestionRule()
+    rtt = RttEstimate(2 * OWD)
+    rtt.on_sample(0.0, 0.02, -0.02)
+    rtt.queue_delay_s = 0.05
+    assert [rule.judge(t, 0.5, 0.0, rtt, draining=True) for t in (1.0, 2.0, 3.0)] == [False] * 3
+    assert rule.judge(4.0, 0.5, 0.0, rtt, draining=False)  # the queue stood for three rounds
+
+
+def test_a_startup_round_that_only_grew_keeps_startup_and_doubles_the_pace() -> None:
+    phases = _phases()
+    pace, event = phases.on_round(1.0, _round(), False, 1e6)
+    assert event is None and phases.phase is Phase.STARTUP and pace == 2 * 100e6
+    assert phases.on_round(1.1, _round(app_limited=True), False, 1e6) == (1e6, None)  # nothing learnt
+
+
+def test_the_congestion_cut_starts_from_the_rounds_delivery_but_never_below_half_the_estimate() -> None:
+    rule = CongestionRule()
+    assert rule.cut(100e6, 80e6) == pytest.approx(0.85 * 80e6)
+    assert rule.cut(100e6, 10e6) == pytest.approx(0.85 * 50e6)
+    assert rule.cut(100e6, 200e6) == pytest.approx(0.85 * 100e6)
+    assert rule.events == 3
+
+
+def test_the_forecast_is_a_low_quantile_of_the_full_samples_and_never_above_the_estimate() -> None:
+    delivery = DeliveryRate(50e6, None, 0.0, 16)
+    forecast = Forecast(50e6)
+    for rate in (60e6, 70e6, 80e6):
+        delivery.take(_round(rate))
+        forecast.update(delivery, 3, 50e6)
+    assert forecast.bps == 50e6  # too few samples: the told rate, the estimate (80) being above it
+    for rate in (90e6, 100e6, 40e6):
+        delivery.take(_round(rate))
+    delivery.take(_round(1e9, app_limited=True))  # app-limited and above: it counts
+    forecast.update(delivery, 7, 50e6)
+    assert forecast.bps == 60e6  # the 20% quantile of 40, 60, 70, 80, 90, 100 and 1000
+
+
+def test_the_breaker_trips_on_a_loss_window_and_on_a_silence_and_stays_tripped() -> None:
+    breaker = CircuitBreaker()
+    breaker.on_round(0.5, 250, 10)
+    assert breaker.reason is not None and "250 of 260" in breaker.reason
+    silent = CircuitBreaker()
+    assert silent.check(1.0, 0.5, 1000, 0.02) is None  # half a second: not yet
+    assert silent.check(1.0, None, 1000, 0.02) is None  # never delivered: no silence to judge
+    assert silent.check(2.0, 0.5, 63, 0.02) is None  # too little sent into it
+    reason = silent.check(2.0, 0.5, 64, 0.02)
+    assert reason is not None and silent.check(3.0, 2.9, 0, 0.02) == reason
+    silent.restart()
+    assert silent.reason is None
+
+
+def test_the_delivery_cap_holds_in_flight_to_what_the_acks_delivered() -> None:
+    """ACKs delivering 4,000 datagrams/s over a 20 ms path: the cap is that rate over the RTT plus the 30 ms
+    queue budget (200 datagrams), not a round trip at the max filter's 400 Mbit/s (848)."""
+    rtt = RttEstimate(0.02)
+    rtt.on_sample(0.0, 0.02, -0.02)
+    delivery = DeliveryRate(400e6, None, 0.0, 16)
+    caps = InFlightCaps(rtt, delivery, _phases(), DATAGRAM, 400e6)
+    caps._phases.phase = Phase.CRUISE
+    caps.on_round_open()
+    for k in range(100):
+        caps.on_ack(k * 1e-3, 4 * k)
+    assert caps.delivery_packets == pytest.approx(4000 * (0.02 + 0.03))
+    assert caps.limit == caps.delivery_packets < caps.window_packets
+    caps.restart()
+    assert caps.limit == caps.window_packets

@@ -250,7 +250,7 @@ class LinkConfig(_Section):
     )
     rate_control: Literal["fixed", "path"] = Field(
         default="path",
-        description="path (default): measure the path (sender/transport/path_rate.py): rate_mbps is the "
+        description="path (default): measure the path (sender/transport/path_rate/): rate_mbps is the "
         "estimate the first handoff to a receiver starts from, later ones start from what the previous "
         "measured; one controller per receiver, shared by concurrent handoffs. fixed: pace every handoff at "
         "rate_mbps (the paper's open loop).",

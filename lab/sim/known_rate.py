@@ -22,7 +22,9 @@ from typing import Final
 from pfec.lab.sim.handoff import Handoff
 from pfec.lab.sim.path_link import sender_budget
 from pfec.lab.sim.rate_trace import RateTrace
-from pfec.sender.transport.path_rate import CWND_EXTRA, CWND_MIN_PACKETS, MIN_RATE_BPS, TRICKLE_GAIN, PathRate
+from pfec.sender.transport.path_rate import PathRate
+from pfec.sender.transport.path_rate.caps import CWND_EXTRA, CWND_MIN_PACKETS, TRICKLE_GAIN
+from pfec.sender.transport.path_rate.delivery import MIN_RATE_BPS
 
 #: scheme name -> whether in flight is bounded as PathRate bounds it
 KNOWN_RATE_SCHEMES: Final = {"known-rate": True, "known-rate-unbounded": False}
@@ -53,7 +55,7 @@ class KnownRatePacer(PathRate):
 
     @property
     def pacing_bps(self) -> float:
-        rtt = self.min_rtt if self.min_rtt < math.inf else self._rtt_prior
+        rtt = self.min_rtt if self.min_rtt < math.inf else self._rtt.prior_s
         if self._now < 2 * rtt:  # no ACK could yet have told a sender anything: the told rate
             rate = self.start_bps
         else:
@@ -62,7 +64,7 @@ class KnownRatePacer(PathRate):
         rate = max(rate, MIN_RATE_BPS, 8 * self.datagram_bytes / (LOOK_AGAIN_SHARE * rtt))
         if self._bounded:
             in_flight = self._packets_sent - self._delivered - self._lost
-            round_trip = max(rtt, self._floor_rtt())
+            round_trip = max(rtt, self._rtt.floor_rtt())
             if in_flight >= max(CWND_MIN_PACKETS, rate * round_trip / (8 * self.datagram_bytes) + CWND_EXTRA):
                 return rate * TRICKLE_GAIN
         return rate

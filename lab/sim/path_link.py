@@ -6,7 +6,7 @@ controller measures the path (``SimConfig.rate_control``), and the bottleneck qu
 - Told another rate, or on a trace, or under ``path``, the link is a drop-tail bottleneck
   (:class:`.rate_trace.TraceQueue`, ``DEFAULT_QUEUE_MS`` deep unless sized) at ``rate_mbps`` or on the
   trace, and the sender paces into it: at the told rate (``fixed``), or at the rate a ``PathRate``
-  (``sender/transport/path_rate.py``) measures, starting from the told rate (``path``).
+  (``sender/transport/path_rate/``) measures, starting from the told rate (``path``).
 
 The deadline stays the link's (``rho`` against ``rate_mbps``): a sender told a wrong rate plans with it,
 the receiver's deadline does not move.
