@@ -91,6 +91,7 @@ __all__ = [
 ]
 
 _NO_TIME = math.nan  # what ``refuse`` hands its actions, which read no clock
+_Run = Callable[["ReceiverSession", float, object], None]  # an action: (session, now, the input's payload)
 
 
 class ReceiverSession:
@@ -98,7 +99,9 @@ class ReceiverSession:
     doc). Built by the endpoint when a handshake completes, with a protector holding the session keys;
     ``offer_at`` is when the first OFFER part arrived (the budget runs from then; ``now`` if None)."""
 
-    _ACTIONS: ClassVar[dict[Action, Callable[[ReceiverSession, float, object], None]]]
+    _ACTIONS: ClassVar[dict[Action, _Run]]
+    # TRANSITIONS by state, each entry with its action's function: one lookup per input on the hot path.
+    _ROWS: ClassVar[dict[ReceiverState, dict[Input, tuple[ReceiverState, Action, _Run]]]]
 
     def __init__(
         self,
@@ -117,6 +120,7 @@ class ReceiverSession:
         self.config = config
         self.cpu = cpu
         self.state = ReceiverState.OFFER_PARTIAL
+        self._rows = self._ROWS[self.state]  # the current state's entries (``_fire`` keeps them in step)
         start = now if offer_at is None else offer_at
         self.deadline = start + min(offer.budget_us * 1e-6, config.max_budget_s)
         self.span = decoder_span(offer, config)
@@ -243,15 +247,16 @@ class ReceiverSession:
     # ------------------------------------------------------------------ the table
     def _fire(self, inp: Input, now: float, arg: object = None) -> None:
         """The one place the state changes: ``inp``'s entry for this state, then its action."""
-        row = TRANSITIONS[inp][self.state]
-        if row.action is Action.IMPOSSIBLE:
+        next_state, action, run = self._rows[inp]
+        if action is Action.IMPOSSIBLE:
             raise RuntimeError(f"session {self.session_id:016x}: no {inp.name} in state {self.state.name}")
-        if row.next_state is not self.state:
-            self.state = row.next_state
-            armable = ARMABLE[row.next_state]
+        if next_state is not self.state:
+            self.state = next_state
+            self._rows = self._ROWS[next_state]
+            armable = ARMABLE[next_state]
             for timer in [t for t in self._timers if t not in armable]:
                 del self._timers[timer]
-        self._ACTIONS[row.action](self, now, arg)
+        run(self, now, arg)
 
     def _timer_input(self, timer: Timer) -> Input:
         if timer is Timer.DEADLINE:
@@ -480,4 +485,10 @@ ReceiverSession._ACTIONS = {
         "no CLOSE from the sender after the RESULT (sender gone?)"),
     Action.REFUSE: ReceiverSession._refuse,
     Action.SEND_REFUSE: ReceiverSession._send_refuse,
+}
+
+ReceiverSession._ROWS = {
+    state: {inp: (rows[state].next_state, rows[state].action, ReceiverSession._ACTIONS[rows[state].action])
+            for inp, rows in TRANSITIONS.items()}
+    for state in ReceiverState
 }
