@@ -10,6 +10,7 @@
   OFFER) and is answered with an ACCEPT carrying fresh R_r. The ``ReceiverSession`` (deadline, decoder,
   ACKs, rebuild) exists only once a datagram opens under the session key K_s2r, which needs R_r: the
   proof that the sender holds the key and saw this ACCEPT. A replayed OFFER gets at most an ACCEPT.
+  The bounds, the span granted and the pending record are :mod:`pfec.receiver.handshake`'s.
 - Speed query: an OFFER for zero sources (one part, no application data) asks this node's prefill speed
   before a first handoff is planned; it is answered with an ACCEPT for zero sources that states it, and
   leaves nothing behind but its session id among the closed ones (``speed_queries`` counts the answers).

@@ -9,7 +9,8 @@ OFFER part that completes the OFFER is ``OFFER_WHOLE``, a DONE that contradicts 
 a RESULT timer with its tries spent ``RESULT_GIVE_UP``. The early arm is the check, after each input
 that may have made the session ready, of whether it could start before its deadline: ``READY``,
 ``MISSING`` or ``SPLIT_MISSING``. A split (the application computes the context's front) is the
-handoff's kind, set by the application, not a state: it picks which of those the check yields.
+handoff's kind, set by the application, not a state: it picks which of those the check yields. So are
+the OFFER parts held once decoding has closed: they only decide whether a late last part is announced.
 
 ``TRANSITIONS[input][state]`` then gives the next state and the ``Action`` the session runs;
 ``ReceiverSession._fire`` is the one place where the state changes. Every (input, state) pair has its own
