@@ -4,6 +4,8 @@
 spend in the codec, feedback and policy: it injects a clock function and reads the sums back. Sessions
 never import ``time`` themselves.
 
+``TableEnum`` is the base of the enums that key the sessions' transition tables.
+
 ``Event`` is the base of every event a session emits; each side defines its own (``SenderEvent``,
 ``ReceiverEvent``) and adapters tell them apart with ``isinstance``.
 """
@@ -12,6 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TableEnum(Enum):
+    """An enum whose members key the sessions' transition tables, looked up per datagram. Members are
+    singletons compared by identity, so they hash by identity too: ``Enum.__hash__`` is Python code, a
+    call per dict or set lookup."""
+
+    __hash__ = object.__hash__
 
 
 @dataclass(slots=True)

@@ -20,18 +20,14 @@ closed) -> RESULT_SENT -> CLOSED; every transition is an entry of ``session_stat
   packet number and how long ago it arrived) leaves after every ``ack_every`` data datagrams, or
   ``ack_delay_s`` after the first unacknowledged one.
 - At the deadline the session stops decoding and emits ``DeadlineReached`` with every decoded source
-  symbol; it does so at once, before the deadline, when every source symbol is decoded and the OFFER is
-  complete (start when ready: nothing more can arrive that the receiver could use; ``ready`` says which).
-  The sender's DONE (the completion signal: it will send nothing more this session could use) starts it
-  at once too (``sender_done``), once the OFFER is whole; not a split, whose front computes what the
-  stream left missing (start when ready, or at the deadline). A DONE whose counts contradict what arrived
-  (more sources than the handoff has, fewer than an ESI seen, more repairs received than it says were
-  sent, a last data packet at or after its own) is dropped (``bad_done``); one after the session stopped
-  decoding changes nothing. The deadline stays the last resort.
-  A split handoff (``set_split``, ``set_computed``; :mod:`pfec.receiver.split`) is ready once every symbol
-  it still needs is decoded. The ACK reports ``computed_tokens``, and one leaves at once when it moves.
-  The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated
-  until the sender's CLOSE or ``result_retries`` run out (a vanished sender), then the session closes.
+  symbol. It does so before the deadline once the OFFER is whole and every source symbol is decoded
+  (``ready``), or the sender's DONE says nothing more will come (``sender_done``); a DONE that contradicts
+  what arrived is dropped (``bad_done``, see ``_done_checks_out``).
+- A split handoff (``set_split``, ``set_computed``; :mod:`pfec.receiver.split`) computes its front here:
+  a DONE does not start it; it is ready once every symbol it still needs is decoded. Its ACKs report
+  ``computed_tokens``, and one leaves at once when they move.
+- The application rebuilds and generates, then calls ``send_result``; the RESULT is repeated until the
+  sender's CLOSE or ``result_retries`` run out (a vanished sender), then the session closes.
 """
 
 from __future__ import annotations
@@ -100,8 +96,8 @@ class ReceiverSession:
     ``offer_at`` is when the first OFFER part arrived (the budget runs from then; ``now`` if None)."""
 
     _ACTIONS: ClassVar[dict[Action, _Run]]
-    # TRANSITIONS by state, each entry with its action's function: one lookup per input on the hot path.
-    _ROWS: ClassVar[dict[ReceiverState, dict[Input, tuple[ReceiverState, Action, _Run]]]]
+    # TRANSITIONS by state, each entry with its action (None: nothing): one lookup per input on the hot path.
+    _ROWS: ClassVar[dict[ReceiverState, dict[Input, tuple[ReceiverState, _Run | None]]]]
 
     def __init__(
         self,
@@ -247,16 +243,15 @@ class ReceiverSession:
     # ------------------------------------------------------------------ the table
     def _fire(self, inp: Input, now: float, arg: object = None) -> None:
         """The one place the state changes: ``inp``'s entry for this state, then its action."""
-        next_state, action, run = self._rows[inp]
-        if action is Action.IMPOSSIBLE:
-            raise RuntimeError(f"session {self.session_id:016x}: no {inp.name} in state {self.state.name}")
+        next_state, run = self._rows[inp]
         if next_state is not self.state:
             self.state = next_state
             self._rows = self._ROWS[next_state]
             armable = ARMABLE[next_state]
             for timer in [t for t in self._timers if t not in armable]:
                 del self._timers[timer]
-        run(self, now, arg)
+        if run is not None:
+            run(self, now, arg)
 
     def _timer_input(self, timer: Timer) -> Input:
         if timer is Timer.DEADLINE:
@@ -297,7 +292,7 @@ class ReceiverSession:
         self._fire(self._early_input(), now)
 
     def _decode(self, now: float, arg: object) -> None:
-        message = cast(Source | Repair, arg)
+        message: Source | Repair = arg  # type: ignore[assignment]  # the DATA input's payload; no cast() per datagram
         stats = self.stats
         if stats.first_data_at is None:
             stats.first_data_at = now
@@ -332,7 +327,7 @@ class ReceiverSession:
             self._send_ack(now)
         elif Timer.ACK not in self._timers:
             self._timers[Timer.ACK] = now + self.config.ack_delay_s
-        self._check_early(now)
+        self._fire(self._early_input(), now)  # the early arm (``_check_early``, one call less per datagram)
 
     def _count_late(self, now: float, arg: object) -> None:
         self.stats.late += 1
@@ -466,7 +461,7 @@ class ReceiverSession:
 
 ReceiverSession._ACTIONS = {
     Action.NOTHING: lambda session, now, arg: None,
-    Action.IMPOSSIBLE: lambda session, now, arg: None,  # ``_fire`` raises first
+    Action.IMPOSSIBLE: lambda session, now, arg: None,  # ``_run_of`` makes one that raises, per input
     Action.DECODE: ReceiverSession._decode,
     Action.COUNT_LATE: ReceiverSession._count_late,
     Action.HOLD_OFFER_PART: ReceiverSession._hold_offer_part,
@@ -487,8 +482,19 @@ ReceiverSession._ACTIONS = {
     Action.SEND_REFUSE: ReceiverSession._send_refuse,
 }
 
+
+def _run_of(inp: Input, action: Action) -> _Run | None:
+    """What ``_fire`` runs: nothing for NOTHING; for IMPOSSIBLE a refusal naming the input (its rows stay)."""
+    if action is not Action.IMPOSSIBLE:
+        return None if action is Action.NOTHING else ReceiverSession._ACTIONS[action]
+
+    def impossible(session: ReceiverSession, now: float, arg: object) -> None:
+        raise RuntimeError(f"session {session.session_id:016x}: no {inp.name} in state {session.state.name}")
+    return impossible
+
+
 ReceiverSession._ROWS = {
-    state: {inp: (rows[state].next_state, rows[state].action, ReceiverSession._ACTIONS[rows[state].action])
+    state: {inp: (rows[state].next_state, _run_of(inp, rows[state].action))
             for inp, rows in TRANSITIONS.items()}
     for state in ReceiverState
 }

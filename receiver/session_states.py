@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Final
+
+from pfec.common.events import TableEnum
 
 __all__ = [
     "ARMABLE", "DECODING", "STREAM_OPEN", "TIMER_INPUTS", "TRANSITIONS", "Action", "Input", "ReceiverState",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class ReceiverState(Enum):
+class ReceiverState(TableEnum):
     OFFER_PARTIAL = "offer_partial"  # decoding; OFFER parts missing: it cannot start before its deadline
     RECEIVING = "receiving"  # decoding, the OFFER whole: it starts at its deadline, or once ready
     DONE_OFFER_PARTIAL = "done_offer_partial"  # decoding; the sender's DONE came before the OFFER was whole
@@ -46,7 +47,7 @@ class ReceiverState(Enum):
     CLOSED = "closed"
 
 
-class Input(Enum):
+class Input(TableEnum):
     """What can happen to a session (what each carries to its action in brackets)."""
 
     # From the sender, once authenticated.
@@ -75,7 +76,7 @@ class Input(Enum):
     SPLIT_MISSING = "split_missing"  # a split: its front, or symbols it still needs, missing
 
 
-class Action(Enum):
+class Action(TableEnum):
     NOTHING = "nothing"
     IMPOSSIBLE = "impossible"  # raises: the session never produces this input in this state
     DECODE = "decode"  # into the decoder, the ACK's bookkeeping, then the early arm
@@ -97,7 +98,7 @@ class Action(Enum):
     SEND_REFUSE = "send_refuse"  # a REFUSE only (the session closed already)
 
 
-class Timer(Enum):
+class Timer(TableEnum):
     """A session's timers, in the order they fire when due together (the deadline first: its ACK
     disarms the ACK timer)."""
 

@@ -147,7 +147,7 @@ def test_drop_reason_sets_cover_the_code() -> None:
     """Every literal reason the sessions drop for is a label value (otherwise it would read 'other')."""
     assert set(FEC_DROP_REASONS) == {f"fec_{r}" for r in FEC_ERROR_REASONS}
     assert set(SENDER_DROP_REASONS) >= PARSE_REASONS and set(RECEIVER_DROP_REASONS) >= PARSE_REASONS
-    # A reason is a literal of ``_drop(...)``, or of the table's dropping inputs (``_fire(Input.X, now, ...)``).
+    # A reason is a literal of ``_drop(...)``, or of a dropping input (``_fire(Input.X, now, ...)``).
     pattern = re.compile(r"""(?:_drop\(|_fire\(Input\.[A-Z_]+, now, )\s*["']([a-z_]+)["']""")
     sender_parts = sorted((ROOT / "sender" / "transport").glob("*.py"))
     for srcs, allowed in (

@@ -36,6 +36,7 @@ from pfec.common.wire.seal import PacketProtector
 from pfec.sender.transport.probe import PTO_PROBES
 from pfec.sender.transport.rate import FixedRate
 from pfec.sender.transport.session import (
+    CLOCKS,
     Accepted,
     Failed,
     PathBroken,
@@ -234,7 +235,7 @@ SETUPS: dict[tuple[Phase, Trigger], tuple[dict[str, Any], bool, Callable[[Rig], 
 def deliver(rig: Rig, phase: Phase, trigger: Trigger, now: float) -> None:
     sender = rig.sender
     if isinstance(trigger, Timer):
-        due = sender._clocks[trigger]()
+        due = CLOCKS[trigger](sender)
         if trigger in ARMED[phase]:
             assert due is not None, f"set {trigger} up in {phase}"
             sender.handle_timer(due)

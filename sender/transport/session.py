@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -158,18 +159,6 @@ class SenderSession:
         self._result_timer: float | None = None
         self._result = ResultParts(config.max_result_parts)
         self.drops: dict[str, int] = {}
-        # When each timer is due (None: not set); the table says in which phases it counts.
-        self._clocks: dict[Timer, Callable[[], float | None]] = {
-            Timer.OFFER_REPEAT: lambda: self.offer.repeat_at,
-            Timer.OFFER_RETRY: lambda: self.offer.retry_at,
-            Timer.HANDSHAKE: lambda: self._handshake_deadline,
-            Timer.SEND_DEADLINE: lambda: self._send_deadline,
-            Timer.PROBE: lambda: self.probe.expiry(self.view, self.inflight, self.encoder.next_esi,
-                                                   self.encoder.ack_prefix, self.path.rtt_var,
-                                                   self._send_deadline),
-            Timer.DONE_REPEAT: lambda: self.completion.timer,
-            Timer.RESULT_WAIT: lambda: self._result_timer,
-        }
 
     # ----------------------------------------------------------------- public API
     @property
@@ -237,15 +226,13 @@ class SenderSession:
             self._drop("bad_feedback")
 
     def get_timer(self) -> float | None:
-        clocks = self._clocks
-        return earliest(*[clocks[timer]() for timer in ARMED[self._phase]])
+        return earliest(*[clock(self) for clock in _ARMED_CLOCKS[self._phase]])
 
     def handle_timer(self, now: float) -> None:
         """Fire each timer the phase arms that is due, in ``Timer`` order: one may move the phase (the send
         deadline stops the sending), which arms or disarms the next."""
-        clocks = self._clocks
         for timer in _TIMERS:
-            if timer in ARMED[self._phase] and (due := clocks[timer]()) is not None and now >= due:
+            if timer in ARMED[self._phase] and (due := CLOCKS[timer](self)) is not None and now >= due:
                 self._fire(timer, now)
 
     def _fire(self, trigger: Event | Timer, now: float, arg: object = None) -> bool:
@@ -274,17 +261,6 @@ class SenderSession:
     def accepted(self) -> bool:
         """Whether the receiver's ACCEPT arrived (the session keys are set)."""
         return self.protector.has_session_keys
-
-    @property
-    def _accepted(self) -> bool:
-        return self.accepted
-
-    @_accepted.setter
-    def _accepted(self, keyed: bool) -> None:
-        """A test that sets the session keys itself skips the handshake: the phase the ACCEPT leads to."""
-        row = TRANSITIONS[self._phase][Event.ACCEPT]
-        if keyed and isinstance(row, Move):
-            self._phase = row.to
 
     @property
     def deadline(self) -> float:
@@ -331,6 +307,10 @@ class SenderSession:
     def _probe(self, now: float, _arg: None) -> bool:
         self.probe.expire()
         return True
+
+    def _probe_expiry(self) -> float | None:
+        return self.probe.expiry(self.view, self.inflight, self.encoder.next_esi, self.encoder.ack_prefix,
+                                 self.path.rtt_var, self._send_deadline)
 
     def _queue_done(self, now: float) -> None:
         datagram = self.completion.datagram(self.protector, self.encoder.next_esi, self.view.repairs_sent,
@@ -497,3 +477,17 @@ class SenderSession:
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self._events.append(DatagramDropped(reason))
+
+
+# When each timer is due (None: not set), read from a session; the table says in which phases it counts.
+# Getters, not per-session lambdas: ``get_timer`` runs once per datagram the pacer sends.
+CLOCKS: dict[Timer, Callable[[SenderSession], float | None]] = {
+    Timer.OFFER_REPEAT: attrgetter("offer.repeat_at"),
+    Timer.OFFER_RETRY: attrgetter("offer.retry_at"),
+    Timer.HANDSHAKE: attrgetter("_handshake_deadline"),
+    Timer.SEND_DEADLINE: attrgetter("_send_deadline"),
+    Timer.PROBE: SenderSession._probe_expiry,
+    Timer.DONE_REPEAT: attrgetter("completion.timer"),
+    Timer.RESULT_WAIT: attrgetter("_result_timer"),
+}
+_ARMED_CLOCKS = {phase: tuple(CLOCKS[timer] for timer in timers) for phase, timers in ARMED.items()}

@@ -45,13 +45,13 @@ changes. A test (tests/test_sender_states.py) walks every entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Final, TypeAlias
 
+from pfec.common.events import TableEnum
 from pfec.sender.transport.session_types import SenderState
 
 
-class Phase(Enum):
+class Phase(TableEnum):
     """Where a sender session stands: a ``SenderState`` callers see, refined where the ACCEPT matters."""
 
     # (label, the state callers see, sends data, awaits the ACCEPT)
@@ -70,7 +70,7 @@ class Phase(Enum):
         self.awaits_accept = awaits_accept  # no session keys yet: data stops at the first flight
 
 
-class Event(Enum):
+class Event(TableEnum):
     """What happens to a session: a call, a message from the receiver, what a decision epoch finds."""
 
     START = "start()"
@@ -85,7 +85,7 @@ class Event(Enum):
     FINISHED = "finished"  # nothing more the receiver could use (a DoneReason: :mod:`.completion`)
 
 
-class Timer(Enum):
+class Timer(TableEnum):
     """The session's timers, in the order ``handle_timer`` fires those due (one may disarm the next)."""
 
     OFFER_REPEAT = "offer repeat"  # a multi-part OFFER again after the ACCEPT (:mod:`.offer`)

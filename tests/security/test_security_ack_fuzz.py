@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pfec.common.sched.actions import Action, SchedulerView
-from pfec.common.wire.messages import Ack, DoneReason, Role
-from pfec.common.wire.seal import Keyring, PacketProtector
+from pfec.common.wire.messages import Accept, Ack, DoneReason, Role
+from pfec.common.wire.seal import Keyring, PacketProtector, seal_handshake
 from pfec.lab.bench.fuzz import FuzzRig
 from pfec.sender.transport.path import ack_plausible
 from pfec.sender.transport.session import SenderConfig, SenderSession, SenderState
@@ -103,8 +103,10 @@ def test_an_ack_that_empties_the_window_mid_burst_does_not_escape() -> None:
     receiver = PacketProtector(kr, 9, Role.RECEIVER, 16, local_random=r_r,
                                peer_random=sender.protector.local_random, first_pn=2)
     sender.start(0.0)
-    sender.protector.set_peer_random(r_r)
-    sender._accepted = True  # skip the handshake: this test is about the burst
+    # The receiver's ACCEPT (handshake packet number 1; its session's datagrams start at 2).
+    sender.receive_datagram(seal_handshake(kr, Role.RECEIVER, Accept(16, 40, r_r), 9, 1, bytes(12),
+                                           sender.protector.local_random), 0.0)
+    assert sender.accepted
     while sender.next_datagram(0.0) is not None and sender.encoder.next_esi < 40:
         pass
     # A hole map with holes at 0..7: deficit, a repair burst of 16 is decided and one repair is sent.
