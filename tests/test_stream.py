@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pfec.common.model import quant
+from pfec.common.model import kvcache, quant
 from pfec.common.plan.breakeven import LOCAL_MARGIN
 from pfec.common.plan.handoff import OfferApp, ResultApp, SplitOffer, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
@@ -387,7 +387,7 @@ def test_stream_symbols_file_back_by_index_and_dequantise_at_the_level_that_arri
     layers = [(torch.randn(1, 2, 70, 32, generator=gen), torch.randn(1, 2, 70, 32, generator=gen))
               for _ in range(GEOM.n_layers)]
     plan = stream_plan(layout, "int8", util, table, PAYLOAD)
-    symbols = quant.stream_symbols(layers, plan)
+    symbols = kvcache.stream_symbols(layers, plan)
     assert symbols.shape == (plan.n_symbols, 4 + PAYLOAD)
     order = np.random.default_rng(1).permutation(plan.n_symbols)
     lost = np.zeros(plan.n_symbols, dtype=bool)
@@ -401,7 +401,7 @@ def test_stream_symbols_file_back_by_index_and_dequantise_at_the_level_that_arri
     assert np.array_equal(have, ~lost)
     levels, bases = plan.usable(have)
     assert (levels[plan.blocks[refine8]] == Level.INT4).all()
-    kv = quant.dequantise_stream(plan, store, levels, bases)
+    kv = kvcache.dequantise_stream(plan, store, levels, bases)
     assert len(set(levels.tolist())) >= 3 and (levels == Level.INT8).sum() > layout.n_blocks // 2, levels
     trips = {lvl: quant.roundtrip(layers, layout, lvl) for lvl in (Level.INT2, Level.INT4, Level.INT8)}
     for block in range(layout.n_blocks):

@@ -23,9 +23,9 @@ from transformers import DynamicCache
 
 from pfec.common.model.attention import Observation, observing
 from pfec.common.model.loading import ModelRuntime, check_length
-from pfec.common.model.quant import dequantise_stream, stream_symbols
-from pfec.common.plan.kvlayout import BlockPlan, assemble_rows, fragment_symbols
-from pfec.common.plan.precision import PiecePlan
+from pfec.common.model.quant import DequantisedKV, Layers, dequantise, quantise
+from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, assemble_rows, fragment_symbols
+from pfec.common.plan.precision import PieceKind, PiecePlan, pack_stream, unpack_stream
 
 ReconstructionMode = Literal["mask", "zero"]
 # The cache type as node code names it (under TYPE_CHECKING: only common/model imports transformers).
@@ -180,9 +180,31 @@ def serialise_symbols(runtime: ModelRuntime, cache: DynamicCache, plan: BlockPla
     return fragment_symbols(plan, cache_rows(runtime, cache, plan.n_tokens), fragment_ids)
 
 
+def stream_symbols(layers: Layers, plan: PiecePlan) -> npt.NDArray[np.uint8]:
+    """The plan's symbols with their 4-byte stream index in front: [n_symbols, 4 + plan.symbol_size].
+
+    Row i is stream symbol i (send order = stream order); the index is big-endian, as a native handoff's
+    fragment id, so the receiver files a symbol whatever order it decoded it in.
+    """
+    kinds = [PieceKind(k) for k in np.unique(plan.kinds).tolist()]
+    stream = pack_stream(plan, quantise(layers, plan.layout, kinds))
+    out = np.empty((plan.n_symbols, FRAGMENT_ID_SIZE + plan.symbol_size), dtype=np.uint8)
+    out[:, :FRAGMENT_ID_SIZE] = np.arange(plan.n_symbols, dtype=">u4").view(np.uint8).reshape(-1, 4)
+    out[:, FRAGMENT_ID_SIZE:] = stream
+    return out
+
+
+def dequantise_stream(plan: PiecePlan, store: npt.NDArray[np.uint8], levels: npt.ArrayLike,
+                      bases: npt.ArrayLike, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> DequantisedKV:
+    """The cache from a stream's symbol store [n_symbols, plan.symbol_size] at the given block levels
+    (``PiecePlan.usable``: only complete pieces are read)."""
+    return dequantise(unpack_stream(plan, store), plan.layout, levels, bases, dtype, device)
+
+
 def serialise_stream(runtime: ModelRuntime, cache: DynamicCache, plan: PiecePlan) -> npt.NDArray[np.uint8]:
     """A progressive-precision stream's symbols (4-byte stream index + payload), quantised from ``cache``
-    where it lies (``quant.stream_symbols``)."""
+    where it lies (``stream_symbols``)."""
     if plan.layout.geometry != runtime.geometry:
         raise ValueError(f"piece plan geometry {plan.layout.geometry} is not the model's {runtime.geometry}")
     n = plan.layout.n_tokens

@@ -20,7 +20,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE
 from pfec.common.plan.precision import (
     BASE_OF_LEVEL,
     CODE_BITS,
@@ -30,9 +29,6 @@ from pfec.common.plan.precision import (
     PieceBytes,
     PieceKind,
     PieceLayout,
-    PiecePlan,
-    pack_stream,
-    unpack_stream,
 )
 
 NATIVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -486,28 +482,3 @@ def roundtrip(layers: Layers, layout: PieceLayout, level: Level, dtype: torch.dt
     levels = np.full(layout.n_blocks, level, dtype=np.int8)
     bases = np.full(layout.n_blocks, 0 if level is Level.NATIVE else level, dtype=np.int8)
     return dequantise(pieces, layout, levels, bases, dtype, layers[0][0].device)
-
-
-# --- A handoff's stream -------------------------------------------------------------------------------------
-
-
-def stream_symbols(layers: Layers, plan: PiecePlan) -> npt.NDArray[np.uint8]:
-    """The plan's symbols with their 4-byte stream index in front: [n_symbols, 4 + plan.symbol_size].
-
-    Row i is stream symbol i (send order = stream order); the index is big-endian, as a native handoff's
-    fragment id, so the receiver files a symbol whatever order it decoded it in.
-    """
-    kinds = [PieceKind(k) for k in np.unique(plan.kinds).tolist()]
-    stream = pack_stream(plan, quantise(layers, plan.layout, kinds))
-    out = np.empty((plan.n_symbols, FRAGMENT_ID_SIZE + plan.symbol_size), dtype=np.uint8)
-    out[:, :FRAGMENT_ID_SIZE] = np.arange(plan.n_symbols, dtype=">u4").view(np.uint8).reshape(-1, 4)
-    out[:, FRAGMENT_ID_SIZE:] = stream
-    return out
-
-
-def dequantise_stream(plan: PiecePlan, store: npt.NDArray[np.uint8], levels: npt.ArrayLike,
-                      bases: npt.ArrayLike, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str = "cpu") -> DequantisedKV:
-    """The cache from a stream's symbol store [n_symbols, plan.symbol_size] at the given block levels
-    (``PiecePlan.usable``: only complete pieces are read)."""
-    return dequantise(unpack_stream(plan, store), plan.layout, levels, bases, dtype, device)
