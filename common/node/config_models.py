@@ -346,7 +346,16 @@ class CommonLimits(_Section):
     )
     max_completion_tokens: int = Field(
         default=512, ge=1, le=1 << 16,
-        description="Largest max_tokens an OpenAI API request may ask for (400 above).",
+        description="Longest completion of one OpenAI API request, tokens. A larger max_tokens (or "
+        "max_completion_tokens) is a 400; a request that leaves it out gets the rest of the model's context, "
+        "up to this. It bounds how long a request holds the model worker: the default model decodes 512 "
+        "tokens in about 45 s on 2 CPU cores.",
+    )
+    force_include_usage: bool = Field(
+        default=False,
+        description="Every streamed OpenAI API response ends with the usage chunk (cached_tokens included), "
+        "as if the request set stream_options.include_usage (vLLM's --enable-force-include-usage). Agent "
+        "frameworks ask for it only from OpenAI's own URL.",
     )
     prefix_cache_bytes: int = Field(
         default=512 * MIB, ge=0, le=1 << 40,

@@ -12,7 +12,8 @@ for the next turn; the receiver stores each rebuilt handoff cache the same way (
 Generation runs in the daemon's bounded model worker, one request at a time; at most
 ``limits.serving_queue`` requests wait or run, beyond that a 503 with ``Retry-After``. The store and the
 conversations are touched only in that worker thread (``PrefixStore``'s one owner). Errors are OpenAI's
-error body: 400 naming the parameter, 404 for an unknown model, 413 for a body over the limit.
+error body: 400 naming the parameter, 404 for an unknown model, 413 for a body over the limit. A
+response names the accepted fields its request sent that changed nothing in ``X-PFEC-Ignored-Fields``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pfec.common.node.openai_models import (
     CompletionRequest,
     openai_error,
     usage,
+    validation_error,
 )
 from pfec.common.node.worker import ModelWorker, WorkerBusy
 from pfec.common.plan.handoff import json_depth
@@ -55,6 +57,7 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 log = logging.getLogger("pfec.openai")
 CONVERSATIONS_KEPT = 1024
 DEFAULT_ALIAS = "default"  # a client may name the node's model this way too
+IGNORED_HEADER = "X-PFEC-Ignored-Fields"  # the accepted fields a request sent that changed nothing
 
 
 class ServingError(ValueError):
@@ -168,10 +171,11 @@ class OpenAIFace:
     def conversation(self, conversation_id: str) -> Conversation | None:
         return self.conversations.get(conversation_id)
 
-    def _serve(self, job: _Job, render: Callable[[], list[int]], salt: str, limit: int,
+    def _serve(self, job: _Job, render: Callable[[], list[int]], salt: str, asked: int | None,
                stops: tuple[str, ...], temperature: float, top_p: float, seed: int | None,
                cid: str) -> Served:
-        """Worker thread: tokenise, check the context, look up the store, complete, keep the cache."""
+        """Worker thread: tokenise, check the context, look up the store, complete, keep the cache.
+        ``asked``: the client's token limit; None is the rest of the context, up to the node's limit."""
         from pfec.common.model import serving  # deferred: torch
 
         field = "messages" if cid.startswith("chatcmpl") else "prompt"
@@ -182,9 +186,15 @@ class OpenAIFace:
         if not ids:
             raise ServingError(field, "the prompt is empty once tokenised")
         room = self.runtime.max_context - len(ids)
-        if room < limit:
-            raise ServingError(field, f"the prompt is {len(ids)} tokens; with max_tokens = {limit} it "
+        if asked is None and room < 1:
+            raise ServingError(field, f"the prompt is {len(ids)} tokens: it fills the model's "
+                               f"{self.runtime.max_context}-token context, leaving no room for a reply")
+        if asked is not None and room < asked:
+            raise ServingError(field, f"the prompt is {len(ids)} tokens; with max_tokens = {asked} it "
                                f"exceeds the model's {self.runtime.max_context}-token context")
+        # As vLLM: no limit asked is the rest of the context; the node's limit bounds it (the time a request
+        # holds the worker, and the room its cache reserves).
+        limit = asked if asked is not None else min(room, self.limits.max_completion_tokens)
         match = self.store.lookup(salt, ids, self.clock(), max_tokens=len(ids) - 1)
         job.mark_started()
         sampling = serving.Sampling(limit, temperature, top_p, seed, stops)
@@ -235,10 +245,12 @@ class OpenAIFace:
 
         return await self._run(request, parsed, render, None)
 
-    def _checked_limit(self, parsed: ChatCompletionRequest | CompletionRequest) -> int:
+    def _checked_limit(self, parsed: ChatCompletionRequest | CompletionRequest) -> int | None:
+        """The client's token limit checked against the node's (None: none asked; the worker fills it in
+        from the prompt's length)."""
         cap = self.limits.max_completion_tokens
-        limit = parsed.limit if parsed.limit is not None else min(cap, 256)
-        if limit > cap:
+        limit = parsed.limit
+        if limit is not None and limit > cap:
             raise ServingError(parsed.limit_field, f"{parsed.limit_field}: {limit}, above this node's "
                                f"limits.max_completion_tokens ({cap})")
         if parsed.model not in self._model_names():
@@ -277,7 +289,7 @@ class OpenAIFace:
                 future.add_done_callback(_consume)
                 raise
             self._record(cid, parsed.salt, messages, served.completion.text)
-            return web.json_response(self._body(served, cid, parsed.model, chat))
+            return web.json_response(self._body(served, cid, parsed.model, chat), headers=_ignored(parsed))
         finally:
             self.in_flight -= 1
             self._recent_s = 0.5 * self._recent_s + 0.5 * (time.monotonic() - began)
@@ -331,7 +343,8 @@ class OpenAIFace:
                       job: _Job, future: asyncio.Future[Served], cid: str, chat: bool,
                       messages: list[dict[str, str]] | None) -> web.StreamResponse:
         """Server-sent events: the first chunk once the job has started (errors before it are plain
-        400s), one per piece of text, the finish reason, usage (with ``stream_options.include_usage``)."""
+        400s), one per piece of text, the finish reason, usage (with ``stream_options.include_usage``, or
+        always under ``limits.force_include_usage``: frameworks ask for it only from OpenAI's own URL)."""
         started: asyncio.Future[Any] = asyncio.ensure_future(job.started.wait())
         await asyncio.wait([started, future], return_when=asyncio.FIRST_COMPLETED)
         started.cancel()
@@ -341,7 +354,7 @@ class OpenAIFace:
                 return _error(exc)
             raise exc  # type: ignore[misc]  # the JSON 500 middleware answers
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache", **_ignored(parsed)})
         await response.prepare(request)
         chunk = _Chunks(cid, parsed.model, chat)
         try:
@@ -369,7 +382,7 @@ class OpenAIFace:
         done = served.completion
         self._record(cid, parsed.salt, messages, done.text)
         await _send(response, chunk.finish(done.finish_reason))
-        if parsed.include_usage:
+        if parsed.include_usage or self.limits.force_include_usage:
             counts = usage(done.prompt_tokens, len(done.token_ids), done.cached_tokens)
             await _send(response, chunk.usage(counts, self._extension(served, cid)))
         await response.write(b"data: [DONE]\n\n")
@@ -442,16 +455,10 @@ async def _read(request: web.Request, model: type[R], max_depth: int) -> R | web
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
-        return web.json_response(_validation_error(exc), status=400)
+        return web.json_response(validation_error(exc, raw), status=400)
 
 
-def _validation_error(exc: ValidationError) -> dict[str, Any]:
-    errors = exc.errors()
-    if any(e["type"] == "json_invalid" for e in errors):
-        return openai_error("request body is not JSON (send one JSON object, UTF-8)")
-    first = errors[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    reason = "not supported here" if first["type"] == "extra_forbidden" else str(first["msg"]).removeprefix(
-        "Value error, ")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return openai_error(f"{param or 'request'}: {reason}{more}", param)
+def _ignored(parsed: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """The response header naming the fields the request sent that changed nothing (none: no header)."""
+    names = parsed.ignored()
+    return {IGNORED_HEADER: ", ".join(names)} if names else {}
