@@ -240,12 +240,12 @@ async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled
         if ref.cache_salt is not None and ref.cache_salt != known.salt:
             return _field_error(422, "conversation.cache_salt", "the conversation was served under another "
                                 "cache salt")
-        salt, messages = known.salt, [dict(m) for m in known.messages]
+        salt, messages, tools = known.salt, [dict(m) for m in known.messages], known.tools
     else:
         assert ref.messages is not None
-        messages = [m.rendered() for m in ref.messages]
+        messages, tools = [m.rendered() for m in ref.messages], None
     try:
-        ids, kv, cached, _origin = await daemon.worker.submit(face.conversation_cache, salt, messages)
+        ids, kv, cached, _origin = await daemon.worker.submit(face.conversation_cache, salt, messages, tools)
     except ServingError as exc:
         field = "conversation.cache_salt" if exc.param == "cache_salt" else "conversation"
         return _field_error(exc.status, field, str(exc))

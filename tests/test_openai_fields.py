@@ -145,11 +145,13 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias", "changes the answer"),
     ("/chat/completions", {"logprobs": True}, "logprobs", "not built yet"),
     ("/chat/completions", {"top_logprobs": 2}, "top_logprobs", "not built yet"),
-    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tool calls are not built yet"),
-    ("/chat/completions", {"tool_choice": "required"}, "tool_choice", "tool calls are not built yet"),
-    ("/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "not built yet"),
+    # Tools are built (tests/test_openai_tools.py); a choice that needs constrained decoding is not.
+    ("/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs constrained decoding"),
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                           "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "needs constrained decoding, not built yet"),
+    ("/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.function.name", "not one of the tools"),
     ("/chat/completions", {"functions": [{"name": "f"}]}, "functions", "not built yet"),
     ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "structured output (json_schema) is not built yet"),
@@ -158,11 +160,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort", "not served"),
     ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ("/chat/completions", {"top_k": 5}, "top_k", "not a parameter"),
-    ("/chat/completions", {"messages": [{"role": "tool", "content": "w5", "tool_call_id": "c1"}]},
-     "messages.0.role", "not built yet"),
-    ("/chat/completions", {"messages": [*HELLO, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages.1.tool_calls", "not built yet"),
     ("/completions", {"best_of": 2}, "best_of", "best_of = 1"),
     ("/completions", {"suffix": "w9"}, "suffix", "not served"),
     ("/completions", {"logprobs": 1}, "logprobs", "not built yet"),
@@ -185,7 +182,7 @@ def test_what_would_change_the_answer_is_a_400_naming_the_field(chat_tiny: llm.M
 
 def test_errors_name_the_field_as_the_client_wrote_it(chat_tiny: llm.ModelRuntime) -> None:
     async def test(node: Node) -> None:
-        # An assistant turn with null content (it carries tool calls later) renders as empty text.
+        # An assistant turn with null content renders as empty text.
         null_reply: list[dict[str, Any]] = [*HELLO, {"role": "assistant", "content": None},
                                             {"role": "user", "content": "w8"}]
         status, body, _ = await node.post("/chat/completions", _chat(messages=null_reply))

@@ -145,7 +145,8 @@ def test_bad_requests_get_a_4xx_naming_the_parameter(nodes: Nodes) -> None:
     hello = [{"role": "user", "content": "hi"}]
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"n": 2}, openai.BadRequestError, "n"),
-        ({"extra_body": {"tools": []}}, openai.BadRequestError, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, openai.BadRequestError,
+         "tools.0.function.name"),
         ({"max_tokens": 65}, openai.BadRequestError, "max_tokens"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, openai.BadRequestError, "messages.0"),
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, openai.BadRequestError, "messages"),

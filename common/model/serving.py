@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -56,15 +57,44 @@ class Completion:
     prefill_s: float
 
 
-def chat_ids(runtime: ModelRuntime, messages: Sequence[Mapping[str, str]],
-             add_generation_prompt: bool = True) -> list[int]:
-    """Messages rendered with the model's own chat template, as token ids."""
+def chat_ids(runtime: ModelRuntime, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Messages (and tools, when the template takes them) rendered with the model's own chat template, as
+    token ids."""
     tok = tokenizer_of(runtime)
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"model {runtime.model_id!r} has no chat template: use /v1/completions")
-    text = tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
+    offered = [dict(t) for t in tools] if tools else None
+    text = tok.apply_chat_template([dict(m) for m in messages], tools=offered, tokenize=False,
                                    add_generation_prompt=add_generation_prompt)
     return list(tok(text, add_special_tokens=False).input_ids)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "pfec_probe", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def takes_tools(runtime: ModelRuntime) -> bool:
+    """Whether the model's chat template renders tools itself: a probe conversation rendered with and
+    without a tool differs (SmolLM2's template ignores them). Remembered per template."""
+    tok = tokenizer_of(runtime)
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        return False
+    known = _TAKES_TOOLS.get(str(template))
+    if known is None:
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            plain = tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            offered = tok.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False,
+                                              add_generation_prompt=True)
+        except Exception:  # a template that fails on tools does not take them
+            offered = plain = ""
+        known = _TAKES_TOOLS[str(template)] = plain != offered
+    return known
+
+
+_TAKES_TOOLS: dict[str, bool] = {}
 
 
 def text_ids(runtime: ModelRuntime, text: str) -> list[int]:

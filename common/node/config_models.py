@@ -357,6 +357,11 @@ class CommonLimits(_Section):
         "as if the request set stream_options.include_usage (vLLM's --enable-force-include-usage). Agent "
         "frameworks ask for it only from OpenAI's own URL.",
     )
+    tool_call_parser: Literal["hermes"] = Field(
+        default="hermes",
+        description="How an OpenAI API reply's tool calls are parsed: hermes (vLLM's --tool-call-parser "
+        "hermes), <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks. The only one today.",
+    )
     prefix_cache_bytes: int = Field(
         default=512 * MIB, ge=0, le=1 << 40,
         description="Byte budget of the prefix cache store (handed-off contexts and each turn's cache, "

@@ -14,6 +14,9 @@ Generation runs in the daemon's bounded model worker, one request at a time; at 
 conversations are touched only in that worker thread (``PrefixStore``'s one owner). Errors are OpenAI's
 error body: 400 naming the parameter, 404 for an unknown model, 413 for a body over the limit. A
 response names the accepted fields its request sent that changed nothing in ``X-PFEC-Ignored-Fields``.
+
+Tools (``openai_tools``): rendered by the chat template or the Hermes fallback, the reply parsed by the
+parser ``limits.tool_call_parser`` names into ``tool_calls`` (streamed as OpenAI's deltas).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 from pydantic import ValidationError
 
+from pfec.common.node import openai_tools
 from pfec.common.node.config_models import CommonLimits
 from pfec.common.node.control import MAX_BODY_KEY, MAX_JSON_DEPTH
 from pfec.common.node.metrics import NodeMetrics
@@ -78,7 +82,8 @@ class Conversation:
 
     id: str
     salt: str
-    messages: tuple[Mapping[str, str], ...]  # the request's messages and the assistant's reply
+    messages: tuple[Mapping[str, Any], ...]  # the request's messages and the assistant's reply
+    tools: tuple[Mapping[str, Any], ...] | None = None  # the tools offered (they open the prompt)
 
 
 @dataclass
@@ -135,7 +140,17 @@ class OpenAIFace:
 
         return self.store.put(salt, list(ids), kv, kv_nbytes(kv), self.clock(), info)
 
-    def conversation_cache(self, salt: str, messages: Sequence[Mapping[str, str]],
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """Worker thread: the messages and tools through the model's chat template, or its Hermes fallback
+        when the template ignores tools (``openai_tools.template_messages``)."""
+        from pfec.common.model import serving  # deferred: torch
+
+        shaped, offered = openai_tools.template_messages(messages, tools, serving.takes_tools(self.runtime))
+        return serving.chat_ids(self.runtime, shaped, add_generation_prompt, offered)
+
+    def conversation_cache(self, salt: str, messages: Sequence[Mapping[str, Any]],
+                           tools: Sequence[Mapping[str, Any]] | None = None,
                            ) -> tuple[list[int], PartialKV, int, dict[str, Any]]:
         """A conversation's cache made whole for a handoff: (its token ids as the next turn renders them,
         the cache over them, how many were already cached, where those came from). ServingError when no
@@ -143,7 +158,7 @@ class OpenAIFace:
         thread; the whole cache is stored back (the next lookup finds it)."""
         from pfec.common.model import serving  # deferred: torch
 
-        ids = serving.chat_ids(self.runtime, messages, add_generation_prompt=False)
+        ids = self.chat_ids(messages, tools, add_generation_prompt=False)
         match = self.store.lookup(salt, ids, self.clock())
         if match is None:
             raise ServingError("cache_salt" if salt else "conversation",
@@ -153,14 +168,15 @@ class OpenAIFace:
         self.keep(salt, ids, kv, match.entry.info)
         return ids, kv, match.tokens, dict(match.entry.info)
 
-    def settle(self, salt: str, messages: Sequence[Mapping[str, str]]) -> int:
+    def settle(self, salt: str, messages: Sequence[Mapping[str, Any]],
+               tools: Sequence[Mapping[str, Any]] | None = None) -> int:
         """Worker thread, after a chat completion: extend its stored cache to the conversation as the next
         turn renders it (the reply's last token, never fed, and the template's end-of-turn marker: a few
         tokens), so the next turn prefills only its own. Returns the tokens prefilled (0: nothing to do, or
         nothing of it stored any more)."""
         from pfec.common.model import serving  # deferred: torch
 
-        ids = serving.chat_ids(self.runtime, messages, add_generation_prompt=False)
+        ids = self.chat_ids(messages, tools, add_generation_prompt=False)
         match = self.store.lookup(salt, ids, self.clock(), count=False)
         if match is None or match.tokens >= len(ids) or len(ids) > self.runtime.max_context:
             return 0
@@ -223,14 +239,11 @@ class OpenAIFace:
         parsed = await _read(request, ChatCompletionRequest, self.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
-        messages = parsed.rendered()
-
-        def render() -> list[int]:
-            from pfec.common.model import serving  # deferred: torch
-
-            return serving.chat_ids(self.runtime, messages)
-
-        return await self._run(request, parsed, render, messages)
+        problem = parsed.choice_error()
+        if problem is not None:
+            return _error(ServingError(*problem))
+        messages, tools = parsed.rendered(), parsed.offered()
+        return await self._run(request, parsed, lambda: self.chat_ids(messages, tools), messages)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await _read(request, CompletionRequest, self.max_json_depth)
@@ -260,7 +273,7 @@ class OpenAIFace:
 
     async def _run(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
                    render: Callable[[], list[int]],
-                   messages: list[dict[str, str]] | None) -> web.StreamResponse:
+                   messages: list[dict[str, Any]] | None) -> web.StreamResponse:
         try:
             limit = self._checked_limit(parsed)
         except ServingError as exc:
@@ -288,8 +301,12 @@ class OpenAIFace:
             except asyncio.CancelledError:  # the client went away: the job runs out (max_tokens bounds it)
                 future.add_done_callback(_consume)
                 raise
-            self._record(cid, parsed.salt, messages, served.completion.text)
-            return web.json_response(self._body(served, cid, parsed.model, chat), headers=_ignored(parsed))
+            reply = self._reply(parsed)
+            reply.feed(served.completion.text)
+            reply.finish()
+            self._record(cid, parsed, messages, reply.message())
+            body = self._body(served, cid, parsed.model, chat, reply)
+            return web.json_response(body, headers=_ignored(parsed))
         finally:
             self.in_flight -= 1
             self._recent_s = 0.5 * self._recent_s + 0.5 * (time.monotonic() - began)
@@ -301,26 +318,36 @@ class OpenAIFace:
         body = openai_error(f"this node is busy: {why}; retry later", None, "server_error", "overloaded")
         return web.json_response(body, status=503, headers={"Retry-After": str(retry)})
 
-    def _record(self, cid: str, salt: str, messages: list[dict[str, str]] | None, reply: str) -> None:
+    def _reply(self, parsed: ChatCompletionRequest | CompletionRequest) -> openai_tools.Reply:
+        if isinstance(parsed, ChatCompletionRequest):
+            return openai_tools.Reply(parsed.offered(), self.limits.tool_call_parser, parsed.parallel)
+        return openai_tools.Reply(None, self.limits.tool_call_parser, True)
+
+    def _record(self, cid: str, parsed: ChatCompletionRequest | CompletionRequest,
+                messages: list[dict[str, Any]] | None, reply: dict[str, Any]) -> None:
         """Remember a chat completion's conversation (a handoff may name it by id) and queue its cache's
         upkeep (``settle``) behind it in the worker; skipped when the worker is full."""
-        if messages is None:
+        if messages is None or not isinstance(parsed, ChatCompletionRequest):
             return
-        turn = ({"role": "assistant", "content": reply},)
-        conversation = self.conversations[cid] = Conversation(cid, salt, (*messages, *turn))
+        turn = {**reply, "content": reply["content"] or ""}
+        tools = parsed.offered()
+        conversation = self.conversations[cid] = Conversation(
+            cid, parsed.salt, (*messages, turn), None if tools is None else tuple(tools))
         while len(self.conversations) > CONVERSATIONS_KEPT:
             self.conversations.popitem(last=False)
         try:
-            settled = self.worker.submit(self.settle, salt, conversation.messages)
+            settled = self.worker.submit(self.settle, parsed.salt, conversation.messages, conversation.tools)
         except WorkerBusy:
             return
         settled.add_done_callback(_consume)
 
-    def _body(self, served: Served, cid: str, model: str, chat: bool) -> dict[str, Any]:
+    def _body(self, served: Served, cid: str, model: str, chat: bool,
+              reply: openai_tools.Reply) -> dict[str, Any]:
         done = served.completion
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason(done.finish_reason),
+                                  "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
+            choice["message"] = reply.message()
         else:
             choice["text"] = done.text
         return {"id": cid, "object": "chat.completion" if chat else "text_completion",
@@ -341,7 +368,7 @@ class OpenAIFace:
 
     async def _stream(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
                       job: _Job, future: asyncio.Future[Served], cid: str, chat: bool,
-                      messages: list[dict[str, str]] | None) -> web.StreamResponse:
+                      messages: list[dict[str, Any]] | None) -> web.StreamResponse:
         """Server-sent events: the first chunk once the job has started (errors before it are plain
         400s), one per piece of text, the finish reason, usage (with ``stream_options.include_usage``, or
         always under ``limits.force_include_usage``: frameworks ask for it only from OpenAI's own URL)."""
@@ -357,6 +384,7 @@ class OpenAIFace:
                                                "Cache-Control": "no-cache", **_ignored(parsed)})
         await response.prepare(request)
         chunk = _Chunks(cid, parsed.model, chat)
+        reply = self._reply(parsed)
         try:
             if chat:
                 await _send(response, chunk.delta({"role": "assistant", "content": ""}))
@@ -364,11 +392,13 @@ class OpenAIFace:
                 getter: asyncio.Future[Any] = asyncio.ensure_future(job.texts.get())
                 await asyncio.wait([getter, future], return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
-                    text = getter.result()
-                    await _send(response, chunk.delta({"content": text} if chat else text))
+                    for delta in reply.deltas(reply.feed(getter.result())):
+                        await _send(response, chunk.delta(delta))
                 else:
                     getter.cancel()
             served = await future
+            for delta in reply.deltas(reply.finish()):  # a call the end of the reply closes
+                await _send(response, chunk.delta(delta))
         except (ConnectionResetError, asyncio.CancelledError):
             job.gone.set()  # the worker stops at its next token
             future.add_done_callback(_consume)
@@ -380,8 +410,8 @@ class OpenAIFace:
             await response.write_eof()
             return response
         done = served.completion
-        self._record(cid, parsed.salt, messages, done.text)
-        await _send(response, chunk.finish(done.finish_reason))
+        self._record(cid, parsed, messages, reply.message())
+        await _send(response, chunk.finish(reply.finish_reason(done.finish_reason)))
         if parsed.include_usage or self.limits.force_include_usage:
             counts = usage(done.prompt_tokens, len(done.token_ids), done.cached_tokens)
             await _send(response, chunk.usage(counts, self._extension(served, cid)))
@@ -402,9 +432,10 @@ class _Chunks:
                      "created": int(time.time()), "model": model}
         self.chat = chat
 
-    def delta(self, part: dict[str, str] | str) -> dict[str, Any]:
+    def delta(self, part: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of one delta (``{"content": ...}`` is a completion's ``text``)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
-        choice.update({"delta": part} if self.chat else {"text": part})
+        choice.update({"delta": part} if self.chat else {"text": part["content"]})
         return {**self.head, "choices": [choice]}
 
     def finish(self, reason: str) -> dict[str, Any]:

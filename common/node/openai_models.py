@@ -6,12 +6,14 @@ The fields OpenAI's chat and completions APIs define fall into four kinds:
 - honoured: ``messages``/``prompt``, ``max_tokens``, ``max_completion_tokens``, ``temperature``, ``top_p``,
   ``seed``, ``stop``, ``stream``, ``stream_options.include_usage`` and vLLM's ``cache_salt``;
 - accepted at the values that match what the node does, refused with the reason otherwise: ``n`` 1,
-  penalties 0, ``logit_bias`` empty, no logprobs, ``response_format`` text, ``tool_choice`` none or auto
-  (no tools), ``modalities`` text, ``echo`` false, ``best_of`` 1;
+  penalties 0, ``logit_bias`` empty, no logprobs, ``response_format`` text, ``modalities`` text, ``echo``
+  false, ``best_of`` 1;
+- tool calls: ``tools``, ``tool_choice`` (auto or none), ``parallel_tool_calls``, ``tool`` messages and an
+  assistant's ``tool_calls`` (``openai_tools``);
 - accepted and ignored, because they change nothing in the answer (vLLM ignores them too): ``IGNORED``;
   each response names the ones a request sent (``ignored()``), in a header;
-- refused as not built: tools and function calls, structured output, audio, reasoning settings, web search,
-  ``suffix``.
+- refused as not built: ``tool_choice`` required or named (constrained decoding), legacy function calls,
+  structured output, audio, reasoning settings, web search, ``suffix``.
 
 An explicit null of an optional field means its default, as in OpenAI's own API. Bounds that depend on the
 node (``max_tokens`` against ``limits.max_completion_tokens``, the prompt against the model's context) are
@@ -32,6 +34,7 @@ from pydantic import (
     field_validator,
 )
 
+from pfec.common.node.openai_tools import MAX_CALL_ID_CHARS, ToolCalls, ToolsMixin
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 
 MAX_TEXT_CHARS = 1 << 20  # one message's or prompt's characters (the body size bounds it first)
@@ -93,26 +96,20 @@ Parts = Annotated[list[TextPart], Field(max_length=64)]
 
 class ChatMessage(_Strict):
     """One message of a conversation. An assistant message may have null content: its turn rendered as its
-    refusal if it has one, else as empty text (tool calls, which usually come with it, are not built yet)."""
+    refusal if it has one, else as empty text (and its ``tool_calls``). A ``tool`` message is a call's
+    result: it names the call (``tool_call_id``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Parts | None = Field(default=None, validate_default=True)
     name: str | None = Field(default=None, max_length=64, description="Accepted and ignored.")
     refusal: str | None = Field(default=None, max_length=MAX_TEXT_CHARS,
                                 description="An assistant's refusal: its text when content is null.")
-    # What the openai SDK's message objects carry back as nulls when a client echoes a reply; anything else in
-    # them is the tool-call work of a later issue.
-    tool_calls: list[None] | None = None
-    tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)  # a tool message's (refused)
+    tool_calls: ToolCalls | None = None  # an assistant's (an empty list: none)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=MAX_CALL_ID_CHARS,
+                                     validate_default=True)  # a tool message's, only
+    # What the openai SDK's message objects carry back as nulls when a client echoes a reply.
     function_call: None = None
     audio: None = None
-
-    @field_validator("role")
-    @classmethod
-    def _role(cls, v: str) -> str:
-        if v == "tool":
-            raise ValueError(f"a tool message (a tool's result) is {NOT_BUILT}: tool calls come with tools")
-        return v
 
     @field_validator("content")
     @classmethod
@@ -122,11 +119,19 @@ class ChatMessage(_Strict):
             raise ValueError(f"a {role} message needs content (only an assistant's may be null)")
         return v
 
-    @field_validator("tool_calls", mode="before")
+    @field_validator("tool_calls")
     @classmethod
-    def _tool_calls(cls, v: Any) -> Any:
-        if v is not None and v != []:  # an empty list is what "no tool calls" serialises to in some clients
-            raise _refuse("tool_calls", f"tool calls are {NOT_BUILT}")
+    def _tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if (v is None) == (role == "tool"):
+            raise ValueError("a tool message names its call (tool_call_id); no other message does")
         return v
 
     @field_validator("function_call", "audio", mode="before")
@@ -143,9 +148,16 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def rendered(self) -> dict[str, str]:
-        """The message as the chat template takes it (a developer message is the system prompt)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+    def rendered(self) -> dict[str, Any]:
+        """The message as the node keeps it (a developer message is the system prompt); the chat template
+        gets it through ``openai_tools.template_messages``."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.rendered() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Strict):
@@ -251,13 +263,12 @@ class _Generation(_Strict):
         return names
 
 
-class ChatCompletionRequest(_Generation):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(_Generation, ToolsMixin):
+    """``POST /v1/chat/completions`` (the tool-call fields: ``ToolsMixin``)."""
 
-    IGNORED: ClassVar[tuple[str, ...]] = (*_Generation.IGNORED, "parallel_tool_calls", "prediction")
+    IGNORED: ClassVar[tuple[str, ...]] = (*_Generation.IGNORED, "prediction")
     # Refused whenever set: what each would need.
     NOT_BUILT_FIELDS: ClassVar[dict[str, str]] = {
-        "tools": f"tool calls are {NOT_BUILT}",
         "functions": f"function calling (the legacy form of tools) is {NOT_BUILT}",
         "function_call": f"function calling (the legacy form of tool_choice) is {NOT_BUILT}",
         "audio": "audio output is not served here (text only)",
@@ -273,12 +284,8 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = Field(default=False, description="Only false.")
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Only 0.")
     response_format: ResponseFormatText | None = None
-    tool_choice: Literal["none", "auto"] | None = Field(
-        default=None, description="Without tools both mean a text answer, which is what the node gives.")
     modalities: list[Literal["text"]] | None = Field(default=None, max_length=2)
-    parallel_tool_calls: bool | None = None  # ignored: it means nothing without tools
     prediction: Prediction | None = None  # ignored: a latency hint only
-    tools: None = None
     functions: None = None
     function_call: None = None
     audio: None = None
@@ -323,13 +330,6 @@ class ChatCompletionRequest(_Generation):
                              "null or leave response_format out")
         return v
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        if v is not None and v not in ("none", "auto"):  # "required" or a named function needs tools
-            raise ValueError(f"tool calls are {NOT_BUILT}: tool_choice may be \"none\", \"auto\" or null")
-        return v
-
     @field_validator("modalities", mode="before")
     @classmethod
     def _modalities(cls, v: Any) -> Any:
@@ -346,11 +346,13 @@ class ChatCompletionRequest(_Generation):
     def limit_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def rendered(self) -> list[dict[str, str]]:
+    def rendered(self) -> list[dict[str, Any]]:
         return [m.rendered() for m in self.messages]
 
     def ignored(self) -> list[str]:
         names = super().ignored()
+        if self.parallel_tool_calls is not None and self.offered() is None:
+            names.append("parallel_tool_calls")  # no tools offered: it means nothing
         # Message fields the chat template never sees, once per field (not per message).
         if any(m.name is not None for m in self.messages):
             names.append("messages.*.name")
