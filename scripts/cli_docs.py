@@ -27,7 +27,10 @@ def reference() -> str:
     # A context without typer's markup-mode object keeps the help text raw: rich mode would escape
     # quotes to HTML entities and swallow bracketed text such as "[default: 100]" as markup.
     context = typer.Context(command)
-    return get_docs_for_click(obj=command, ctx=context, name="pfec", indent=1).strip() + "\n"
+    text = get_docs_for_click(obj=command, ctx=context, name="pfec", indent=1).strip() + "\n"
+    # Defaults resolved from the checkout (the shipped profile) read relative to it: the same file wherever
+    # the repo was cloned.
+    return text.replace(str(ROOT) + "/", "")
 
 
 def render(current: str) -> str:

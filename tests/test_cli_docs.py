@@ -47,6 +47,13 @@ def test_cli_md_matches_the_help_texts() -> None:
         "docs/CLI.md is stale: run ./scripts/cli-docs.sh and commit it")
 
 
+def test_the_reference_names_no_path_of_this_checkout() -> None:
+    """A default resolved from the checkout reads relative to it: the file is the same in every clone."""
+    reference = _generator().reference()
+    assert str(ROOT) not in reference
+    assert "[default: profiles/smollm2-135m-instruct.json]" in reference
+
+
 def test_the_reference_has_a_heading_per_command() -> None:
     committed = (ROOT / "docs" / "CLI.md").read_text(encoding="utf-8")
     command_paths = [path for path, _ in _help_texts(typer.main.get_command(app), "pfec", params=False)]
