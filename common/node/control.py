@@ -5,8 +5,9 @@ with errors that name the field; the ``?wait=`` flag; and the client the CLI tal
 Each daemon's routes live with it (``sender/control.py``: ``POST /handoffs``, ``GET /handoffs[/{id}]``;
 ``receiver/control.py``: ``GET /sessions``, ``GET /results``; both also ``GET /healthz`` and
 ``GET /metrics``, ``GET /readyz``). Bad requests get 422 with ``{"error": ..., "fields": [{"field",
-"message"}]}``; a body that is not JSON, or nests deeper than the configured depth, gets 400; one larger
-than the configured size 413; every error, including aiohttp's own (404, 405), is a JSON ``{"error": ...}``.
+"message"}]}``, each field named as the client wrote it; a body that is not JSON, or nests deeper than
+the configured depth, gets 400; one larger than the configured size 413; every error, including aiohttp's
+own (404, 405), is a JSON ``{"error": ...}``.
 
 Request bodies are validated strictly (pydantic strict mode on the raw JSON): ``true`` is not an integer and
 ``1.5`` is not one either; the depth is checked by a scan before anything is parsed.
@@ -27,6 +28,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ValidationError
 
 from pfec.common.node.metrics import NodeMetrics
+from pfec.common.node.openai_models import client_path, shallow_error
 from pfec.common.plan.handoff import json_depth
 
 MAX_WAIT_S = 600.0
@@ -45,13 +47,28 @@ def _shown(value: Any) -> str:
     return f" (got {text[:80]}{'...' if len(text) > 80 else ''})"
 
 
-def validation_error_body(exc: ValidationError, max_errors: int = 10) -> dict[str, Any]:
-    fields = []
-    for err in exc.errors()[:max_errors]:
-        loc = ".".join(str(p) for p in err["loc"]) or "(request)"
+def validation_error_body(exc: ValidationError, raw: bytes = b"null", max_errors: int = 10) -> dict[str, Any]:
+    """The 422 body: each bad field by the path the client wrote (``conversation.messages.3.type``, not
+    pydantic's union tags: ``openai_models.client_path``), each (path, reason) once, a union member's plain
+    type mismatch left out where another member went deeper."""
+    errors = exc.errors()
+    try:
+        body = json.loads(raw)  # pydantic parsed it; its size and depth were checked before
+    except ValueError:
+        body = None
+    paths = [client_path(tuple(e["loc"]), body) for e in errors]
+    fields: list[dict[str, str]] = []
+    for err, path in zip(errors, paths, strict=True):
+        if shallow_error(err["type"], path, paths):
+            continue
+        loc = path or "(request)"
         msg = str(err["msg"]).removeprefix("Value error, ")
         value = "" if err["type"] == "missing" or "input" not in err else _shown(err["input"])
-        fields.append({"field": loc, "message": f"{loc}: {msg}{value}"})
+        entry = {"field": loc, "message": f"{loc}: {msg}{value}"}
+        if entry not in fields:
+            fields.append(entry)
+        if len(fields) == max_errors:
+            break
     return {"error": "; ".join(f["message"] for f in fields), "fields": fields}
 
 
@@ -95,7 +112,7 @@ async def read_model(request: web.Request, model: type[M], *,
     except ValidationError as exc:
         if any(err["type"] == "json_invalid" for err in exc.errors()):
             return json_error(400, "request body is not JSON (send one JSON object, UTF-8)")
-        return web.json_response(validation_error_body(exc), status=422)
+        return web.json_response(validation_error_body(exc, raw), status=422)
 
 
 def wait_flag(request: web.Request) -> float | None:

@@ -460,7 +460,7 @@ def validation_error(exc: ValidationError, raw: bytes) -> dict[str, Any]:
     paths = [client_path(tuple(e["loc"]), body) for e in errors]
     reasons: dict[str | None, list[str]] = {}
     for e, path in zip(errors, paths, strict=True):
-        if _shallow(e["type"], path, paths):
+        if shallow_error(e["type"], path, paths):
             continue
         why = "not a parameter of this API" if e["type"] == "extra_forbidden" else str(e["msg"]).removeprefix(
             "Value error, ")
@@ -472,7 +472,7 @@ def validation_error(exc: ValidationError, raw: bytes) -> dict[str, Any]:
     return openai_error(f"{param or 'request'}: {', or '.join(said)}{more}", param)
 
 
-def _shallow(kind: str, path: str | None, paths: list[str | None]) -> bool:
+def shallow_error(kind: str, path: str | None, paths: list[str | None]) -> bool:
     """A union member's plain type mismatch where another member went deeper (content sent as a list of
     parts, one part bad): the deeper error is the one that says what to fix."""
     if path is None or not (kind.endswith("_type") or kind == "none_required"):
