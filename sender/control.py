@@ -9,7 +9,8 @@ off the loop, and refused (422) when it is multicast, broadcast, unspecified or 
 ``limits.allow_destinations`` lists it. The profile is a name in the sender's profile directory, never a
 path. A full model worker queue answers 503. ``conversation`` names a conversation the sender served
 through its OpenAI API (``/v1/...``, ``common/node/openai_http.py``): its cache goes over as is (only what
-its prefix cache store lacks is prefilled), with its cache salt, and the receiver continues it. The
+its prefix cache store lacks is prefilled), with its cache salt, and the receiver continues it; named by
+its completion id, or by its messages as chat messages or the Agents SDK's items (``conversation_items``). The
 server, the bearer token, the body size and depth bounds and the client are ``common/node/control.py``.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,7 +27,7 @@ from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
 from pfec.common.node.openai_http import ServingError
 from pfec.common.node.openai_models import MAX_ID_CHARS
-from pfec.common.node.openai_models import ChatMessage as OpenAIMessage
+from pfec.common.node.openai_tools import ToolsMixin
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO, MAX_REPAIR_FRACTION
@@ -34,6 +35,7 @@ from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TO
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
+from pfec.sender.conversation_items import Items, chat_messages
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, Prefilled
@@ -49,21 +51,31 @@ class ChatMessage(BaseModel):
     content: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class ConversationRef(BaseModel):
-    """A conversation this sender served through its OpenAI API: the completion id it returned, or the
-    messages (the assistant's replies included) with the cache salt they were served under."""
+class ConversationRef(ToolsMixin):
+    """A conversation this sender served through its OpenAI API: the completion id it returned (the Agents
+    SDK keeps it as an item's ``provider_data.response_id``), or its messages (the assistant's replies
+    included, chat messages or Responses items: ``conversation_items``) with the cache salt they were served
+    under, and the tools (and ``tool_choice``) they were served with."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS,
-                           description="The id a /v1/chat/completions response returned.")
-    messages: list[OpenAIMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$",
+                           description="The id a /v1/chat/completions response returned (chatcmpl-...).")
+    messages: Items | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
     @model_validator(mode="after")
     def _one(self) -> ConversationRef:
         if (self.id is None) == (self.messages is None):
             raise ValueError("give exactly one of id and messages")
+        if self.id is not None and (self.tools is not None or self.tool_choice is not None):
+            raise ValueError("a conversation named by id keeps the tools it was served with: give tools "
+                             "and tool_choice only with messages")
         return self
+
+    def rendered(self) -> list[dict[str, Any]]:
+        """The messages as the chat endpoint kept them (``conversation_items.chat_messages``)."""
+        assert self.messages is not None
+        return chat_messages(self.messages)
 
 
 class HandoffRequest(BaseModel):
@@ -221,6 +233,16 @@ class HandoffRequest(BaseModel):
         )
 
 
+def _id_hint(conversation_id: str) -> str:
+    """What an id the node never returns is, for the 404 (an Agents SDK item's own id, a Responses id)."""
+    if conversation_id == "__fake_id__":
+        return ("; that is the Agents SDK's placeholder item id: send the item's provider_data.response_id "
+                "(the chatcmpl-... id this node returned)")
+    if conversation_id.startswith("resp_"):
+        return "; a Responses API id: this node serves /v1/chat/completions (send its chatcmpl-... id)"
+    return ""
+
+
 def _field_error(status: int, field: str, message: str) -> web.Response:
     text = message if message.startswith(f"{field}:") else f"{field}: {message}"
     return json_error(status, text, fields=[{"field": field, "message": text}])
@@ -236,14 +258,16 @@ async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled
     if ref.id is not None:
         known = face.conversation(ref.id)
         if known is None:
-            return _field_error(404, "conversation.id", f"no conversation {ref.id!r} on this sender")
+            return _field_error(404, "conversation.id", f"no conversation {ref.id!r} on this sender"
+                                f"{_id_hint(ref.id)}")
         if ref.cache_salt is not None and ref.cache_salt != known.salt:
             return _field_error(422, "conversation.cache_salt", "the conversation was served under another "
                                 "cache salt")
         salt, messages, tools = known.salt, [dict(m) for m in known.messages], known.tools
     else:
         assert ref.messages is not None
-        messages, tools = [m.rendered() for m in ref.messages], None
+        offered = ref.offered()
+        messages, tools = ref.rendered(), None if offered is None else tuple(offered)
     try:
         ids, kv, cached, _origin = await daemon.worker.submit(face.conversation_cache, salt, messages, tools)
     except ServingError as exc:
