@@ -14,7 +14,8 @@
 assistant output message (one with an ``id``) joins its text parts with newlines and takes the calls that
 follow it; a call with no message before it opens an assistant message of null content; a call's output is
 a ``tool`` message. So the prompt renders to the token ids the chat endpoint rendered, and the cache it
-stored is found. An item of another type is a 400 naming ``conversation.messages.N.type``.
+stored is found. An item of another type is refused (422, as every invalid field of ``POST /handoffs``) naming
+``conversation.messages.N.type``.
 """
 
 from __future__ import annotations
