@@ -459,9 +459,8 @@ class ReceiverSession:
         self._events.append(DatagramDropped(reason))
 
 
+# Every action but NOTHING (nothing runs) and IMPOSSIBLE (``_run_of`` makes a refusal per input).
 ReceiverSession._ACTIONS = {
-    Action.NOTHING: lambda session, now, arg: None,
-    Action.IMPOSSIBLE: lambda session, now, arg: None,  # ``_run_of`` makes one that raises, per input
     Action.DECODE: ReceiverSession._decode,
     Action.COUNT_LATE: ReceiverSession._count_late,
     Action.HOLD_OFFER_PART: ReceiverSession._hold_offer_part,
