@@ -1,7 +1,7 @@
 """The receiver's control API: ``GET /sessions`` (every live session, pending handshakes included),
 ``GET /results`` (the last results), ``GET /healthz`` (liveness), ``GET /readyz`` (503 while the model
 worker is stuck) and ``GET /metrics``; with a model, the OpenAI-compatible ``/v1/...`` routes
-(``common/node/openai_http.py``), where a handed-off conversation continues. The server, the bearer
+(``common/node/openai/http.py``), where a handed-off conversation continues. The server, the bearer
 token and the client are ``common/node/control.py``."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from pfec.common.events import CpuMeter
 from pfec.common.model.runtime import usable_cpus
 from pfec.common.node.config import LimitsConfig
 from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExporter
-from pfec.common.node.openai_http import OpenAIFace
+from pfec.common.node.openai.http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
 from pfec.common.node.worker import ModelWorker

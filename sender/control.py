@@ -8,7 +8,7 @@ context, maximum budget), and every error names its field (422). The receiver ad
 off the loop, and refused (422) when it is multicast, broadcast, unspecified or link-local unless
 ``limits.allow_destinations`` lists it. The profile is a name in the sender's profile directory, never a
 path. A full model worker queue answers 503. ``conversation`` names a conversation the sender served
-through its OpenAI API (``/v1/...``, ``common/node/openai_http.py``): its cache goes over as is (only what
+through its OpenAI API (``/v1/...``, ``common/node/openai/http.py``): its cache goes over as is (only what
 its prefix cache store lacks is prefilled), with its cache salt, and the receiver continues it; named by
 its completion id, or by its messages as chat messages or the Agents SDK's items (``conversation_items``). The
 server, the bearer token, the body size and depth bounds and the client are ``common/node/control.py``.
@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
-from pfec.common.node.openai_http import ServingError
-from pfec.common.node.openai_models import MAX_ID_CHARS
-from pfec.common.node.openai_tools import ToolsMixin
+from pfec.common.node.openai.http import ServingError
+from pfec.common.node.openai.models import MAX_ID_CHARS
+from pfec.common.node.openai.tools import ToolsMixin
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO, MAX_REPAIR_FRACTION

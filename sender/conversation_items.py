@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from pfec.common.node.openai_models import MAX_ID_CHARS, MAX_TEXT_CHARS, ChatMessage
-from pfec.common.node.openai_tools import MAX_ARGUMENTS_CHARS, MAX_CALL_ID_CHARS, Name, ToolCall
+from pfec.common.node.openai.models import MAX_ID_CHARS, MAX_TEXT_CHARS, ChatMessage
+from pfec.common.node.openai.tools import MAX_ARGUMENTS_CHARS, MAX_CALL_ID_CHARS, Name, ToolCall
 
 MAX_ITEMS = 1024  # a conversation's items (calls and their outputs are items of their own)
 MAX_PARTS = 64

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
 from pfec.common.node.config import SenderLimitsConfig
-from pfec.common.node.openai_http import OpenAIFace
+from pfec.common.node.openai.http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
 from pfec.common.node.worker import ModelWorker, WorkerBusy

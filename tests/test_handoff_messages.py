@@ -23,8 +23,8 @@ from pfec.common.model import llm
 from pfec.common.model.runtime import runtime_identity
 from pfec.common.node.config import LimitsConfig, SenderLimitsConfig
 from pfec.common.node.control import ControlServer, validation_error_body
-from pfec.common.node.openai_http import OpenAIFace
-from pfec.common.node.openai_models import ChatCompletionRequest
+from pfec.common.node.openai.http import OpenAIFace
+from pfec.common.node.openai.models import ChatCompletionRequest
 from pfec.common.node.worker import ModelWorker
 from pfec.receiver.control import receiver_routes
 from pfec.receiver.daemon import ReceiverDaemon

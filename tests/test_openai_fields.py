@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from pfec.common.model import llm, serving
 from pfec.common.node.config import LimitsConfig, SenderLimitsConfig
 from pfec.common.node.control import ControlServer
-from pfec.common.node.openai_http import IGNORED_HEADER, OpenAIFace
-from pfec.common.node.openai_models import MAX_METADATA_KEYS
+from pfec.common.node.openai.http import IGNORED_HEADER, OpenAIFace
+from pfec.common.node.openai.models import MAX_METADATA_KEYS
 from pfec.common.node.worker import ModelWorker
 from pfec.receiver.metrics import ReceiverMetrics
 

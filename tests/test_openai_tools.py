@@ -18,9 +18,9 @@ from pydantic import ValidationError
 from test_openai_fields import HELLO, MODEL, TEMPLATE, TOKEN, Node, run
 
 from pfec.common.model import llm, serving
-from pfec.common.node import openai_tools
 from pfec.common.node.config import LimitsConfig, SenderLimitsConfig
-from pfec.common.node.openai_tools import CLOSE, OPEN, HermesParser, ParsedCall, template_messages
+from pfec.common.node.openai import tools as openai_tools
+from pfec.common.node.openai.tools import CLOSE, OPEN, HermesParser, ParsedCall, template_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from pfec.common.node.config import LimitsConfig
-from pfec.common.node.openai_models import ChatCompletionRequest, CompletionRequest
+from pfec.common.node.openai.models import ChatCompletionRequest, CompletionRequest
 from pfec.common.plan.handoff import MAX_QUESTION_TOKENS, OfferApp, PrefixOffer, SplitOffer
 from pfec.common.wire.messages import MsgType, split_app
 from pfec.sender.control import HandoffRequest

@@ -1,5 +1,5 @@
 """Serving chat and text completions on top of a stored prefix cache: prefill only the tokens the cache does
-not hold, then sample token by token (the OpenAI face of both daemons, ``common/node/openai_http.py``).
+not hold, then sample token by token (the OpenAI face of both daemons, ``common/node/openai/http.py``).
 
 A stored cache is a ``PartialKV``: a handed-off one keeps its row masks (mask mode), so the new tokens
 attend only to the rows that arrived (``attention.pfec_sdpa``), at their original positions. A stored entry

@@ -28,7 +28,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ValidationError
 
 from pfec.common.node.metrics import NodeMetrics
-from pfec.common.node.openai_models import client_path, shallow_error
+from pfec.common.node.openai.models import client_path, shallow_error
 from pfec.common.plan.handoff import json_depth
 
 MAX_WAIT_S = 600.0
@@ -49,7 +49,7 @@ def _shown(value: Any) -> str:
 
 def validation_error_body(exc: ValidationError, raw: bytes = b"null", max_errors: int = 10) -> dict[str, Any]:
     """The 422 body: each bad field by the path the client wrote (``conversation.messages.3.type``, not
-    pydantic's union tags: ``openai_models.client_path``), each (path, reason) once, a union member's plain
+    pydantic's union tags: ``openai.models.client_path``), each (path, reason) once, a union member's plain
     type mismatch left out where another member went deeper."""
     errors = exc.errors()
     try:

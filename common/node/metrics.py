@@ -99,7 +99,7 @@ class NodeMetrics:
         self._torch_threads = Gauge(
             "pfec_torch_threads", "Torch intra-op threads set at start-up (model.torch_threads, default the "
             "usable CPUs; 0: no model).", registry=self.registry)
-        # The OpenAI face's prefix cache store (common/node/openai_http.py) and its refusals.
+        # The OpenAI face's prefix cache store (common/node/openai/http.py) and its refusals.
         self._prefix_lookups = self.counter("prefix_cache_lookups", "Prefix cache lookups of OpenAI API "
                                             "requests (and conversation handoffs), by outcome.", ["outcome"])
         self.precreate(self._prefix_lookups, ("hit", "miss"))

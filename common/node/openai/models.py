@@ -9,7 +9,7 @@ The fields OpenAI's chat and completions APIs define fall into four kinds:
   penalties 0, ``logit_bias`` empty, no logprobs, ``response_format`` text, ``modalities`` text, ``echo``
   false, ``best_of`` 1;
 - tool calls: ``tools``, ``tool_choice`` (auto or none), ``parallel_tool_calls``, ``tool`` messages and an
-  assistant's ``tool_calls`` (``openai_tools``);
+  assistant's ``tool_calls`` (``openai.tools``);
 - accepted and ignored, because they change nothing in the answer (vLLM ignores them too): ``IGNORED``;
   each response names the ones a request sent (``ignored()``), in a header;
 - refused as not built: ``tool_choice`` required or named (constrained decoding), legacy function calls,
@@ -17,7 +17,7 @@ The fields OpenAI's chat and completions APIs define fall into four kinds:
 
 An explicit null of an optional field means its default, as in OpenAI's own API. Bounds that depend on the
 node (``max_tokens`` against ``limits.max_completion_tokens``, the prompt against the model's context) are
-checked by ``openai_http`` with the same error shape; ``client_path`` names a field as the client wrote it.
+checked by ``openai.http`` with the same error shape; ``client_path`` names a field as the client wrote it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pydantic import (
     field_validator,
 )
 
-from pfec.common.node.openai_tools import MAX_CALL_ID_CHARS, ToolCalls, ToolsMixin
+from pfec.common.node.openai.tools import MAX_CALL_ID_CHARS, ToolCalls, ToolsMixin
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 
 MAX_TEXT_CHARS = 1 << 20  # one message's or prompt's characters (the body size bounds it first)
@@ -150,7 +150,7 @@ class ChatMessage(_Strict):
 
     def rendered(self) -> dict[str, Any]:
         """The message as the node keeps it (a developer message is the system prompt); the chat template
-        gets it through ``openai_tools.template_messages``."""
+        gets it through ``tools.template_messages``."""
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:

@@ -15,7 +15,7 @@ conversations are touched only in that worker thread (``PrefixStore``'s one owne
 error body: 400 naming the parameter, 404 for an unknown model, 413 for a body over the limit. A
 response names the accepted fields its request sent that changed nothing in ``X-PFEC-Ignored-Fields``.
 
-Tools (``openai_tools``): rendered by the chat template or the Hermes fallback, the reply parsed by the
+Tools (``openai.tools``): rendered by the chat template or the Hermes fallback, the reply parsed by the
 parser ``limits.tool_call_parser`` names into ``tool_calls`` (streamed as OpenAI's deltas).
 """
 
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 from pydantic import ValidationError
 
-from pfec.common.node import openai_tools
 from pfec.common.node.config_models import CommonLimits
 from pfec.common.node.control import MAX_BODY_KEY, MAX_JSON_DEPTH
 from pfec.common.node.metrics import NodeMetrics
-from pfec.common.node.openai_models import (
+from pfec.common.node.openai import tools as openai_tools
+from pfec.common.node.openai.models import (
     ChatCompletionRequest,
     CompletionRequest,
     openai_error,
@@ -143,7 +143,7 @@ class OpenAIFace:
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
                  add_generation_prompt: bool = True) -> list[int]:
         """Worker thread: the messages and tools through the model's chat template, or its Hermes fallback
-        when the template ignores tools (``openai_tools.template_messages``)."""
+        when the template ignores tools (``tools.template_messages``)."""
         from pfec.common.model import serving  # deferred: torch
 
         shaped, offered = openai_tools.template_messages(messages, tools, serving.takes_tools(self.runtime))
