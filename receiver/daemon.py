@@ -108,6 +108,8 @@ class ReceiverDaemon:
         default_mode: str = "mask",
         limits: LimitsConfig | None = None,
         profiles: ProfileStore | None = None,
+        worker: ModelWorker | None = None,
+        face: OpenAIFace | None = None,
     ) -> None:
         fec.warm_up()  # codec kernels compiled before any datagram, not mid-handoff
         session_warm_up()  # and the split's filing kernel
@@ -135,9 +137,14 @@ class ReceiverDaemon:
         self._timer_at: float | None = None
         self.timer_polls = 0  # _on_timer calls that came before their timer and polled again
         self._service_pending = False
-        self.worker = ModelWorker("pfec-generate", self.limits.worker_queue, self.limits.worker_stuck_s)
+        # A node with both roles (pfec.node) passes the worker and face they share; close() shuts down only a
+        # worker made here.
+        self._own_worker = worker is None
+        self.worker = worker or ModelWorker("pfec-generate", self.limits.worker_queue,
+                                            self.limits.worker_stuck_s)
         # The OpenAI API on the control listeners, and its prefix cache store (handed-off contexts too).
-        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits)
+        self.face = face if face is not None or runtime is None else OpenAIFace(
+            runtime, self.worker, self.metrics, self.limits)
         self._drops = DropExporter(self.metrics)
         self.handoffs = Handoffs(
             self.endpoint, identity, runtime, worker=self.worker, metrics=self.metrics, limits=self.limits,
@@ -179,7 +186,8 @@ class ReceiverDaemon:
             self._sock.close()
             self._sock = None
         await self.handoffs.close()
-        self.worker.shutdown()
+        if self._own_worker:
+            self.worker.shutdown()
 
     # ------------------------------------------------------------------ receive path
     def _on_readable(self) -> None:

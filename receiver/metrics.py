@@ -93,11 +93,12 @@ class ReceiverMetrics(NodeMetrics):
         *,
         overrun_threshold_s: float = DEADLINE_OVERRUN_THRESHOLD_S,
         process_metrics: bool = True,
+        shared: NodeMetrics | None = None,
     ) -> None:
         if not overrun_threshold_s >= 0:
             raise ValueError(f"overrun_threshold_s must be >= 0 seconds, got {overrun_threshold_s!r}")
         self.overrun_threshold_s = overrun_threshold_s
-        super().__init__(registry, process_metrics=process_metrics)
+        super().__init__(registry, process_metrics=process_metrics, shared=shared)
         self._stalls = self.counter(
             "decoder_stalls", "Times the decoded prefix was blocked by a missing symbol."
         )

@@ -111,6 +111,8 @@ class SenderDaemon:
         loss_prior: float = DEFAULT_LOSS_PRIOR,
         rate_control: str = "path",
         max_rate_mbps: float | None = None,
+        worker: ModelWorker | None = None,
+        face: OpenAIFace | None = None,
     ) -> None:
         get_scheme(scheme)
         planner_warm_up()  # codec and planner kernels compiled before any datagram, not mid-handoff
@@ -138,10 +140,14 @@ class SenderDaemon:
         self.allow = parse_networks(self.limits.allow_destinations)
         self.profiles = profiles or ProfileStore(DEFAULT_PROFILE_DIR)
         # Prefill and the full-KV answer: one thread, a bounded queue (POST /handoffs answers 503 when full).
-        self.worker = ModelWorker("pfec-prefill", self.limits.worker_queue, self.limits.worker_stuck_s)
+        # A node with both roles (pfec.node) passes the worker and face they share; close() shuts down only
+        # a worker made here.
+        self._own_worker = worker is None
+        self.worker = worker or ModelWorker("pfec-prefill", self.limits.worker_queue,
+                                            self.limits.worker_stuck_s)
         # The OpenAI API for the upstream agent; its conversations' caches are what POST /handoffs can name.
-        self.face = None if runtime is None else OpenAIFace(runtime, self.worker, self.metrics, self.limits,
-                                                            max_json_depth=self.limits.max_json_depth)
+        self.face = face if face is not None or runtime is None else OpenAIFace(
+            runtime, self.worker, self.metrics, self.limits, max_json_depth=self.limits.max_json_depth)
         self._waiting: set[str] = set()  # handoffs admitted whose prepare job is not submitted yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -183,7 +189,8 @@ class SenderDaemon:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        self.worker.shutdown()
+        if self._own_worker:
+            self.worker.shutdown()
 
     def health(self) -> dict[str, Any]:
         """Liveness (``/healthz``): the loop answers."""

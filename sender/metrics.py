@@ -65,8 +65,9 @@ class SenderMetrics(NodeMetrics):
     DROP_REASONS = SENDER_DROP_REASONS
     UTILITY_HELP = "Recovered utility (0..1) reported in each handoff's RESULT."
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
-        super().__init__(registry, process_metrics=process_metrics)
+    def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True,
+                 shared: NodeMetrics | None = None) -> None:
+        super().__init__(registry, process_metrics=process_metrics, shared=shared)
         self._repairs = self.counter("repairs", "Repair symbols generated and sent.")
         self._handoffs = self.counter("handoffs", "Finished handoffs, by outcome.", ["outcome"])
         self._handoff_duration = self.histogram(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Literal, overload
+from typing import Any, Final, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ValidationError
 
@@ -64,6 +64,7 @@ __all__ = [
     "UdpConfig",
     "format_validation_error",
     "load_config",
+    "load_daemon_config",
     "parse_host_port",
 ]
 
@@ -108,8 +109,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _env_overrides(kind: str, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
-    prefix = ENV_PREFIX[kind]
+def _env_overrides(prefix: str, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
     tree: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
     for name, value in env.items():
@@ -165,6 +165,17 @@ def load_config(kind: Kind, path: Path | None, env: Mapping[str, str]) -> Daemon
     """
     if kind not in _MODELS:
         raise ConfigError(f"kind: bad value {kind!r} — use 'sender' or 'receiver'")
+    return load_daemon_config(  # type: ignore[return-value]
+        _MODELS[kind], kind, ENV_PREFIX[kind], _SECTION_DEFAULTS[kind], path, env)
+
+
+C = TypeVar("C", bound=_DaemonConfig)
+
+
+def load_daemon_config(model: type[C], kind: str, prefix: str, defaults: Mapping[str, Any], path: Path | None,
+                       env: Mapping[str, str]) -> C:
+    """``load_config`` for any daemon's model (the node's too, ``pfec.node``): ``defaults`` < the file <
+    the ``prefix`` variables; errors say ``invalid <kind> configuration``."""
     file_data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -179,15 +190,15 @@ def load_config(kind: Kind, path: Path | None, env: Mapping[str, str]) -> Daemon
             raise ConfigError(f"config file {str(path)!r}: not UTF-8 — save it as UTF-8 TOML") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc} — fix the syntax") from None
-    env_data, sources = _env_overrides(kind, env)
-    data = _merge(_merge(_SECTION_DEFAULTS[kind], file_data), env_data)
+    env_data, sources = _env_overrides(prefix, env)
+    data = _merge(_merge(dict(defaults), file_data), env_data)
     data = _systemd_defaults(data, env)
     try:
-        return _MODELS[kind].model_validate(data)  # type: ignore[return-value]
+        return model.model_validate(data)
     except ValidationError as exc:
         where = f" in {path}" if path is not None else ""
         raise ConfigError(
-            f"invalid {kind} configuration{where}:\n" + format_validation_error(exc, sources)
+            f"invalid {kind} configuration{where}:\n" + format_validation_error(exc, sources, model)
         ) from None
 
 
@@ -248,12 +259,13 @@ def _valid_keys(model: type[BaseModel] | None, loc: tuple[str, ...]) -> list[str
 
 
 def format_validation_error(
-    exc: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None
+    exc: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None,
+    model: type[BaseModel] | None = None,
 ) -> str:
-    """One line per bad field: ``section.key: bad value 'x' — <fix>`` (``(from VAR)`` for env values)."""
-    model = _MODELS.get("sender" if exc.title == SenderDaemonConfig.__name__ else "receiver")
-    if exc.title not in (SenderDaemonConfig.__name__, ReceiverDaemonConfig.__name__):
-        model = None
+    """One line per bad field: ``section.key: bad value 'x' — <fix>`` (``(from VAR)`` for env values);
+    ``model`` (by default the daemon model the error's title names) lists the valid keys of a table."""
+    if model is None:
+        model = {m.__name__: m for m in _MODELS.values()}.get(exc.title)
     lines = []
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])

@@ -73,8 +73,14 @@ class NodeMetrics:
     DROP_REASONS: ClassVar[tuple[str, ...]]  # the "reason" label values (must include "other")
     UTILITY_HELP: ClassVar[str]
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None, *, process_metrics: bool = True,
+                 shared: NodeMetrics | None = None) -> None:
+        # shared: the other role's metrics of the same node (pfec.node), in the same registry: the series of
+        # one fact about the node (prefill speed, torch threads, the prefix cache store, serving refusals)
+        # are its own, never registered twice.
+        self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
+        if shared is not None and shared.registry is not self.registry:
+            raise ValueError("shared metrics live in the registry given")
         if process_metrics:
             ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, open fds
         peers = self.PEERS
@@ -91,6 +97,16 @@ class NodeMetrics:
             ["reason"],
         )
         self._utility = self.histogram("recovered_utility", self.UTILITY_HELP, UTILITY_BUCKETS)
+        self._shared = shared
+        if shared is None:
+            self._node_series()
+        # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
+        self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
+        self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
+        self._dropped_by_reason = {r: self._dropped.labels(r) for r in self.DROP_REASONS}
+
+    def _node_series(self) -> None:
+        """The series of facts about the node rather than a role (one set per node)."""
         # Not role-prefixed: the same fact on both nodes (the planner's receiver speed, issue 13).
         self._prefill_speed = Gauge(
             "pfec_prefill_tokens_per_second", "This node's prefill speed for its model (tokens/s at the "
@@ -112,10 +128,6 @@ class NodeMetrics:
         self._serving_refused = self.counter("serving_refused", "OpenAI API requests answered 503 (the "
                                              "serving queue or the model worker was full).")
         self._prefix_seen = StoreStats()
-        # Resolved once: .labels() costs several microseconds per call on the per-datagram path.
-        self._sent_by_type = {t: self._sent.labels(t) for t in DATAGRAM_TYPES}
-        self._received_by_type = {t: self._received.labels(t) for t in DATAGRAM_TYPES}
-        self._dropped_by_reason = {r: self._dropped.labels(r) for r in self.DROP_REASONS}
 
     # ------------------------------------------------------------------ defining series
 
@@ -169,14 +181,23 @@ class NodeMetrics:
 
     def prefill_speed(self, tokens_per_second: float) -> None:
         """This node's measured prefill speed (tokens/s)."""
+        if self._shared is not None:
+            self._shared.prefill_speed(tokens_per_second)
+            return
         self._prefill_speed.set(max(0.0, float(tokens_per_second)))
 
     def torch_threads(self, threads: int) -> None:
         """Torch's intra-op thread count as set at start-up (0 without a model)."""
+        if self._shared is not None:
+            self._shared.torch_threads(threads)
+            return
         self._torch_threads.set(max(0, int(threads)))
 
     def prefix_cache(self, stats: StoreStats, nbytes: int, entries: int) -> None:
         """Export the store's counters (the increase since the last call) and its size."""
+        if self._shared is not None:
+            self._shared.prefix_cache(stats, nbytes, entries)
+            return
         seen = self._prefix_seen
         for family, now, before in ((self._prefix_lookups.labels("hit"), stats.hits, seen.hits),
                                     (self._prefix_lookups.labels("miss"), stats.misses, seen.misses),
@@ -189,6 +210,9 @@ class NodeMetrics:
         self._prefix_entries.set(entries)
 
     def serving_refused(self) -> None:
+        if self._shared is not None:
+            self._shared.serving_refused()
+            return
         self._serving_refused.inc()
 
     def recovered_utility(self, utility: float) -> None:
