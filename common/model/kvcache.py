@@ -1,9 +1,10 @@
 """The KV cache as the transport sees it: prefill a context, cut its cache into symbols, rebuild it.
 
-Serialised KV is host bytes [layers, KV heads, tokens, K|V] in the transfer dtype; on a GPU it crosses to
-the network through pinned host buffers. A rebuilt cache keeps its full length whatever was lost, so the
-question is fed at its original positions: ``mask`` mode hides unavailable (layer, KV head, token) rows
-from attention (``attention.pfec_sdpa``), ``zero`` mode is the paper's zero-fill of missing bytes.
+Serialised KV is host bytes [layers, KV heads, tokens, K|V] in the transfer dtype; on a GPU it is
+quantised and packed there and crosses to the host once, through the device's pinned staging buffer. A
+rebuilt cache keeps its full length whatever was lost, so the question is fed at its original positions:
+``mask`` mode hides unavailable (layer, KV head, token) rows from attention (``attention.pfec_sdpa``),
+``zero`` mode is the paper's zero-fill of missing bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from transformers import DynamicCache
 
 from pfec.common.model.attention import Observation, observing
 from pfec.common.model.loading import ModelRuntime, check_length
-from pfec.common.model.quant import DequantisedKV, Layers, dequantise, quantise
+from pfec.common.model.quant import DequantisedKV, Layers, dequantise, quantise, quantise_tensors
+from pfec.common.model.staging import pack_stream_tensor, to_device, to_host, unpack_stream_tensor
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, assemble_rows, fragment_symbols
 from pfec.common.plan.precision import PieceKind, PiecePlan, pack_stream, unpack_stream
 
@@ -156,20 +158,19 @@ def cache_rows(runtime: ModelRuntime, cache: DynamicCache,
                n_tokens: int | None = None) -> npt.NDArray[np.uint8]:
     """KV as host bytes [layers, KV heads, tokens, K|V] in the transfer dtype (native little-endian).
 
-    On a GPU the cast happens on the device and one copy lands in pinned host memory.
+    On a GPU the cast happens on the device and the bytes cross once, through its pinned staging buffer.
     """
     if sys.byteorder != "little":
         raise RuntimeError("KV serialisation assumes a little-endian host")
     layers = cache_layers(cache)
     n = layers[0][0].shape[2] if n_tokens is None else n_tokens
     kv = torch.stack([torch.cat([k[0, :, :n], v[0, :, :n]], dim=-1) for k, v in layers])
-    kv = kv.to(runtime.transfer_dtype)
-    if kv.device.type == "cuda":
-        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-        host.copy_(kv, non_blocking=True)
-        torch.cuda.current_stream(kv.device).synchronize()
-        kv = host
-    return np.asarray(kv.contiguous().view(torch.uint8).numpy(), dtype=np.uint8)
+    kv = kv.to(runtime.transfer_dtype).contiguous().view(torch.uint8)
+    if kv.device.type != "cuda":
+        return np.asarray(kv.numpy(), dtype=np.uint8)
+    out = np.empty(tuple(kv.shape), dtype=np.uint8)
+    to_host(kv.view(-1, kv.shape[-1]), out.reshape(-1, kv.shape[-1]))
+    return out
 
 
 def serialise_symbols(runtime: ModelRuntime, cache: DynamicCache, plan: BlockPlan,
@@ -187,10 +188,13 @@ def stream_symbols(layers: Layers, plan: PiecePlan) -> npt.NDArray[np.uint8]:
     fragment id, so the receiver files a symbol whatever order it decoded it in.
     """
     kinds = [PieceKind(k) for k in np.unique(plan.kinds).tolist()]
-    stream = pack_stream(plan, quantise(layers, plan.layout, kinds))
     out = np.empty((plan.n_symbols, FRAGMENT_ID_SIZE + plan.symbol_size), dtype=np.uint8)
     out[:, :FRAGMENT_ID_SIZE] = np.arange(plan.n_symbols, dtype=">u4").view(np.uint8).reshape(-1, 4)
-    out[:, FRAGMENT_ID_SIZE:] = stream
+    if layers[0][0].device.type == "cuda":  # quantised and packed on the GPU, one trip to the host
+        packed = pack_stream_tensor(plan, quantise_tensors(layers, plan.layout, kinds))
+        to_host(packed, out[:, FRAGMENT_ID_SIZE:])
+    else:
+        out[:, FRAGMENT_ID_SIZE:] = pack_stream(plan, quantise(layers, plan.layout, kinds))
     return out
 
 
@@ -198,7 +202,12 @@ def dequantise_stream(plan: PiecePlan, store: npt.NDArray[np.uint8], levels: npt
                       bases: npt.ArrayLike, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> DequantisedKV:
     """The cache from a stream's symbol store [n_symbols, plan.symbol_size] at the given block levels
-    (``PiecePlan.usable``: only complete pieces are read)."""
+    (``PiecePlan.usable``: only complete pieces are read). A GPU uploads the store once and unpacks it
+    there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        pieces = unpack_stream_tensor(plan, to_device(store, device))
+        return dequantise(pieces, plan.layout, levels, bases, dtype, device)
     return dequantise(unpack_stream(plan, store), plan.layout, levels, bases, dtype, device)
 
 
@@ -252,10 +261,9 @@ def rebuild_from_rows(runtime: ModelRuntime, rows: npt.NDArray[np.uint8], availa
         raise ValueError(f"reconstruction mode {mode!r} is not one of mask, zero")
     started = time.perf_counter()
     g = runtime.geometry
-    host = torch.from_numpy(np.ascontiguousarray(rows)).view(runtime.transfer_dtype)
-    if runtime.device.type == "cuda":
-        host = host.pin_memory()
-    kv = host.to(runtime.device, non_blocking=True).to(runtime.compute_dtype)
+    flat = np.ascontiguousarray(rows).reshape(-1, rows.shape[-1])  # through the pinned buffer on a GPU
+    kv = to_device(flat, runtime.device).view(rows.shape).view(runtime.transfer_dtype)
+    kv = kv.to(runtime.compute_dtype)
     ok = torch.from_numpy(np.ascontiguousarray(available)).to(runtime.device)
     if mode == "mask":  # masked rows get zero weight, but 0 * NaN is NaN: clear whatever bytes they hold
         kv = torch.where(ok[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))

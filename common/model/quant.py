@@ -13,13 +13,14 @@ would send, so more pieces never mean a larger error against what the receiver w
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from pfec.common.model.staging import to_device, to_host
 from pfec.common.plan.precision import (
     BASE_OF_LEVEL,
     CODE_BITS,
@@ -34,6 +35,7 @@ from pfec.common.plan.precision import (
 NATIVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP16_MAX = 65504.0
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]
+DevicePieces = Mapping[PieceKind, torch.Tensor]  # PieceBytes as uint8 tensors on the dequantising device
 
 
 # --- Shapes and buffers -----------------------------------------------------------------------------------
@@ -268,9 +270,17 @@ def quantise(layers: Layers, layout: PieceLayout,
     """Bytes of ``kinds`` for every block of the cache: ``{kind: [n_blocks, full-block piece size]}``.
 
     ``layers`` are the cache's (keys, values) per layer, [1, KV heads, >= n_tokens, head dim], any float
-    dtype, on any device; the result is host memory, laid out as ``precision.PieceBytes``.
-    NaN/inf in the cache or values beyond fp16 scales are a ValueError (send such a cache native).
+    dtype, on any device; the result is host memory, laid out as ``precision.PieceBytes`` (from a GPU
+    through its pinned staging buffer, ``staging.to_host``; a stream packs on the device instead,
+    ``kvcache.stream_symbols``). NaN/inf in the cache or values beyond fp16 scales are a ValueError (send
+    such a cache native).
     """
+    return {k: to_host(t) for k, t in quantise_tensors(layers, layout, kinds).items()}
+
+
+def quantise_tensors(layers: Layers, layout: PieceLayout,
+                     kinds: Collection[PieceKind]) -> dict[PieceKind, torch.Tensor]:
+    """``quantise``'s pieces as uint8 tensors on the cache's device (nothing leaves it)."""
     _check_layers(layers, layout)
     kinds = [PieceKind(k) for k in dict.fromkeys(kinds)]
     device = layers[0][0].device
@@ -288,7 +298,7 @@ def quantise(layers: Layers, layout: PieceLayout,
             _native_into(dest[PieceKind.NATIVE], layers, layout, cls)
         if keys is not None and values is not None:
             _quantise_class(keys, values, layout, cls, dest)
-    return {k: t.cpu().numpy() for k, t in out.items()}
+    return out
 
 
 # --- Dequantise ---------------------------------------------------------------------------------------------
@@ -333,15 +343,14 @@ class _Batch:
         self.blocks = self.layer * layout.n_token_blocks + cls.first_tb + self.tb
         self.lead: tuple[int, ...] = (g.n_layers, cls.count) if pick is None else (len(pick),)
 
-    def piece(self, pieces: PieceBytes, kind: PieceKind, start: int, stop: int) -> torch.Tensor:
+    def piece(self, pieces: DevicePieces, kind: PieceKind, start: int, stop: int) -> torch.Tensor:
         rows = pieces.get(kind)
         want = (self.layout.n_blocks, self.layout.piece_size(kind, self.layout.block_tokens))
-        if rows is None or rows.dtype != np.uint8 or rows.shape != want:
+        if rows is None or rows.dtype != torch.uint8 or tuple(rows.shape) != want:
             raise ValueError(f"{kind.name} pieces are needed and missing or malformed")
         if self.pick is None:
-            full = _class_rows(torch.from_numpy(rows), self.layout, self.cls, stop)[..., start:]
-            return full.to(self.device)
-        return torch.from_numpy(np.ascontiguousarray(rows[self.blocks, start:stop])).to(self.device)
+            return _class_rows(rows, self.layout, self.cls, stop)[..., start:]
+        return rows[torch.from_numpy(self.blocks).to(rows.device), start:stop]
 
     def write(self, dest: torch.Tensor, x: torch.Tensor, part: slice = slice(None)) -> None:
         """x [*lead, H, n, D] (or the ``part`` of the lead's first dimension) into dest [L, H, T, D] at the
@@ -374,7 +383,7 @@ def _params(batch: _Batch, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
             v_m.reshape(*lead, h, n, groups, 1), v_s.reshape(*lead, h, n, groups, 1))
 
 
-def _dequantise_route(batch: _Batch, pieces: PieceBytes, base: Level, level: Level,
+def _dequantise_route(batch: _Batch, pieces: DevicePieces, base: Level, level: Level,
                       keys: torch.Tensor, values: torch.Tensor) -> None:
     """The batch's blocks from their base at ``base`` and refinements up to ``level`` into keys/values."""
     layout, n = batch.layout, batch.cls.tokens
@@ -409,7 +418,7 @@ def _dequantise_route(batch: _Batch, pieces: PieceBytes, base: Level, level: Lev
         batch.write(values, xv.flatten(-2), part)
 
 
-def _native_route(batch: _Batch, pieces: PieceBytes, keys: torch.Tensor, values: torch.Tensor) -> None:
+def _native_route(batch: _Batch, pieces: DevicePieces, keys: torch.Tensor, values: torch.Tensor) -> None:
     layout, n = batch.layout, batch.cls.tokens
     g = layout.geometry
     raw = batch.piece(pieces, PieceKind.NATIVE, 0, layout.piece_size(PieceKind.NATIVE, n))
@@ -422,16 +431,20 @@ def _native_route(batch: _Batch, pieces: PieceBytes, keys: torch.Tensor, values:
     batch.write(values, x[..., g.head_dim :])
 
 
-def dequantise(pieces: PieceBytes, layout: PieceLayout, levels: npt.ArrayLike, bases: npt.ArrayLike,
-               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> DequantisedKV:
+def dequantise(pieces: PieceBytes | DevicePieces, layout: PieceLayout, levels: npt.ArrayLike,
+               bases: npt.ArrayLike, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> DequantisedKV:
     """Tensors of the whole cache from each block's pieces, at the ``levels`` (and ``bases``) given.
 
     ``levels``/``bases`` [n_blocks] come from ``PiecePlan.usable`` (or ``precision.usable_levels``):
     a block at NONE stays zero and unavailable; at NATIVE its native piece is used; otherwise its base
     piece at ``bases[b]`` and the refinements up to ``levels[b]``. ``dtype``: the receiver's compute dtype.
+    ``pieces``: host arrays (each uploaded once, through the pinned buffer on a GPU) or uint8 tensors
+    already on ``device`` (``staging.unpack_stream_tensor``).
     """
     g = layout.geometry
     device = torch.device(device)
+    pieces = {PieceKind(k): _on_device(v, device) for k, v in pieces.items()}
     lv = np.asarray(levels, dtype=np.int64)
     bs = np.asarray(bases, dtype=np.int64)
     if lv.shape != (layout.n_blocks,) or bs.shape != lv.shape:
@@ -463,6 +476,18 @@ def dequantise(pieces: PieceBytes, layout: PieceLayout, levels: npt.ArrayLike, b
     layer_range = range(g.n_layers)
     return DequantisedKV([keys[i, None] for i in layer_range], [values[i, None] for i in layer_range],
                          lv.astype(np.int8), available)
+
+
+def _on_device(rows: npt.NDArray[np.uint8] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A kind's piece rows as a uint8 tensor on ``device`` (host arrays: a view on the CPU, one upload
+    through the pinned buffer on a GPU); malformed rows are left for ``_Batch.piece`` to refuse."""
+    if isinstance(rows, torch.Tensor):
+        if rows.device == device or rows.dtype != torch.uint8 or rows.dim() != 2:
+            return rows
+        return to_device(rows.numpy(), device) if rows.device.type == "cpu" else rows.to(device)
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2:
+        return torch.empty(0)  # not piece rows: refused where the kind is needed
+    return to_device(rows, device)
 
 
 def _class_blocks(layout: PieceLayout, cls: _SizeClass) -> npt.NDArray[np.int64]:
