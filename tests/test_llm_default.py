@@ -25,8 +25,9 @@ def runtime() -> llm.ModelRuntime:
 
 def test_reload_is_fast_and_fingerprint_is_stable(runtime: llm.ModelRuntime) -> None:
     started = time.perf_counter()
-    again = llm.load_model("default", device="cpu")
+    again = llm.load_model("default", device="cpu", shared=False)  # a real reload, not the shared copy
     assert time.perf_counter() - started < 20  # the converted cache, not the 17-40 s GGUF path
+    assert again is not runtime
     assert again.fingerprint == runtime.fingerprint
     g = runtime.geometry
     assert (g.n_layers, g.n_kv_heads, g.head_dim, g.dtype) == (30, 3, 64, "bf16")

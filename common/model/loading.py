@@ -3,16 +3,19 @@
 Pinned to transformers 5.24.0 and its cache API: ``cache=`` on forward, ``cache.layers[i].keys/.values``
 of shape [1, n_kv_heads, T, head_dim], rebuild with ``DynamicCache()`` + ``update(k, v, layer)``. Every
 loaded model is switched to ``pfec_sdpa`` (``attention``) so partial caches can be masked row by row.
-On a GPU the model and caches live on the device.
+On a GPU the model and caches live on the device, computing in bf16. A process holds one copy of a model
+per device and dtype: a second load of the same key shares the first (``load_model``'s registry).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import transformers
@@ -156,35 +159,75 @@ def runtime_from_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
                         int(getattr(config, "max_position_embeddings", 0) or 1 << 30))
 
 
-def _model_source(model: str) -> tuple[Path, str, str]:
-    """(directory, model id, weights sha256) of ``default`` or a local Hugging Face directory."""
+def _model_dir(model: str) -> Path:
+    """The directory of ``default`` or of a local Hugging Face model (cheap: no hashing)."""
     if model == DEFAULT_MODEL:
-        path = default_model_dir()
-        source = json.loads((path / SOURCE_FILE).read_text())
-        return path, source["model_id"], source["gguf_sha256"]
+        return default_model_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model path {model!r} is not a local Hugging Face model directory (no config.json); "
             f"give a directory saved with save_pretrained, or {DEFAULT_MODEL!r} for the embedded model"
         )
-    return path, path.resolve().name, weights_hash(path)
+    return path
+
+
+def _model_source(model: str, path: Path) -> tuple[str, str]:
+    """(model id, weights sha256) of the model in ``path``."""
+    if model == DEFAULT_MODEL:
+        source = json.loads((path / SOURCE_FILE).read_text())
+        return source["model_id"], source["gguf_sha256"]
+    return path.resolve().name, weights_hash(path)
+
+
+#: Which loaded model a load may share: (model directory, device, compute dtype, transfer dtype).
+ModelKey: TypeAlias = tuple[str, str, str, str]
+# One model per device and dtype in a process (a node's two roles, the lab's daemons side by side): a second
+# load of the same key gets the runtime already loaded while anyone holds it (weak values: a model nobody
+# holds is freed, not kept for ever). The lock makes a concurrent second load wait for the first.
+_LOADED: weakref.WeakValueDictionary[ModelKey, ModelRuntime] = weakref.WeakValueDictionary()
+_LOADING = threading.Lock()
+
+
+def model_key(path: Path, device: torch.device, compute_dtype: torch.dtype, transfer_dtype: str) -> ModelKey:
+    """The registry key of a model directory loaded on ``device`` (``cuda`` is named by its index)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(path.resolve()), str(device), str(compute_dtype).removeprefix("torch."), transfer_dtype
+
+
+def loaded_models() -> dict[ModelKey, ModelRuntime]:
+    """The models this process holds now, by key."""
+    with _LOADING:
+        return dict(_LOADED.items())
 
 
 def load_model(model: str = DEFAULT_MODEL, device: str = "auto", transfer_dtype: str = "bf16",
-               compute_dtype: str = "auto") -> ModelRuntime:
+               compute_dtype: str = "auto", shared: bool = True) -> ModelRuntime:
     """Load ``default`` (embedded SmolLM2-135M-Instruct) or a local Hugging Face causal-LM directory.
 
-    compute_dtype ``auto``: fp32 on CPU (fastest there), bf16 on CUDA.
+    compute_dtype ``auto``: fp32 on CPU (fastest there), bf16 on CUDA. ``shared`` (default): a model of
+    the same directory, device and dtypes this process already holds is returned as it is, so one GPU
+    holds one copy however many daemons or roles load it; ``shared=False`` always loads a new copy.
     """
     torch_device = resolve_device(device)
-    path, model_id, weights = _model_source(model)
+    path = _model_dir(model)
     dtype = _compute_dtype(compute_dtype, torch_device)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-    hf_model.to(torch_device)
-    runtime = runtime_from_model(hf_model, tokenizer, model_id, path, weights, transfer_dtype)
-    warm_up(runtime)
+    if transfer_dtype not in TORCH_DTYPES:
+        raise ValueError(f"transfer dtype {transfer_dtype!r} is not one of bf16, fp16, fp32")
+    key = model_key(path, torch_device, dtype, transfer_dtype)
+    with _LOADING:
+        found = _LOADED.get(key) if shared else None
+        if found is not None:
+            return found
+        model_id, weights = _model_source(model, path)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+        hf_model.to(torch_device)
+        runtime = runtime_from_model(hf_model, tokenizer, model_id, path, weights, transfer_dtype)
+        warm_up(runtime)
+        if shared:
+            _LOADED[key] = runtime
     return runtime
 
 
