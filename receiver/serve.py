@@ -22,7 +22,7 @@ async def serve(config: ReceiverDaemonConfig, psk: bytes, token: str | None = No
                 ready: Callable[[ReceiverDaemon], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a receiver from ``config`` until SIGINT/SIGTERM (or ``stop``); ``ready`` once it serves."""
-    runtime, identity = await load_node_model(config.model)
+    runtime, identity = await load_node_model(config.model, config.limits.prefix_cache_bytes)
     limits = config.limits
     daemon = ReceiverDaemon(
         identity, psk, runtime=runtime,

@@ -21,7 +21,7 @@ async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None
                 ready: Callable[[SenderDaemon], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a sender from ``config`` until SIGINT/SIGTERM (or ``stop``); ``ready`` once it serves."""
-    runtime, identity = await load_node_model(config.model)
+    runtime, identity = await load_node_model(config.model, config.limits.prefix_cache_bytes)
     daemon = SenderDaemon(
         identity, psk, runtime=runtime, rate_mbps=config.link.rate_mbps, owd_ms=config.link.owd_ms,
         scheme=config.fec.scheme, window_cap=config.fec.window_cap, repair_budget=config.fec.repair_budget,

@@ -1,6 +1,7 @@
 """One model per device in a process: loads of the same (directory, device, dtypes) share one runtime while
-anyone holds it, other keys load their own; on CUDA the model computes in bf16. Runs on the CPU and, marked
-``cuda``, on a GPU where torch sees one (skipped elsewhere, with the reason)."""
+anyone holds it, other keys load their own; on CUDA the model computes in bf16 and the prefix store's
+budget is checked against the GPU's free memory at start-up. Runs on the CPU and, marked ``cuda``, on a
+GPU where torch sees one (skipped elsewhere, with the reason)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pfec.common.model import llm
-from pfec.common.model.runtime import load_runtime
+from pfec.common.model.runtime import check_prefix_budget, load_runtime
+from pfec.common.node.config import ModelConfig
+from pfec.common.node.eventloop import run_event_loop
+from pfec.common.node.lifecycle import load_node_model
+from pfec.common.plan.prefix_store import device_budget_error
 
 NO_CUDA = "no CUDA GPU visible to torch (the CUDA build and a GPU are needed: scripts/gpu-check.sh)"
 NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
@@ -69,3 +74,30 @@ def test_loads_of_one_key_share_one_runtime_and_other_keys_do_not(tmp_path: Path
 def test_a_bad_transfer_dtype_is_refused_before_loading(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="transfer dtype 'int3'"):
         llm.load_model(str(_save_tiny(tmp_path / "tiny")), device="cpu", transfer_dtype="int3")
+
+
+def test_a_prefix_budget_larger_than_the_gpus_free_memory_is_named() -> None:
+    mib = 1 << 20
+    assert device_budget_error(512 * mib, 600 * mib, 80_000 * mib, "cuda:0") is None
+    error = device_budget_error(512 * mib, 100 * mib, 80_000 * mib, "cuda:1")
+    assert error is not None
+    assert "limits.prefix_cache_bytes = 512 MiB does not fit cuda:1" in error and "100 MiB" in error
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_start_up_checks_the_prefix_budget_on_the_gpu_only(tmp_path: Path, device: str) -> None:
+    """A node whose store budget exceeds its GPU's free memory fails at start-up with the reason; on the
+    CPU the budget is host memory and not checked against anything."""
+    config = ModelConfig(path=str(_save_tiny(tmp_path / "tiny")), device=device)
+    huge = 1 << 50  # 1 PiB
+    if device == "cpu":
+        runtime, _ = run_event_loop(load_node_model(config, huge))
+        assert runtime is not None
+        check_prefix_budget(runtime, huge)
+        return
+    runtime, _ = run_event_loop(load_node_model(config, 64 << 20))
+    with pytest.raises(ValueError, match=r"limits\.prefix_cache_bytes = .* does not fit cuda"):
+        run_event_loop(load_node_model(config, huge))
+    free, _total = torch.cuda.mem_get_info(runtime.device if runtime else None)
+    with pytest.raises(ValueError, match="device memory"):
+        check_prefix_budget(runtime, int(free) + (1 << 30))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from pfec.common.plan.handoff import ModelIdentity, synthetic_identity
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, KVGeometry
+from pfec.common.plan.prefix_store import device_budget_error
 
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
@@ -80,6 +81,20 @@ def load_runtime(path: str, device: str = "auto", cache_dir: Path | None = None,
     runtime = llm.load_model(path, device=device)
     warm_generation(runtime)
     return runtime, runtime_identity(runtime)
+
+
+def check_prefix_budget(runtime: ModelRuntime | None, budget_bytes: int) -> None:
+    """ValueError (a start-up error naming ``limits.prefix_cache_bytes``) when the prefix cache store's
+    budget cannot fit the model's GPU: its caches live there. Nothing to check without a model or on the
+    CPU."""
+    if runtime is None or runtime.device.type != "cuda" or budget_bytes <= 0:
+        return
+    import torch  # deferred: only a node with a model loads torch
+
+    free, total = torch.cuda.mem_get_info(runtime.device)
+    error = device_budget_error(budget_bytes, int(free), int(total), str(runtime.device))
+    if error is not None:
+        raise ValueError(error)
 
 
 def warm_generation(runtime: ModelRuntime) -> None:

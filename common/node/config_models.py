@@ -365,7 +365,8 @@ class CommonLimits(_Section):
     prefix_cache_bytes: int = Field(
         default=512 * MIB, ge=0, le=1 << 40,
         description="Byte budget of the prefix cache store (handed-off contexts and each turn's cache, "
-        "reused by requests that start with them); 0 keeps nothing.",
+        "reused by requests that start with them); 0 keeps nothing. On a GPU it is device memory: start-up "
+        "fails when it exceeds the GPU's free memory once the model is loaded.",
     )
     prefix_cache_entries: int = Field(
         default=32, ge=0, le=65536, description="Most entries the prefix cache store holds (LRU beyond)."

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from aiohttp import web
 
 from pfec.common.codec import fec
-from pfec.common.model.runtime import load_runtime, torch_threads
+from pfec.common.model.runtime import check_prefix_budget, load_runtime, torch_threads
 from pfec.common.node.config import DaemonConfig, ModelConfig, SenderDaemonConfig
 from pfec.common.node.control import MAX_BODY_BYTES, ControlServer
 from pfec.common.node.metrics import NodeMetrics
@@ -36,13 +36,18 @@ class NodeDaemon(Protocol):
 D = TypeVar("D", bound=NodeDaemon)
 
 
-async def load_node_model(model: ModelConfig) -> tuple[ModelRuntime | None, ModelIdentity]:
-    """Compile the codec kernels, then load and warm the configured model in a thread (seconds)."""
+async def load_node_model(model: ModelConfig, prefix_cache_bytes: int = 0,
+                          ) -> tuple[ModelRuntime | None, ModelIdentity]:
+    """Compile the codec kernels, then load and warm the configured model in a thread (seconds). On a GPU,
+    a prefix cache store budget (``limits.prefix_cache_bytes``) larger than the device's free memory is a
+    ValueError before anything listens."""
     fec.warm_up()
-    return await asyncio.get_running_loop().run_in_executor(
+    loaded = await asyncio.get_running_loop().run_in_executor(
         None, partial(load_runtime, model.path, model.device, model.cache_dir,
                       torch_threads=model.torch_threads)
     )
+    check_prefix_budget(loaded[0], prefix_cache_bytes)
+    return loaded
 
 
 #: Context lengths timed at start-up for the prefill-speed metric: short, so start-up stays fast (the

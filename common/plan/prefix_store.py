@@ -2,10 +2,12 @@
 tokens a node already holds (a handed-off context, an earlier turn of the conversation) skip their prefill.
 
 Pure data structure (sans-IO): time is passed in, the values are opaque (the model glue's caches), their
-sizes are told by the caller. Bounded four ways: a byte budget, an entry count, an idle TTL, and LRU
-eviction when a new entry needs room. ``lookup`` finds, among the entries of the request's own salt only
-(as vLLM's prefix cache isolates tenants), the one sharing the longest common prefix with the request's
-tokens; a caller may reuse that many tokens of it (cropped), never another salt's.
+sizes are told by the caller. On a GPU node the caches are device tensors and the byte budget is device
+memory (``device_budget_error`` checks it against the GPU's free memory at start-up). Bounded four ways:
+a byte budget, an entry count, an idle TTL, and LRU eviction when a new entry needs room. ``lookup``
+finds, among the entries of the request's own salt only (as vLLM's prefix cache isolates tenants), the
+one sharing the longest common prefix with the request's tokens; a caller may reuse that many tokens of
+it (cropped), never another salt's.
 
 One owner: the daemons touch a store only from their model worker thread (every job there runs in turn),
 so nothing here locks.
@@ -172,6 +174,18 @@ class PrefixStore(Generic[V]):
     def salts(self) -> set[str]:
         """The salts with at least one entry (to tell a client its salt matches nothing)."""
         return {e.salt for e in self._entries.values()}
+
+
+def device_budget_error(budget_bytes: int, free_bytes: int, total_bytes: int, device: str) -> str | None:
+    """Why a store of ``budget_bytes`` cannot live on ``device`` (a GPU: its caches are device memory, as
+    ``nbytes`` counts them), given the device's free and total memory once the model is loaded; None
+    when it fits."""
+    if budget_bytes <= free_bytes:
+        return None
+    mib = 1 << 20
+    return (f"limits.prefix_cache_bytes = {budget_bytes / mib:.0f} MiB does not fit {device}: on a GPU the "
+            f"prefix cache store lives in device memory, and {free_bytes / mib:.0f} MiB of its "
+            f"{total_bytes / mib:.0f} MiB are free with the model loaded; lower limits.prefix_cache_bytes")
 
 
 def _check_salt(salt: str) -> None:
