@@ -1,4 +1,5 @@
-"""The node commands: `pfec sender serve`, `pfec receiver serve` (the daemons) and `pfec keygen`."""
+"""The node commands: `pfec sender serve`, `pfec receiver serve`, `pfec node serve` (the daemons; a node has
+both roles) and `pfec keygen`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from pfec.cli.shared import fail
 from pfec.common.node.config import ConfigError, ReceiverDaemonConfig, SenderDaemonConfig, load_config
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.keys import keygen_cmd, read_psk, read_token
+from pfec.node.config import load_node_config
 
-__all__ = ["keygen_cmd", "receiver_serve_cmd", "sender_serve_cmd"]
+__all__ = ["keygen_cmd", "node_serve_cmd", "receiver_serve_cmd", "sender_serve_cmd"]
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file (deploy/*.example.toml).")]
-ConfigT = TypeVar("ConfigT", SenderDaemonConfig, ReceiverDaemonConfig)
+ConfigT = TypeVar("ConfigT", bound=SenderDaemonConfig | ReceiverDaemonConfig)  # a node's is both
 Serve = Callable[[ConfigT, bytes, str | None], Coroutine[Any, Any, None]]
 
 
@@ -34,6 +36,13 @@ def receiver_serve_cmd(config: ConfigOpt = None) -> None:
     from pfec.receiver.serve import serve  # deferred: aiohttp + numba (keeps `pfec --help` fast)
 
     _serve(lambda: load_config("receiver", config, os.environ), serve)
+
+
+def node_serve_cmd(config: ConfigOpt = None) -> None:
+    """Run a node with both roles (one model, prefix store and control API) until SIGTERM."""
+    from pfec.node.serve import serve  # deferred: aiohttp + numba (keeps `pfec --help` fast)
+
+    _serve(lambda: load_node_config(config, os.environ), serve)
 
 
 def _serve(load: Callable[[], ConfigT], serve: Serve[ConfigT]) -> None:

@@ -11,7 +11,7 @@ echo "[test] ruff"
 echo "[test] mypy"
 # mypy sees the installed names (pfec.common, pfec.sender, ...) through one link per top-level folder.
 mkdir -p build/typecheck/pfec
-for d in common sender receiver lab cli; do ln -sfn "../../../$d" "build/typecheck/pfec/$d"; done
+for d in common sender receiver node lab cli; do ln -sfn "../../../$d" "build/typecheck/pfec/$d"; done
 .venv/bin/mypy
 echo "[test] pytest"
 exec .venv/bin/pytest "$@"

@@ -13,13 +13,14 @@ import yaml  # promtool-independent parse; PyYAML ships with the dev environment
 from prometheus_client.parser import text_string_to_metric_families
 
 from pfec.common.node.config import load_config
+from pfec.node.config import load_node_config
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.sender.metrics import SenderMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PROMTOOL = shutil.which("promtool")
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-UNITS = {"sender": DEPLOY / "pfec-sender.service", "receiver": DEPLOY / "pfec-receiver.service"}
+UNITS = {kind: DEPLOY / f"pfec-{kind}.service" for kind in ("sender", "receiver", "node")}
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus')"
 )
@@ -51,7 +52,7 @@ def _directives(path: Path) -> dict[str, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["sender", "receiver"])
+@pytest.mark.parametrize("kind", ["sender", "receiver", "node"])
 def test_unit_hardening(kind: str) -> None:
     d = _directives(UNITS[kind])
     one = {k: v[-1] for k, v in d.items()}
@@ -263,11 +264,20 @@ def test_dashboard_is_valid_and_complete() -> None:
 # --------------------------------------------------------------------------- example configs
 
 
-@pytest.mark.parametrize("kind", ["sender", "receiver"])
+def test_the_node_unit_replaces_the_two_daemons() -> None:
+    """A node with both roles loads the model once: its unit stops the sender's and the receiver's."""
+    d = _directives(UNITS["node"])
+    assert d["Conflicts"] == ["pfec-sender.service pfec-receiver.service"]
+
+
+@pytest.mark.parametrize("kind", ["sender", "receiver", "node"])
 def test_example_configs_load_and_show_the_defaults(kind: str) -> None:
     path = DEPLOY / f"{kind}.example.toml"
-    cfg = load_config(kind, path, {})  # type: ignore[call-overload]
-    default = load_config(kind, None, {})  # type: ignore[call-overload]
+    if kind == "node":
+        cfg, default = load_node_config(path, {}), load_node_config(None, {})
+    else:
+        cfg = load_config(kind, path, {})  # type: ignore[call-overload]
+        default = load_config(kind, None, {})  # type: ignore[call-overload]
     # The examples document the defaults (keep them in step with common/node/config.py), except the
     # profile directory, which the units' layout fixes (the repository at /opt/pfec): the default is the
     # repository's profiles/ folder wherever it is.

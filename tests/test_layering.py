@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("common", "sender", "receiver", "lab", "cli")  # installed as pfec.<folder>
+FOLDERS = ("common", "sender", "receiver", "node", "lab", "cli")  # installed as pfec.<folder>
 
 # The sans-IO core: bytes and `now` in, datagrams, timers and events out. Prefixes of module names.
 SANS_IO = (
@@ -30,11 +30,13 @@ TORCH = {"torch", "transformers", "safetensors", "accelerate", "gguf"}
 
 # group -> (pfec groups it must never import, third-party/stdlib roots it must never import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
-    "sans-io": ({"model", "node", "sender", "receiver", "lab", "cli"}, IO | TORCH),
-    "model": ({"node", "sender", "receiver", "lab", "cli"}, set()),
-    "node": ({"sender", "receiver", "lab", "cli"}, TORCH),
-    "sender": ({"receiver", "lab", "cli"}, TORCH),
-    "receiver": ({"sender", "lab", "cli"}, TORCH),
+    "sans-io": ({"model", "node", "sender", "receiver", "roles", "lab", "cli"}, IO | TORCH),
+    "model": ({"node", "sender", "receiver", "roles", "lab", "cli"}, set()),
+    "node": ({"sender", "receiver", "roles", "lab", "cli"}, TORCH),
+    "sender": ({"receiver", "roles", "lab", "cli"}, TORCH),
+    "receiver": ({"sender", "roles", "lab", "cli"}, TORCH),
+    # the top-level node/ (a node with both roles): above sender/ and receiver/, composing them
+    "roles": ({"lab", "cli"}, TORCH),
     # lab and cli never run on a node: they may import torch where they train (the DDQN), measure the
     # model's answers and quantisers, or profile it; among the node code only common/model does.
     "lab": ({"cli"}, set()),
@@ -72,9 +74,10 @@ MAX_LAB_TOP_MODULES = 6
 
 # folder -> folders it must never import, whatever the groups (sender and receiver never import each other)
 FOLDER_RULES: dict[str, set[str]] = {
-    "common": {"sender", "receiver", "lab", "cli"},
-    "sender": {"receiver", "lab", "cli"},
-    "receiver": {"sender", "lab", "cli"},
+    "common": {"sender", "receiver", "node", "lab", "cli"},
+    "sender": {"receiver", "node", "lab", "cli"},
+    "receiver": {"sender", "node", "lab", "cli"},
+    "node": {"lab", "cli"},
     "lab": {"cli"},
     "cli": set(),
 }
@@ -85,6 +88,8 @@ def group_of(module: str) -> str:
     if module.startswith(SANS_IO) and any(module == p or module.startswith(p + ".") for p in SANS_IO):
         return "sans-io"
     parts = module.split(".")
+    if parts[1] == "node":  # the top-level node/ ("roles"), not common/node ("node")
+        return "roles"
     if parts[1] == "common":
         return {"model": "model", "node": "node"}.get(parts[2] if len(parts) > 2 else "", "sans-io")
     return parts[1]
@@ -303,11 +308,18 @@ def test_checker_catches_a_forbidden_import_in_each_group(tmp_path: Path) -> Non
         "pfec.common.node.probe": "from pfec.lab.sim.simulate import simulate\n",
         "pfec.common.plan.probe": "import torch\n",
         "pfec.lab.probe": "from pfec.cli import app\n",
+        "pfec.sender.probe": "from pfec.node.daemon import NodeDaemon\n",
+        "pfec.receiver.probe": "import pfec.node.config\n",
+        "pfec.common.node.probe2": "from pfec.node import serve\n",
+        "pfec.node.probe": "from pfec.cli import app\n",
     }
     for module, text in cases.items():
         assert violations(module, _probe(tmp_path, text), MODULES), (module, text)
     assert not violations("pfec.lab.probe", _probe(tmp_path, "import torch\nimport pfec.sender.daemon\n"),
                           MODULES)
+    both = "from pfec.sender.daemon import SenderDaemon\nfrom pfec.receiver.daemon import ReceiverDaemon\n"
+    assert not violations("pfec.node.probe", _probe(tmp_path, both), MODULES)
+    assert not violations("pfec.cli.probe", _probe(tmp_path, "from pfec.node.serve import serve\n"), MODULES)
 
 
 def test_checker_catches_a_lab_room_crossing(tmp_path: Path) -> None:
