@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pfec.cli import bench_path, bench_serving, kv, lab, node, plan, transports
+from pfec.cli import bench_gpu, bench_path, bench_serving, kv, lab, node, plan, transports
 from pfec.cli import eval as eval_commands
 from pfec.cli.handoff import handoff_cmd
 
@@ -24,8 +24,6 @@ bench_app = typer.Typer(help="Benchmarks; each writes docs/benchmarks/NAME.json.
 tune_app = typer.Typer(help="Parameter searches on simulated handoffs.", no_args_is_help=True)
 sender_app = typer.Typer(help="The sender daemon (prefill, stream KV, control API).", no_args_is_help=True)
 receiver_app = typer.Typer(help="The receiver daemon (decode, rebuild, generate).", no_args_is_help=True)
-node_app = typer.Typer(help="A node with both roles: one model, prefix store and control API.",
-                       no_args_is_help=True)
 
 app.command("keygen", help="Generate a pre-shared key file for a node pair.")(node.keygen_cmd)
 app.command("emulate", help="Link emulator: rate, delay and loss between two nodes.")(lab.emulate_cmd)
@@ -66,14 +64,13 @@ bench_app.command("traces")(bench_path.bench_traces_cmd)
 bench_app.command("serving")(bench_serving.bench_serving_cmd)
 bench_app.command("quic")(transports.bench_quic_cmd)
 bench_app.command("fairness")(bench_path.bench_fairness_cmd)
+bench_app.command("gpu")(bench_gpu.bench_gpu_cmd)
 app.add_typer(tune_app, name="tune")
 tune_app.command("flec-rt")(lab.tune_flec_rt_cmd)
 app.add_typer(sender_app, name="sender")
 sender_app.command("serve")(node.sender_serve_cmd)
 app.add_typer(receiver_app, name="receiver")
 receiver_app.command("serve")(node.receiver_serve_cmd)
-app.add_typer(node_app, name="node")
-node_app.command("serve")(node.node_serve_cmd)
 
 
 def main() -> None:  # pragma: no cover - console entry point
