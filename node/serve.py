@@ -18,7 +18,7 @@ async def serve(config: NodeDaemonConfig, psk: bytes, token: str | None = None,
                 ready: Callable[[NodeDaemon], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a node from ``config`` until SIGINT/SIGTERM (or ``stop``); ``ready`` once it serves."""
-    runtime, identity = await load_node_model(config.model)
+    runtime, identity = await load_node_model(config.model, config.limits.prefix_cache_bytes)
     node = NodeDaemon(config, identity, psk, runtime=runtime)
     routes = node.routes()  # a route both roles define fails here, before anything listens
     await node.start()
