@@ -29,7 +29,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from pfec.receiver.admission import admit
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.handoffs import Handoffs, SessionInfo
 from pfec.receiver.metrics import ReceiverMetrics
+from pfec.receiver.node_speed import receive_path_s
 from pfec.receiver.rebuild import Reconstructed
 from pfec.receiver.session import ReceiverConfig
 from pfec.receiver.session import warm_up as session_warm_up
@@ -366,13 +367,17 @@ class ReceiverDaemon:
             lengths = [n for n in DEFAULT_LENGTHS if n <= cap]
             if len(lengths) < 2:
                 lengths = [cap // 4, cap // 2, cap]
-            speed = await self.worker.submit(measure_prefill_speed, runtime, lengths, usable_cpus(),
-                                             force=True)
+            speed = await self.worker.submit(measure_prefill_speed, runtime, lengths, usable_cpus(), 1, 0,
+                                             True, force=True)
+            # and the rest the planner predicts: the receive path's CPU per datagram (``node_speed``)
+            speed = replace(speed, parts=replace(speed.parts, datagram_s=await self.worker.submit(
+                receive_path_s, force=True)))
         except ValueError:  # the model's context is shorter than the lengths timed
             return None
         finally:
             self._measuring = None
-        self.recent_prefills = RecentPrefills(speed.curve, speed.decode_s, speed.points)  # a new measurement
+        # a new measurement
+        self.recent_prefills = RecentPrefills(speed.curve, speed.decode_s, speed.points, speed.parts)
         self.endpoint.prefill_statement = self.recent_prefills.stated()
         self.prefill_speed = speed
         self.speed_measured_at = clock()

@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 from dataclasses import replace
 
 from pfec.common.events import CpuMeter, DatagramDropped
+from pfec.common.plan.receiver_speed import Statement
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import (
     MAX_TEXT,
@@ -129,9 +130,9 @@ class ReceiverEndpoint:
         self.sessions: dict[int, ReceiverSession] = {}
         self.drops: dict[str, int] = {}
         self.bytes_received = 0  # every datagram given to receive_datagram
-        # This node's prefill speed as its ACCEPTs state it (the ACCEPT's units: a us, b ns/token,
-        # c ps/token^2, decode us; all 0: not stated). The daemon sets it from its measurements.
-        self.prefill_statement: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # This node's speed as its ACCEPTs state it (``receiver_speed.Statement``, the ACCEPT's units; all
+        # 0: not stated). The daemon sets it from its measurements.
+        self.prefill_statement: tuple[int, ...] = Statement()  # receiver_speed.stated_fields
         self.speed_queries = 0  # speed queries answered
         self._handshakes: OrderedDict[int, Pending] = OrderedDict()  # by creation, so by expiry
         self._early: OrderedDict[int, list[tuple[Header, bytes]]] = OrderedDict()  # before any OFFER

@@ -369,7 +369,8 @@ class Handoffs:
         split = info.app.split if info.app else None
         local = info.app is not None and is_local(info.app)
         mode = "handoff" if split is None else ("local" if local else "split")
-        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode, info.front)
+        result = result_of(done, at, ttft, info.app.mode if info.app else self.default_mode, mode, info.front,
+                           at.reached_at - info.opened_at)
         record = _record(sid, **result.__dict__)
         record.pop("blocks_bitmap", None)
         if info.app is not None and info.app.prefix is not None:

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from pfec.common.plan.handoff import (
     BLOCK_TOKENS,
+    MAX_RESULT_SECONDS,
     ModelIdentity,
     OfferApp,
     ResultApp,
@@ -48,6 +49,8 @@ class Rebuilt:
     rebuild_s: float | None
     error: str | None = None
     first_token_at: float | None = None  # the receiver's monotonic clock when the first token was out
+    question_s: float | None = None  # the question's forward to the first token (decode buffers included)
+    step_s: float | None = None  # the decode step after it
 
 
 
@@ -209,7 +212,8 @@ def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, a
         if _keep(done, kv, app):
             return done
         gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
-        done.rebuilt = Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s)
+        done.rebuilt = Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s, question_s=gen.ttft_s - kv.rebuild_s,
+                               step_s=gen.step_s)
         return done
     if front.cache is not None:
         kv = llm.join_prefix(kv, front.cache, front.tokens)
@@ -287,7 +291,8 @@ def _generate(runtime: ModelRuntime, kv: PartialKV, app: OfferApp) -> Rebuilt:
 
     began = time.monotonic()
     gen = llm.generate(runtime, kv, app.question_ids, app.max_new_tokens)
-    return Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s, first_token_at=began + gen.ttft_s - kv.rebuild_s)
+    return Rebuilt(gen.text, gen.ttft_s, kv.rebuild_s, first_token_at=began + gen.ttft_s - kv.rebuild_s,
+                   question_s=gen.ttft_s - kv.rebuild_s, step_s=gen.step_s)
 
 
 def _reconstruct_local(runtime: ModelRuntime | None, identity: ModelIdentity, app: OfferApp,
@@ -312,9 +317,16 @@ def _reconstruct_local(runtime: ModelRuntime | None, identity: ModelIdentity, ap
     return done
 
 
+def _seconds(value: float | None) -> float | None:
+    """A timing for the RESULT, within what its parser takes."""
+    return None if value is None else round(min(MAX_RESULT_SECONDS, max(0.0, value)), 6)
+
+
 def result_of(done: Reconstructed, at: AtDeadline, ttft_s: float | None, mode: str,
-              handoff_mode: str | None = None, front: Front | None = None) -> ResultApp:
-    """The RESULT for a finished (or failed) reconstruction."""
+              handoff_mode: str | None = None, front: Front | None = None,
+              stream_s: float | None = None) -> ResultApp:
+    """The RESULT for a finished (or failed) reconstruction (``stream_s``: the OFFER's arrival to the
+    close of decoding)."""
     rebuilt = done.rebuilt
     complete = done.complete if done.complete is not None else np.zeros(0, dtype=bool)
     stats = at.stats
@@ -349,6 +361,9 @@ def result_of(done: Reconstructed, at: AtDeadline, ttft_s: float | None, mode: s
         blocks_computed=done.blocks_computed,
         blocks_received=done.blocks_received,
         front_s=None if front is None else round(sum(seconds for *_, seconds in front.timed), 6),
+        stream_s=_seconds(stream_s),
+        question_s=_seconds(rebuilt.question_s),
+        decode_step_s=_seconds(rebuilt.step_s),
     )
 
 

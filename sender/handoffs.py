@@ -178,5 +178,43 @@ def result_report(result: ResultApp, prepared: Prepared) -> tuple[dict[str, Any]
         "front_s": result.front_s,
         "blocks_computed": result.blocks_computed,
         "blocks_received": result.blocks_received,
+        "predicted_vs_measured": parts_report(prepared.planner, result),
     })
     return report, utility
+
+
+def _pair(predicted: float | None, measured: float | None) -> dict[str, float | None]:
+    ratio = None
+    if predicted is not None and measured is not None and predicted > 0:
+        ratio = round(measured / predicted, 3)
+    return {"predicted": None if predicted is None else round(predicted, 4),
+            "measured": None if measured is None else round(measured, 4), "measured_over_predicted": ratio}
+
+
+def parts_report(planner: dict[str, Any] | None, result: ResultApp) -> dict[str, Any] | None:
+    """Each part of the TTFT the planner predicted beside what it took on the receiver (its RESULT), all
+    counted from the OFFER's arrival (the one-way delay before it taken out of the prediction): ``ready_s``
+    until decoding closed, ``front_s`` (a split's front computed, or a local prefill's), ``rebuild_s``
+    (join included), ``question_s`` (the question's forward to the first token), ``decode_s`` (a decode
+    step; the planner's TTFT counts one after the question's forward) and ``ttft_s``. None without a
+    prediction."""
+    parts = (planner or {}).get("predicted_parts")
+    if not parts:
+        return None
+    owd = float(planner.get("owd_s", 0.0)) if planner else 0.0
+    ttft = float(planner["predicted_ttft_s"]) if planner and "predicted_ttft_s" in planner else None
+    out: dict[str, Any] = {}
+    if "serialisation_s" in parts:  # the whole cache streams
+        out["ready_s"] = _pair(parts.get("handshake_s", 0.0) + parts["serialisation_s"], result.stream_s)
+    elif "front_s" in parts:  # a split
+        out["ready_s"] = _pair(max(parts["front_s"], parts.get("back_s", 0.0)) - owd, result.stream_s)
+        out["front_s"] = _pair(parts["front_s"] - owd, result.front_s)
+    elif "prefill_s" in parts:  # local prefill
+        out["front_s"] = _pair(parts["prefill_s"], result.front_s)
+    if "rebuild_s" in parts:
+        out["rebuild_s"] = _pair(parts["rebuild_s"] + parts.get("join_s", 0.0), result.rebuild_s)
+    if "question_s" in parts:
+        out["question_s"] = _pair(parts["question_s"], result.question_s)
+    out["decode_s"] = _pair(parts.get("decode_s"), result.decode_step_s)
+    out["ttft_s"] = _pair(None if ttft is None else ttft - owd, result.ttft_s)
+    return out

@@ -257,7 +257,10 @@ def prepare_model(
     utilities = profile.block_utilities(plan)
     choice: ModeChoice | None = None
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
-        auto_modes = AUTO_MODES if request.receiver is not None else AUTO_MODES_UNSTATED
+        # a split's front runs at the receiver's speed: not chosen on the stored curve (none stated, or
+        # what it stated was absurd and defaulted)
+        stated = request.receiver is not None and "prefill" not in request.receiver.defaulted
+        auto_modes = AUTO_MODES if stated else AUTO_MODES_UNSTATED
         choice = choose_mode(request.mode, request.precision, plan.n_tokens, identity.geometry,
                              request.planning_rate_bps, request.rtt_s, request.receiver,
                              block_tokens=BLOCK_TOKENS,

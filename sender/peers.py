@@ -40,10 +40,11 @@ class PeerNumbers:
     split_rate_bps: float | None = None
 
     def planner_receiver(self) -> ReceiverModel | None:
-        """The stated speed with the path's front slowdown applied to splits (None: none stated)."""
+        """The stated speed with the path's front slowdown applied to splits (None: none stated): a
+        slowdown past splits measured replaces the one the receiver's per-datagram cost predicts."""
         if self.receiver is None or self.front_slowdown is None:
             return self.receiver
-        return replace(self.receiver, front_scale=self.front_slowdown)
+        return replace(self.receiver, front_scale=self.front_slowdown, datagram_s=None)
 
 
 def front_slowdown(receiver: ReceiverModel, computed_tokens: int | None,

@@ -460,21 +460,25 @@ def test_timed_calls_fit_the_curve_they_were_drawn_from() -> None:
         fit_prefill_calls([])
 
 
-def test_a_stated_speed_travels_in_integer_units_and_the_implausible_is_refused() -> None:
+def test_a_stated_speed_travels_in_integer_units_and_the_implausible_is_defaulted() -> None:
+    from pfec.common.plan.breakeven import DEFAULT_MODEL_DECODE_S, DEFAULT_MODEL_PREFILL
     from pfec.common.plan.receiver_speed import stated_fields, stated_receiver
 
     measured = PrefillCurve(0.2193, 7.337e-4, 6.525e-7)
     fields = stated_fields(measured, 0.081)
-    assert fields == (219300, 733700, 652500, 81000)
+    assert fields[:4] == (219300, 733700, 652500, 81000) and not any(fields[4:])
     model = stated_receiver(*fields)
     assert model is not None
     assert model.prefill.seconds(1500) == pytest.approx(measured.seconds(1500))
     assert model.decode_s == pytest.approx(0.081)
+    assert "prefill" not in model.defaulted and "decode_s" not in model.defaulted
+    # the parts it did not measure are planned with the defaults, and named
+    assert {"rebuild_int8_s_per_token", "question_fit", "datagram_s"} <= set(model.defaulted)
     assert stated_receiver(0, 0, 0, 0) is None  # a receiver that measured nothing states nothing
-    with pytest.raises(ValueError, match="per-token cost"):
-        stated_receiver(1000, 0, 0, 1000)
-    with pytest.raises(ValueError, match="not a working node"):
-        stated_receiver(0, 0xFFFF_FFFF, 0, 1000)  # 4.3 s per token
-    with pytest.raises(ValueError, match="not a working node"):
-        stated_receiver(0, 1000, 0, 0xFFFF_FFFF)  # an hour per decode step
-    assert stated_fields(PrefillCurve(1e9, 0.0, 0.0), 1e9)[0] == 0xFFFF_FFFF  # clamped, then refused
+    no_cost = stated_receiver(1000, 0, 0, 1000)  # no per-token cost: the stored curve, named
+    assert no_cost is not None and no_cost.prefill == DEFAULT_MODEL_PREFILL and "prefill" in no_cost.defaulted
+    slow = stated_receiver(0, 0xFFFF_FFFF, 0, 1000)  # 4.3 s per token
+    assert slow is not None and slow.prefill == DEFAULT_MODEL_PREFILL and "prefill" in slow.defaulted
+    stuck = stated_receiver(0, 1000, 0, 0xFFFF_FFFF)  # an hour per decode step
+    assert stuck is not None and stuck.decode_s == DEFAULT_MODEL_DECODE_S and "decode_s" in stuck.defaulted
+    assert stated_fields(PrefillCurve(1e9, 0.0, 0.0), 1e9)[0] == 0xFFFF_FFFF  # clamped, then defaulted

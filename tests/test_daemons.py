@@ -35,7 +35,7 @@ from pfec.common.node.udp import UDP_SEGMENT, open_udp_socket
 from pfec.common.plan.handoff import synthetic_identity
 from pfec.common.plan.kvlayout import KVGeometry
 from pfec.common.plan.prefill import PrefillCurve
-from pfec.common.plan.receiver_speed import RecentPrefills, stated_fields
+from pfec.common.plan.receiver_speed import MeasuredParts, RecentPrefills, stated_fields
 from pfec.common.plan.utility import synthetic_profile
 from pfec.common.wire.frames import peek_header
 from pfec.common.wire.messages import Role, Source
@@ -104,11 +104,16 @@ def test_every_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rt
         await rx.start("127.0.0.1", 0)
         measured = await rx.measure_prefill_speed()
         assert measured is not None
-        assert rx.endpoint.prefill_statement == stated_fields(measured.curve, measured.decode_s)
+        statement = stated_fields(measured.curve, measured.decode_s, measured.parts)
+        assert rx.endpoint.prefill_statement == statement
+        # every part the planner predicts, measured here (the receive path by the daemon itself)
+        parts = measured.parts
+        assert parts.rebuild_s_per_token is not None and parts.question_fit is not None
+        assert parts.datagram_s is not None and 0 < parts.datagram_s < 0.01
         # The tiny model's per-token cost is in the timing noise (a fit may state none, which the sender
-        # refuses): state a known curve for the planner's side of the test.
-        speed = PrefillSpeed(PrefillCurve(0.01, 2e-4, 1e-8), (), 0.005, 1, "cpu", "tiny")
-        rx.endpoint.prefill_statement = stated_fields(speed.curve, speed.decode_s)
+        # defaults): state a known curve, and the parts as measured, for the planner's side of the test.
+        speed = PrefillSpeed(PrefillCurve(0.01, 2e-4, 1e-8), (), 0.005, 1, "cpu", "tiny", parts)
+        rx.endpoint.prefill_statement = stated_fields(speed.curve, speed.decode_s, parts)
         tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=5)
         reports = []
         for _ in range(2):
@@ -135,6 +140,49 @@ def test_every_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rt
         owd_s = report["planner_inputs"]["rtt_ms"] / 2000
         local = owd_s + speed.curve.seconds(first["n_tokens"]) + speed.decode_s
         assert report["predicted_local_ttft_s"] == pytest.approx(local, rel=0.05), report
+        # planned with what the receiver measured, and each predicted part beside what it took there
+        planner = report["planner"]
+        assert planner["receiver_defaulted"] == [], planner
+        measured_fit = planner["receiver_measured"]["question_fit"]
+        assert measured_fit == pytest.approx(speed.parts.question_fit, rel=1e-3)
+        table = report["predicted_vs_measured"]
+        rows = {"local": ("front_s", "decode_s", "ttft_s"),
+                "handoff": ("ready_s", "rebuild_s", "question_s", "decode_s", "ttft_s"),
+                "split": ("ready_s", "front_s", "rebuild_s", "question_s", "decode_s", "ttft_s")}
+        for part in rows[report["handoff_mode"]]:
+            assert table[part]["predicted"] is not None and table[part]["measured"] is not None, (part, table)
+
+
+def test_the_report_gives_each_predicted_part_beside_what_it_took(tiny: llm.ModelRuntime) -> None:
+    """A whole-cache handoff's report: the ready time, rebuild, question's forward, decode step and TTFT
+    the planner predicted from the receiver's measurements, each beside what its RESULT says they took."""
+    identity = runtime_identity(tiny)
+    parts = MeasuredParts((1e-6, 2e-6, 2e-6, 2e-6), (0.001, 1e-5, 1e-6), 1e-7, 20e-6)
+
+    async def main() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        rx.endpoint.prefill_statement = stated_fields(PrefillCurve(0.01, 2e-4, 1e-8), 0.005, parts)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=20, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                  rx.address, rho=4.0, max_new_tokens=3, precision="int8",
+                                  handoff_mode="handoff"))
+        report = await _wait(h)
+        await tx.close()
+        await rx.close()
+        return report
+
+    report = run(main())
+    assert report["outcome"] == "done" and report["handoff_mode"] == "handoff", report
+    predicted = report["planner"]["predicted_parts"]
+    assert predicted["rebuild_s"] == pytest.approx(report["n_tokens"] * 2e-6, rel=1e-3, abs=1e-4)
+    table = report["predicted_vs_measured"]
+    assert table["rebuild_s"]["measured"] == pytest.approx(report["rebuild_s"], abs=1e-4)
+    assert table["question_s"]["predicted"] == pytest.approx(predicted["question_s"], abs=1e-4)
+    for part in ("ready_s", "rebuild_s", "question_s", "decode_s", "ttft_s"):
+        row = table[part]
+        assert row["predicted"] > 0 and row["measured"] > 0, (part, table)
+        assert row["measured_over_predicted"] == pytest.approx(row["measured"] / row["predicted"], rel=0.05)
 
 
 def test_a_receiver_that_states_no_speed_leaves_the_first_handoff_on_the_stored_curve(

@@ -139,7 +139,7 @@ def test_constants_and_sizes() -> None:
     assert sizes["Source"] == 1396
     assert sizes["Repair"] == 1400
     assert sizes["Ack"] == 30 + 42 + 2
-    assert sizes["Accept"] == 30 + 12 + 38  # a handshake datagram: explicit nonce, R_r, the stated speed
+    assert sizes["Accept"] == 30 + 12 + 74  # a handshake datagram: explicit nonce, R_r, the stated speed
     assert sizes["Offer"] == 30 + 66 + len(b"app-part-0")  # once more under the session key
     assert len(early_sender().seal(sample_messages()[3])) == 30 + 12 + 66 + len(b"app-part-0")
     assert max_app_chunk(MsgType.OFFER) == 1292

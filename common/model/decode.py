@@ -29,6 +29,7 @@ class Generation:
     text: str
     ttft_s: float  # rebuild + first forward over the question, to the first token
     decode_s: float
+    step_s: float | None = None  # the first decode step after the first token (None: it stopped there)
 
 
 def _forward(runtime: ModelRuntime, kv: PartialKV, cache: DynamicCache, ids: Sequence[int],
@@ -104,6 +105,7 @@ def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids
         next_ids = [int(t) for t in logits[:, -1].argmax(dim=-1)]
         ttft = time.perf_counter() - started + max(kv.rebuild_s for kv in kvs)
         position = n_context + len(question_ids)
+        step_s: float | None = None
         while True:
             going = [row for row, i in enumerate(active)
                      if _take(runtime, outs[i], next_ids[row], stops, max_new_tokens, first_line_only)]
@@ -114,11 +116,14 @@ def generate_batch(runtime: ModelRuntime, kvs: Sequence[PartialKV], question_ids
                 cache.batch_select_indices(keep)
                 masks = None if masks is None else [None if m is None else m[keep] for m in masks]
                 active, next_ids = [active[r] for r in going], [next_ids[r] for r in going]
+            stepped = time.perf_counter()
             logits = forward_rows(runtime, masks, cache, [[t] for t in next_ids], position)
             next_ids = [int(t) for t in logits[:, -1].argmax(dim=-1)]
+            if step_s is None:
+                step_s = time.perf_counter() - stepped
             position += 1
     decode_s = time.perf_counter() - started
-    return [Generation(tuple(out), _text(runtime, out), ttft, decode_s) for out in outs]
+    return [Generation(tuple(out), _text(runtime, out), ttft, decode_s, step_s) for out in outs]
 
 
 def _take(runtime: ModelRuntime, out: list[int], next_id: int, stops: set[int], max_new_tokens: int,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 import numpy as np
@@ -207,6 +207,14 @@ class ReceiverModel:
     over the whole cache, whichever way the context's KV got there). ``front_scale`` multiplies a split's
     front: it shares the receiver's CPU with the stream it meets, so it runs slower than ``prefill`` (the
     receiver's unloaded speed) by what past splits over the same path measured (1.0: none did).
+
+    What the receiver measured on itself (``common/model/speed.py``, stated in its ACCEPT; None or 0: the
+    constants above): ``rebuild_s_per_token`` (native, int8, int4, int2: dequantise and place one context
+    token of every layer), ``question_fit`` (a, per question token, per cached token: the question's
+    masked forward over a cache of N tokens, copy included), ``decode_s_per_token`` (the first decode
+    step grows by this per cached token over ``decode_s``) and ``datagram_s`` (the receive path's CPU per
+    datagram: a split's front shares its core with it, ``stream_factor``). ``defaulted`` names the stated
+    numbers that were missing or absurd and replaced by the conservative defaults.
     """
 
     prefill: PrefillCurve
@@ -215,19 +223,55 @@ class ReceiverModel:
     rebuild_scale: float = 1.0
     question_tokens: int = 0
     front_scale: float = 1.0
+    rebuild_s_per_token: tuple[float, float, float, float] | None = None
+    question_fit: tuple[float, float, float] | None = None
+    decode_s_per_token: float = 0.0
+    datagram_s: float | None = None
+    defaulted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         finite_nonneg("decode_s", self.decode_s)
         finite_nonneg("join_s", self.join_s)
         finite_nonneg("rebuild_scale", self.rebuild_scale)
+        finite_nonneg("decode_s_per_token", self.decode_s_per_token)
+        for name in ("rebuild_s_per_token", "question_fit"):
+            for value in getattr(self, name) or ():
+                finite_nonneg(name, value)
+        if self.datagram_s is not None:
+            finite_nonneg("datagram_s", self.datagram_s)
         if not (math.isfinite(self.front_scale) and self.front_scale > 0):
             raise ValueError(f"front_scale must be finite and > 0, got {self.front_scale!r}")
         if not isinstance(self.question_tokens, int) or self.question_tokens < 0:
             raise ValueError(f"question_tokens must be an int >= 0, got {self.question_tokens!r}")
 
     def question_s(self, n_tokens: int) -> float:
-        """The question's forward call over a cache of ``n_tokens`` (0 without a question)."""
+        """The question's forward call over a cache of ``n_tokens`` (0 without a question): as measured
+        (``question_fit``), else the prefill curve's chunk."""
+        if self.question_tokens == 0:
+            return 0.0
+        if self.question_fit is not None:
+            a, per_question, per_cached = self.question_fit
+            return a + per_question * self.question_tokens + per_cached * n_tokens
         return self.prefill.chunk_seconds(n_tokens, n_tokens + self.question_tokens)
+
+    def decode_at(self, n_tokens: int) -> float:
+        """One decode step over a cache of ``n_tokens``."""
+        return self.decode_s + self.decode_s_per_token * n_tokens
+
+    def stream_factor(self, link: LinkModel) -> float:
+        """How much slower a split's front runs beside its stream: the receive path takes ``datagram_s``
+        per datagram of the core the front runs on, at the datagrams per second ``link`` delivers (a
+        share u, at most ``MAX_STREAM_SHARE``): 1 / (1 - u); 1.0 where nothing was measured."""
+        if self.datagram_s is None:
+            return 1.0
+        datagrams_per_s = link.rate_bps / 8 / (link.symbol_size + SOURCE_ID_SIZE + OVERHEAD)
+        return 1.0 / (1.0 - min(MAX_STREAM_SHARE, self.datagram_s * datagrams_per_s))
+
+    def beside_stream(self, link: LinkModel) -> ReceiverModel:
+        """This receiver with the stream's slowdown (``stream_factor``) in its ``front_scale``."""
+        if self.datagram_s is None:
+            return self
+        return replace(self, front_scale=self.front_scale * self.stream_factor(link), datagram_s=None)
 
     def front_s(self, m: int) -> float:
         """A split's front [0, m) as the receiver computes it beside the stream: chunks of
@@ -243,6 +287,14 @@ class ReceiverModel:
             seconds += self.prefill.chunk_seconds(done, end)
             done = end
         return seconds
+
+
+#: The largest share of a core the receive path is taken to claim from a split's front (a front 5x slower).
+MAX_STREAM_SHARE: Final = 0.8
+#: The levels a receiver measures its rebuild at (``ReceiverModel.rebuild_s_per_token``), in its order; a
+#: mix of two takes their mean.
+MEASURED_REBUILD_LEVELS: Final = ("native", "int8", "int4", "int2")
+MIXED_REBUILD_LEVELS: Final = {"int8-int4": ("int8", "int4")}
 
 
 # --- The default receiver ---------------------------------------------------------------------------------
@@ -314,7 +366,8 @@ def local_option(n_tokens: int, link: LinkModel, receiver: ReceiverModel) -> Opt
     """The receiver prefills everything itself once told to (one-way delay): the context and the
     question in one pass."""
     prefill = receiver.prefill.seconds(n_tokens + receiver.question_tokens)
-    parts = {"owd_s": link.owd_s, "prefill_s": prefill, "decode_s": receiver.decode_s}
+    parts = {"owd_s": link.owd_s, "prefill_s": prefill,
+             "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens)}
     return Option("local", "exact", sum(parts.values()), 0, 0, True, None, parts)
 
 
@@ -326,7 +379,8 @@ def handoff_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, l
     parts = {
         "handshake_s": link.handshake_s, "owd_s": link.owd_s, "serialisation_s": link.serialisation_s(kv),
         "rebuild_s": _rebuild_s(n_tokens, geometry, level, receiver),
-        "question_s": receiver.question_s(n_tokens), "decode_s": receiver.decode_s,
+        "question_s": receiver.question_s(n_tokens),
+        "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens),
     }
     return Option("handoff", level.name, sum(parts.values()), kv, math.ceil(link.wire_bytes(kv)),
                   keeps_floor, None, parts)
@@ -335,7 +389,13 @@ def handoff_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, l
 def _rebuild_s(n_tokens: float, geometry: KVGeometry, level: PrecisionLevel,
                receiver: ReceiverModel) -> float:
     """Receiver time to turn ``n_tokens`` of received KV into cache tensors (not overlapped with the link:
-    an upper bound until dequantisation runs as blocks decode)."""
+    an upper bound until dequantisation runs as blocks decode): as the receiver measured it per token at
+    this level (a mix: the mean of its two), else the level's constant per bf16 MB."""
+    measured = receiver.rebuild_s_per_token
+    names = MIXED_REBUILD_LEVELS.get(level.name, (level.name,))
+    if measured is not None and all(name in MEASURED_REBUILD_LEVELS for name in names):
+        per_token = sum(measured[MEASURED_REBUILD_LEVELS.index(name)] for name in names) / len(names)
+        return n_tokens * per_token
     bf16_mb = n_tokens * 2 * geometry.n_layers * geometry.n_kv_heads * geometry.head_dim * 2 / MB
     return bf16_mb * level.rebuild_s_per_mb * receiver.rebuild_scale
 
@@ -354,6 +414,7 @@ def meeting_point(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, li
     """
     _check_tokens(n_tokens)
     link = link.split_link()
+    receiver = receiver.beside_stream(link)
     s = link.serialisation_s(level.bytes_per_token(geometry))
 
     def gap(m: int) -> float:  # front - back
@@ -396,14 +457,16 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     if not 0 <= m <= n_tokens:
         raise ValueError(f"meeting token {m!r} lies outside the context [0, {n_tokens}]")
     link = link.split_link()
+    receiver = receiver.beside_stream(link)
     back_tokens = n_tokens - m
     kv = back_tokens * level.bytes_per_token(geometry)
     rebuild = _rebuild_s(back_tokens, geometry, level, receiver)
     front = link.owd_s + receiver.front_s(m)
     back = link.handshake_s + link.owd_s + link.serialisation_s(kv) if back_tokens else 0.0
     parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
-             "question_s": receiver.question_s(n_tokens), "decode_s": receiver.decode_s}
-    ttft = max(front, back) + rebuild + receiver.join_s + parts["question_s"] + receiver.decode_s
+             "question_s": receiver.question_s(n_tokens),
+             "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens)}
+    ttft = max(front, back) + rebuild + receiver.join_s + parts["question_s"] + parts["decode_s"]
     return Option("split", level.name, ttft, kv, math.ceil(link.wire_bytes(kv)), keeps_floor, m, parts)
 
 
@@ -444,7 +507,7 @@ def plan_handoff(n_tokens: int, geometry: KVGeometry, link: LinkModel, receiver:
     local = options[0]
     beating = [o for o in options[1:]
                if o.keeps_floor and o.mode in modes and beats_local(o.ttft_s, local.ttft_s, local_margin)]
-    fitting = [o for o in beating if deadline_s is None or o.ttft_s - receiver.decode_s <= deadline_s]
+    fitting = [o for o in beating if deadline_s is None or o.ttft_s - o.parts["decode_s"] <= deadline_s]
     if fitting:  # the most faithful level that fits, then its fastest mode
         best = min(fidelity[o.precision] for o in fitting)
         pool = [o for o in fitting if fidelity[o.precision] == best]

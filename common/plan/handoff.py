@@ -375,6 +375,12 @@ class ResultApp:
     # split/local: seconds the receiver's whole front chunks of [0, c) took, as they ran (beside the stream:
     # the sender learns the path's front slowdown from it)
     front_s: float | None = None
+    # What the parts the planner predicts took here (seconds): OFFER arrival -> decoding closed (ready, DONE
+    # or deadline), the question's forward to the first token (decode buffers included), the decode step
+    # after it (None: generation stopped at the first token)
+    stream_s: float | None = None
+    question_s: float | None = None
+    decode_step_s: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -410,9 +416,10 @@ class ResultApp:
         for name in ("computed_tokens", "blocks_computed", "blocks_received"):
             if data.get(name) is not None and not 0 <= data[name] <= MAX_TOKEN_ID:
                 raise ValueError(f"RESULT {name}: expected a count in 0..{MAX_TOKEN_ID}")
-        front_s = data.get("front_s")
-        if front_s is not None and not 0 <= front_s <= MAX_RESULT_SECONDS:  # NaN fails too
-            raise ValueError(f"RESULT front_s: expected seconds in 0..{MAX_RESULT_SECONDS:g}")
+        for name in ("front_s", "stream_s", "question_s", "decode_step_s"):
+            seconds = data.get(name)
+            if seconds is not None and not 0 <= seconds <= MAX_RESULT_SECONDS:  # NaN fails too
+                raise ValueError(f"RESULT {name}: expected seconds in 0..{MAX_RESULT_SECONDS:g}")
         return cls(**data)
 
 
@@ -445,6 +452,9 @@ _RESULT_FIELDS: Final[dict[str, tuple[tuple[type, ...], bool, bool]]] = {
     "blocks_computed": ((int,), True, False),
     "blocks_received": ((int,), True, False),
     "front_s": (_NUM, True, False),
+    "stream_s": (_NUM, True, False),
+    "question_s": (_NUM, True, False),
+    "decode_step_s": (_NUM, True, False),
 }
 
 

@@ -70,7 +70,8 @@ def choose_mix(requested: str, n_tokens: int, geometry: KVGeometry, rate_bps: fl
     view = {
         "requested": requested, "choice": plan.choice.label, "choice_ttft_s": plan.choice.ttft_s,
         "used": used.label, "predicted_ttft_s": used.ttft_s, "predicted_parts": _rounded(used.parts),
-        "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor,
+        "local_ttft_s": plan.option("local").ttft_s, "floor": plan.floor, "owd_s": rtt_s / 2,
+        **_receiver_view(recv, LinkModel(rate_bps, rtt_s, loss)),
     }
     return mix, view
 
@@ -172,6 +173,19 @@ def choose_mode(mode: str, precision: str, n_tokens: int, geometry: KVGeometry, 
         "requested": precision, "requested_mode": mode, "mode": used_mode, "choice": plan.choice.label,
         "choice_ttft_s": plan.choice.ttft_s, "used": used.label, "predicted_ttft_s": used.ttft_s,
         "predicted_parts": _rounded(used.parts), "local_ttft_s": plan.option("local").ttft_s,
-        "floor": plan.floor, "meeting_token": meeting,
+        "floor": plan.floor, "meeting_token": meeting, "owd_s": link.owd_s, **_receiver_view(recv, link),
     }
     return ModeChoice(used_mode, mix, meeting, view)
+
+
+def _receiver_view(receiver: ReceiverModel, link: LinkModel) -> dict[str, Any]:
+    """What the planner took the receiver to be: the numbers it measured and stated, and those defaulted."""
+    return {
+        "receiver_defaulted": list(receiver.defaulted),
+        "receiver_measured": {
+            "rebuild_s_per_token": receiver.rebuild_s_per_token, "question_fit": receiver.question_fit,
+            "decode_s": receiver.decode_s, "decode_s_per_token": receiver.decode_s_per_token,
+            "datagram_s": receiver.datagram_s,
+            "front_scale": round(receiver.beside_stream(link.split_link()).front_scale, 4),
+        },
+    }

@@ -180,7 +180,10 @@ def encode_body(msg: Message, symbol_size: int | None = None) -> bytes:
     if isinstance(msg, Accept):
         _check_random(msg.receiver_random, "ACCEPT: receiver_random")
         return _pack(ACCEPT_LAYOUT, "ACCEPT", msg.window_cap, msg.n_source, bytes(msg.receiver_random),
-                     msg.prefill_a_us, msg.prefill_b_ns, msg.prefill_c_ps, msg.decode_us)
+                     msg.prefill_a_us, msg.prefill_b_ns, msg.prefill_c_ps, msg.decode_us,
+                     msg.rebuild_native_ns, msg.rebuild_int8_ns, msg.rebuild_int4_ns, msg.rebuild_int2_ns,
+                     msg.question_a_us, msg.question_ns_per_token, msg.question_ps_per_cached,
+                     msg.decode_ps_per_cached, msg.datagram_ns)
     if isinstance(msg, Result):
         return _enc_result(msg)
     if isinstance(msg, (Refuse, Close)):

@@ -40,12 +40,16 @@ Bodies (type: layout -- body size in bytes)::
                u16 span (the decoder span asked for; 0: the receiver's
                choice) | app bytes (rest)
                (n_source 0: a speed query, one part, no app bytes)
-    ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r) | 38
+    ACCEPT  5  u16 window_cap | u32 n_source | 16 B receiver_random (R_r) | 74
                u32 prefill_a_us | u32 prefill_b_ns | u32 prefill_c_ps |
-               u32 decode_us (window_cap: the decoder span the receiver
-               granted, >= the OFFER's window_cap; the four speeds: its
-               prefill curve as measured, all 0 when not stated; n_source 0
-               and window_cap 0: the answer to a speed query)
+               u32 decode_us | u32 rebuild_{native,int8,int4,int2}_ns |
+               u32 question_a_us | u32 question_ns_per_token |
+               u32 question_ps_per_cached | u32 decode_ps_per_cached |
+               u32 datagram_ns (window_cap: the decoder span the receiver
+               granted, >= the OFFER's window_cap; the thirteen speeds: what
+               it measured of itself, receiver_speed.Statement, 0 when not
+               stated; n_source 0 and window_cap 0: the answer to a speed
+               query)
     REFUSE  6  u8 RefuseCode | UTF-8 text (rest, <= 512 B)                 1 + text
     RESULT  7  u32 decoded_count | u16 part_index | u16 part_count |        8 + app
                app bytes (rest)
@@ -67,7 +71,7 @@ Per-datagram overhead (on top of UDP/IP: +28 B IPv4, +48 B IPv6)::
     SOURCE  30 + 4 = 34 B  -> 1396 B datagram with the default 1362 B symbol
     REPAIR  30 + 8 = 38 B  -> 1400 B datagram (= MAX_DATAGRAM) with the default symbol
     OFFER / RESULT app chunk: at most max_app_chunk(kind) = 1292 / 1362 B per datagram
-    ACCEPT 30 + 12 + 38 = 80 B, answering an OFFER of at least 30 + 12 + 66 = 108 B
+    ACCEPT 30 + 12 + 74 = 116 B, answering an OFFER of at least 30 + 12 + 66 = 108 B (1.07x)
 
 No datagram may exceed MAX_DATAGRAM = 1400 B (1428 B on IPv4, 1448 B on IPv6 < 1500 MTU).
 
@@ -128,7 +132,7 @@ U32_LAYOUT = struct.Struct(">I")
 REPAIR_ID_LAYOUT = struct.Struct(">HHI")
 ACK_LAYOUT = struct.Struct(">IIIHHIIIIIIH")
 OFFER_LAYOUT = struct.Struct(">HHII32sHH16sH")
-ACCEPT_LAYOUT = struct.Struct(">HI16sIIII")
+ACCEPT_LAYOUT = struct.Struct(">HI16sIIII9I")
 RESULT_LAYOUT = struct.Struct(">IHH")
 DONE_LAYOUT = struct.Struct(">IIIB")
 # Bound methods, to save an attribute lookup per packet on the hot path (the public ones are

@@ -15,8 +15,9 @@ from typing import ClassVar, Final, Literal, TypeAlias
 # Wire versions: 2: key phases, a handshake with fresh randomness per side; 3: the OFFER's span;
 # 4: the ACK's computed_tokens (how far the receiver's own prefill has got: compute front, stream back);
 # 5: the sender's DONE (the completion signal: it will send nothing more the receiver could use) and the
-# ACCEPT's statement of the receiver's prefill speed
-WIRE_VERSION: Final = 5
+# ACCEPT's statement of the receiver's prefill speed; 6: the ACCEPT states the rest of the receiver's
+# measured speed (rebuild per precision, the question's forward, decode growth, receive cost per datagram)
+WIRE_VERSION: Final = 6
 HEADER_SIZE: Final = 14
 TAG_SIZE: Final = 16
 OVERHEAD: Final = HEADER_SIZE + TAG_SIZE
@@ -29,7 +30,7 @@ MAX_HOLE_BITS: Final = 4096
 RANDOM_SIZE: Final = 16  # each side's fresh handshake value (R_s in the OFFER, R_r in the ACCEPT)
 NONCE_SIZE: Final = 12  # the explicit random AEAD nonce of a handshake datagram, right after the header
 OFFER_FIXED_SIZE: Final = 50 + RANDOM_SIZE
-ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE + 16
+ACCEPT_BODY_SIZE: Final = 6 + RANDOM_SIZE + 16 + 36
 RESULT_FIXED_SIZE: Final = 8
 DONE_BODY_SIZE: Final = 13
 FINGERPRINT_SIZE: Final = 32
@@ -267,6 +268,19 @@ class Accept:
     prefill_b_ns: int = 0
     prefill_c_ps: int = 0
     decode_us: int = 0
+    # Wire version 6: the rest of what the planner predicts, as the receiver measured it on itself
+    # (``receiver_speed.Statement``; 0: not measured): its rebuild per context token at native, int8, int4
+    # and int2, the question's masked forward (fixed, per question token, per cached token), the first decode
+    # step's growth per cached token, and its receive path's CPU per datagram.
+    rebuild_native_ns: int = 0
+    rebuild_int8_ns: int = 0
+    rebuild_int4_ns: int = 0
+    rebuild_int2_ns: int = 0
+    question_a_us: int = 0
+    question_ns_per_token: int = 0
+    question_ps_per_cached: int = 0
+    decode_ps_per_cached: int = 0
+    datagram_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

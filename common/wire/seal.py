@@ -33,7 +33,7 @@ exhaust the peer. Properties, and how each is met:
   K_s2r, which needs R_r: a proof that the peer holds the PSK and saw this receiver's fresh value.
   Replayed data opens under no key the receiver holds (new R_r) or meets no session.
 * **Anti-amplification** (RFC 9000 section 8.1): before establishment a pending entry sends at most 3x
-  the authenticated bytes it received (an ACCEPT is 64 B; an OFFER at least 108 B).
+  the authenticated bytes it received (an ACCEPT is 116 B; an OFFER at least 108 B).
 * **Cheap rejection.** Nothing is derived before authentication: a datagram without the key costs one
   AES-GCM open with an AEAD object built once (the static handshake keys), or with the session's own
   (a forged OFFER: about 5 us of CPU on the 2-core dev machine, against about 21 us with the two HKDF

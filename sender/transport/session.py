@@ -52,7 +52,7 @@ import numpy.typing as npt
 
 from pfec.common.codec.fec import Encoder, FecError
 from pfec.common.events import CpuMeter, DatagramDropped, earliest
-from pfec.common.plan.receiver_speed import stated_receiver
+from pfec.common.plan.receiver_speed import stated_receiver, statement_of
 from pfec.common.sched.actions import Action, SchedulerView
 from pfec.common.sched.open_loop_tail import OpenLoopTail
 from pfec.common.sched.policies import Policy
@@ -367,8 +367,7 @@ class SenderSession:
         self._send_control([self.offer.on_accept(now, self._deadline)])
         self.send_path.on_accept(accept.window_cap)  # ACCEPT carries the receiver's decoder span
         try:  # and the receiver's stated prefill speed, checked before a planner may use it
-            stated = stated_receiver(accept.prefill_a_us, accept.prefill_b_ns, accept.prefill_c_ps,
-                                     accept.decode_us)
+            stated = stated_receiver(*statement_of(accept))
         except ValueError:
             self.drops["bad_prefill_speed"] = self.drops.get("bad_prefill_speed", 0) + 1
             stated = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from pfec.common.plan.breakeven import ReceiverModel
-from pfec.common.plan.receiver_speed import stated_receiver
+from pfec.common.plan.receiver_speed import stated_receiver, statement_of
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, Accept, Offer, ParseError, Refuse, Role
 from pfec.common.wire.seal import PacketProtector, RandomBytes, drop_reason, keyring_for
 
@@ -96,8 +96,7 @@ class SpeedQuery:
             self._drop("not_an_answer")
             return
         try:
-            stated = stated_receiver(message.prefill_a_us, message.prefill_b_ns, message.prefill_c_ps,
-                                     message.decode_us)
+            stated = stated_receiver(*statement_of(message))
         except ValueError as exc:
             self._drop("bad_prefill_speed")
             self.answer = SpeedAnswer(None, rtt, f"implausible statement: {exc}")
