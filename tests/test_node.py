@@ -155,6 +155,56 @@ def test_a_conversation_node_a_served_continues_on_node_b_from_the_handed_off_ca
     asyncio.run(main())
 
 
+def test_a_node_hands_on_a_conversation_it_received_and_continued(chat_tiny: llm.ModelRuntime) -> None:
+    """A chain A -> B -> C: B continues the conversation A handed it and hands the grown conversation on by
+    the completion id B's API returned; C's first request for it (and a new turn) is served with the
+    whole grown conversation as ``cached_tokens``."""
+    identity = runtime_identity(chat_tiny)
+    salt = "team-c"
+
+    async def main() -> None:
+        async with _node(chat_tiny) as (a, a_url), _node(chat_tiny) as (b, b_url), _node(chat_tiny) as (
+                c, c_url), aiohttp.ClientSession(headers=HEADERS) as http:
+
+            async def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+                data = None if body is None else json.dumps(body)
+                async with http.request(method, url, data=data) as response:
+                    return response.status, await response.json()
+
+            async def hand(url: str, node: NodeDaemon, to: NodeDaemon, cid: str) -> dict[str, Any]:
+                await _settle(node)
+                status, created = await call("POST", url + "/handoffs", {
+                    "receiver": "{}:{}".format(*to.address), "rho": 4.0, "precision": "native",
+                    "handoff_mode": "handoff", "conversation": {"id": cid}})
+                assert status == 202, created
+                _, report = await call("GET", f"{url}/handoffs/{created['id']}?wait=60")
+                assert report["outcome"] == "done" and report["recovered_utility"] == pytest.approx(1.0)
+                await _settle(to)
+                return dict(report)
+
+            turns = [{"role": "user", "content": "w5 w6 w7 w8 w9 w10"}]
+            request = {"model": identity.model_id, "max_tokens": 3, "temperature": 0, "cache_salt": salt}
+            chat = "/v1/chat/completions"
+            status, first = await call("POST", a_url + chat, {**request, "messages": turns})
+            assert status == 200, first
+            to_b = await hand(a_url, a, b, first["id"])
+            turns += [{"role": "assistant", "content": first["choices"][0]["message"]["content"] or ""},
+                      {"role": "user", "content": "w11 w12"}]
+            status, second = await call("POST", b_url + chat, {**request, "messages": turns})
+            assert status == 200 and second["usage"]["prompt_tokens_details"]["cached_tokens"] == to_b[
+                "n_tokens"], second
+            to_c = await hand(b_url, b, c, second["id"])
+            assert to_c["n_tokens"] > to_b["n_tokens"] and to_c["conversation"]["prefilled_tokens"] == 0, to_c
+            turns += [{"role": "assistant", "content": second["choices"][0]["message"]["content"] or ""},
+                      {"role": "user", "content": "w13"}]
+            status, third = await call("POST", c_url + chat, {**request, "messages": turns})
+            assert status == 200, third
+            assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == to_c["n_tokens"], third
+            assert third["pfec"]["prefix"]["handoff_id"] == to_c["session_id"], third["pfec"]
+
+    asyncio.run(main())
+
+
 # --------------------------------------------------------------------------- the real start-up path
 
 
