@@ -10,8 +10,9 @@ off the loop, and refused (422) when it is multicast, broadcast, unspecified or 
 path. A full model worker queue answers 503. ``conversation`` names a conversation the sender served
 through its OpenAI API (``/v1/...``, ``common/node/openai/http.py``): its cache goes over as is (only what
 its prefix cache store lacks is prefilled), with its cache salt, and the receiver continues it; named by
-its completion id, or by its messages as chat messages or the Agents SDK's items (``conversation_items``). The
-server, the bearer token, the body size and depth bounds and the client are ``common/node/control.py``.
+its completion id, or by its messages as chat messages or the Agents SDK's items
+(``openai.responses_items``). The server, the bearer token, the body size and depth bounds and the client
+are ``common/node/control.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pfec.common.node.config import SenderLimitsConfig, parse_host_port
 from pfec.common.node.control import json_error, node_routes, read_model, wait_flag
-from pfec.common.node.openai.http import ServingError
+from pfec.common.node.openai.jobs import ServingError
 from pfec.common.node.openai.models import MAX_ID_CHARS
+from pfec.common.node.openai.responses_items import Items, chat_messages
 from pfec.common.node.openai.tools import ToolsMixin
 from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
@@ -35,7 +37,6 @@ from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TO
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
-from pfec.sender.conversation_items import Items, chat_messages
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, Prefilled
@@ -53,9 +54,9 @@ class ChatMessage(BaseModel):
 
 class ConversationRef(ToolsMixin):
     """A conversation this sender served through its OpenAI API: the completion id it returned (the Agents
-    SDK keeps it as an item's ``provider_data.response_id``), or its messages (the assistant's replies
-    included, chat messages or Responses items: ``conversation_items``) with the cache salt they were served
-    under, and the tools (and ``tool_choice``) they were served with."""
+    SDK keeps it as an item's ``provider_data.response_id``; a ``resp_`` id of ``/v1/responses``), or its
+    messages (the assistant's replies included, chat messages or Responses items: ``openai.responses_items``)
+    with the cache salt they were served under, and the tools (and ``tool_choice``) they were served with."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_.:-]+$",
@@ -73,7 +74,7 @@ class ConversationRef(ToolsMixin):
         return self
 
     def rendered(self) -> list[dict[str, Any]]:
-        """The messages as the chat endpoint kept them (``conversation_items.chat_messages``)."""
+        """The messages as the chat endpoint kept them (``responses_items.chat_messages``)."""
         assert self.messages is not None
         return chat_messages(self.messages)
 
@@ -239,7 +240,7 @@ def _id_hint(conversation_id: str) -> str:
         return ("; that is the Agents SDK's placeholder item id: send the item's provider_data.response_id "
                 "(the chatcmpl-... id this node returned)")
     if conversation_id.startswith("resp_"):
-        return "; a Responses API id: this node serves /v1/chat/completions (send its chatcmpl-... id)"
+        return "; a Responses API id this node did not serve, or no longer keeps"
     return ""
 
 

@@ -1,8 +1,8 @@
 """Handoffs from framework state (issue 38, item 5): a conversation handed off by its ``messages`` in the
 chat-completions shapes or as the Responses API items the OpenAI Agents SDK keeps, converted in one place
-(``sender/conversation_items.py``) to the chat messages the chat endpoint rendered; the tools it was served
-with; the completion id the SDK keeps in ``provider_data``; errors naming the client's field path. The
-end-to-end test runs the real sender and receiver apps on the tiny model over real UDP.
+(``common/node/openai/responses_items.py``) to the chat messages the chat endpoint rendered; the tools it
+was served with; the completion id the SDK keeps in ``provider_data``; errors naming the client's field
+path. The end-to-end test runs the real sender and receiver apps on the tiny model over real UDP.
 """
 
 from __future__ import annotations

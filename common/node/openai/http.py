@@ -17,6 +17,9 @@ response names the accepted fields its request sent that changed nothing in ``X-
 
 Tools (``openai.tools``): rendered by the chat template or the Hermes fallback, the reply parsed by the
 parser ``limits.tool_call_parser`` names into ``tool_calls`` (streamed as OpenAI's deltas).
+
+``POST /v1/responses`` (``openai.responses``) translates into a chat request and generates through
+``submit`` too; the job's hop to the worker and the errors are ``openai.jobs``.
 """
 
 from __future__ import annotations
@@ -27,53 +30,40 @@ import json
 import logging
 import math
 import secrets
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from pfec.common.node.config_models import CommonLimits
-from pfec.common.node.control import MAX_BODY_KEY, MAX_JSON_DEPTH
+from pfec.common.node.control import MAX_JSON_DEPTH
 from pfec.common.node.metrics import NodeMetrics
 from pfec.common.node.openai import tools as openai_tools
-from pfec.common.node.openai.models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    openai_error,
-    usage,
-    validation_error,
+from pfec.common.node.openai.jobs import IGNORED_HEADER as IGNORED_HEADER  # where tests look for it
+from pfec.common.node.openai.jobs import (
+    Job,
+    Served,
+    ServingError,
+    consume,
+    error_response,
+    ignored_header,
+    read_body,
 )
+from pfec.common.node.openai.models import ChatCompletionRequest, CompletionRequest, openai_error, usage
+from pfec.common.node.openai.responses import ResponsesAPI
 from pfec.common.node.worker import ModelWorker, WorkerBusy
-from pfec.common.plan.handoff import json_depth
 from pfec.common.plan.prefix_store import PrefixStore
 
 if TYPE_CHECKING:
     from pfec.common.model.kvcache import PartialKV
     from pfec.common.model.llm import ModelRuntime
-    from pfec.common.model.serving import Completion
 
-R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 log = logging.getLogger("pfec.openai")
 CONVERSATIONS_KEPT = 1024
 DEFAULT_ALIAS = "default"  # a client may name the node's model this way too
-IGNORED_HEADER = "X-PFEC-Ignored-Fields"  # the accepted fields a request sent that changed nothing
-
-
-class ServingError(ValueError):
-    """A request the node cannot serve: the parameter, the reason and the HTTP status."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-class _Disconnected(Exception):
-    """The streaming client went away: the job stops at its next token."""
 
 
 @dataclass(frozen=True)
@@ -84,32 +74,6 @@ class Conversation:
     salt: str
     messages: tuple[Mapping[str, Any], ...]  # the request's messages and the assistant's reply
     tools: tuple[Mapping[str, Any], ...] | None = None  # the tools offered (they open the prompt)
-
-
-@dataclass
-class Served:
-    """What the worker job returns to the handler."""
-
-    completion: Completion
-    origin: dict[str, Any] = field(default_factory=dict)  # where the cached tokens came from
-
-
-@dataclass
-class _Job:
-    """A request's hop between the loop and the worker thread."""
-
-    loop: asyncio.AbstractEventLoop
-    started: asyncio.Event = field(default_factory=asyncio.Event)
-    texts: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-    gone: threading.Event = field(default_factory=threading.Event)
-
-    def mark_started(self) -> None:  # worker thread
-        self.loop.call_soon_threadsafe(self.started.set)
-
-    def on_text(self, text: str) -> None:  # worker thread
-        if self.gone.is_set():
-            raise _Disconnected
-        self.loop.call_soon_threadsafe(self.texts.put_nowait, text)
 
 
 class OpenAIFace:
@@ -132,6 +96,7 @@ class OpenAIFace:
         self._ids = itertools.count(1)
         self._recent_s = 1.0  # a request's recent duration, for Retry-After
         self.created = int(time.time())
+        self.responses = ResponsesAPI(self)  # POST /v1/responses, over the same generation
 
     # ------------------------------------------------------------------ worker thread: the store
     def keep(self, salt: str, ids: Sequence[int], kv: PartialKV, info: Mapping[str, Any]) -> bool:
@@ -187,14 +152,14 @@ class OpenAIFace:
     def conversation(self, conversation_id: str) -> Conversation | None:
         return self.conversations.get(conversation_id)
 
-    def _serve(self, job: _Job, render: Callable[[], list[int]], salt: str, asked: int | None,
+    def _serve(self, job: Job, render: Callable[[], list[int]], salt: str, asked: int | None,
                stops: tuple[str, ...], temperature: float, top_p: float, seed: int | None,
                cid: str) -> Served:
         """Worker thread: tokenise, check the context, look up the store, complete, keep the cache.
         ``asked``: the client's token limit; None is the rest of the context, up to the node's limit."""
         from pfec.common.model import serving  # deferred: torch
 
-        field = "messages" if cid.startswith("chatcmpl") else "prompt"
+        field = "prompt" if cid.startswith("cmpl-") else "messages"
         try:
             ids = render()
         except ValueError as exc:  # no chat template, no tokenizer
@@ -226,6 +191,7 @@ class OpenAIFace:
             web.get("/v1/models", self._models),
             web.post("/v1/chat/completions", self._chat),
             web.post("/v1/completions", self._completions),
+            web.post("/v1/responses", self.responses.create),
         ]
 
     def _model_names(self) -> tuple[str, ...]:
@@ -236,17 +202,17 @@ class OpenAIFace:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pfec"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        parsed = await _read(request, ChatCompletionRequest, self.max_json_depth)
+        parsed = await read_body(request, ChatCompletionRequest, self.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
         problem = parsed.choice_error()
         if problem is not None:
-            return _error(ServingError(*problem))
+            return error_response(ServingError(*problem))
         messages, tools = parsed.rendered(), parsed.offered()
         return await self._run(request, parsed, lambda: self.chat_ids(messages, tools), messages)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = await _read(request, CompletionRequest, self.max_json_depth)
+        parsed = await read_body(request, CompletionRequest, self.max_json_depth)
         if isinstance(parsed, web.Response):
             return parsed
         prompt = parsed.prompt
@@ -271,46 +237,64 @@ class OpenAIFace:
                                f"{self.model_id!r})", 404)
         return limit
 
-    async def _run(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
-                   render: Callable[[], list[int]],
-                   messages: list[dict[str, Any]] | None) -> web.StreamResponse:
-        try:
-            limit = self._checked_limit(parsed)
-        except ServingError as exc:
-            return _error(exc)
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self._ids):06d}{secrets.token_hex(6)}"
+
+    def submit(self, parsed: ChatCompletionRequest | CompletionRequest, render: Callable[[], list[int]],
+               cid: str) -> tuple[Job, asyncio.Future[Served]] | web.Response:
+        """Check a request against the node (its token limit, its model: ServingError; the queue: a 503 to
+        answer) and queue its job: the job and its future. Once queued, the caller calls ``finish`` when
+        done. Both the chat and the Responses endpoint generate through here."""
+        limit = self._checked_limit(parsed)
         if self.in_flight >= self.limits.serving_queue:
             return self._busy(f"{self.in_flight} requests wait or run (limits.serving_queue = "
                               f"{self.limits.serving_queue})")
-        chat = messages is not None
-        cid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):06d}{secrets.token_hex(6)}"
-        job = _Job(asyncio.get_running_loop())
+        job = Job(asyncio.get_running_loop())
         try:
             future = self.worker.submit(self._serve, job, render, parsed.salt, limit, parsed.stops,
                                         parsed.temperature, parsed.top_p, parsed.seed, cid)
         except WorkerBusy as exc:
             return self._busy(str(exc))
         self.in_flight += 1
+        return job, future
+
+    def finish(self, began: float) -> None:
+        """A submitted request is answered (``began``: its ``time.monotonic()`` at submission)."""
+        self.in_flight -= 1
+        self._recent_s = 0.5 * self._recent_s + 0.5 * (time.monotonic() - began)
+        self.export_metrics()
+
+    async def _run(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
+                   render: Callable[[], list[int]],
+                   messages: list[dict[str, Any]] | None) -> web.StreamResponse:
+        chat = messages is not None
+        cid = self.new_id("chatcmpl-" if chat else "cmpl-")
         began = time.monotonic()
+        try:
+            submitted = self.submit(parsed, render, cid)
+        except ServingError as exc:
+            return error_response(exc)
+        if isinstance(submitted, web.Response):
+            return submitted
+        job, future = submitted
         try:
             if parsed.stream:
                 return await self._stream(request, parsed, job, future, cid, chat, messages)
             try:
                 served = await future
             except ServingError as exc:
-                return _error(exc)
+                return error_response(exc)
             except asyncio.CancelledError:  # the client went away: the job runs out (max_tokens bounds it)
-                future.add_done_callback(_consume)
+                future.add_done_callback(consume)
                 raise
             reply = self._reply(parsed)
             reply.feed(served.completion.text)
             reply.finish()
             self._record(cid, parsed, messages, reply.message())
             body = self._body(served, cid, parsed.model, chat, reply)
-            return web.json_response(body, headers=_ignored(parsed))
+            return web.json_response(body, headers=ignored_header(parsed.ignored()))
         finally:
-            self.in_flight -= 1
-            self._recent_s = 0.5 * self._recent_s + 0.5 * (time.monotonic() - began)
-            self.export_metrics()
+            self.finish(began)
 
     def _busy(self, why: str) -> web.Response:
         retry = max(1, math.ceil(self._recent_s * max(1, self.in_flight)))
@@ -339,7 +323,7 @@ class OpenAIFace:
             settled = self.worker.submit(self.settle, parsed.salt, conversation.messages, conversation.tools)
         except WorkerBusy:
             return
-        settled.add_done_callback(_consume)
+        settled.add_done_callback(consume)
 
     def _body(self, served: Served, cid: str, model: str, chat: bool,
               reply: openai_tools.Reply) -> dict[str, Any]:
@@ -367,7 +351,7 @@ class OpenAIFace:
                 if origin else None}
 
     async def _stream(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
-                      job: _Job, future: asyncio.Future[Served], cid: str, chat: bool,
+                      job: Job, future: asyncio.Future[Served], cid: str, chat: bool,
                       messages: list[dict[str, Any]] | None) -> web.StreamResponse:
         """Server-sent events: the first chunk once the job has started (errors before it are plain
         400s), one per piece of text, the finish reason, usage (with ``stream_options.include_usage``, or
@@ -378,10 +362,10 @@ class OpenAIFace:
         if future.done() and future.exception() is not None:
             exc = future.exception()
             if isinstance(exc, ServingError):
-                return _error(exc)
+                return error_response(exc)
             raise exc  # type: ignore[misc]  # the JSON 500 middleware answers
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache", **_ignored(parsed)})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        response = web.StreamResponse(headers={**headers, **ignored_header(parsed.ignored())})
         await response.prepare(request)
         chunk = _Chunks(cid, parsed.model, chat)
         reply = self._reply(parsed)
@@ -401,7 +385,7 @@ class OpenAIFace:
                 await _send(response, chunk.delta(delta))
         except (ConnectionResetError, asyncio.CancelledError):
             job.gone.set()  # the worker stops at its next token
-            future.add_done_callback(_consume)
+            future.add_done_callback(consume)
             raise
         except Exception:  # the headers are out: end the stream with an error event, never a 500 page
             log.exception("%s failed mid-stream", cid)
@@ -450,46 +434,5 @@ class _Chunks:
         return {**self.head, "choices": [], "usage": counts, "pfec": extension}
 
 
-def _consume(future: asyncio.Future[Any]) -> None:
-    """Retrieve the outcome of a job nobody awaits (its client left; a cache's upkeep)."""
-    if future.cancelled():
-        return
-    exc = future.exception()
-    if exc is not None and not isinstance(exc, _Disconnected):
-        log.warning("a serving job nobody awaited failed: %r", exc)
-
-
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
-
-
-def _error(exc: ServingError) -> web.Response:
-    kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-    return web.json_response(openai_error(str(exc), exc.param, kind), status=exc.status)
-
-
-async def _read(request: web.Request, model: type[R], max_depth: int) -> R | web.Response:
-    """The body validated strictly as ``model``: 413 over the control API's body limit, 400 for JSON
-    nested past the depth limit, not JSON, or any field out of bounds (the first bad field named)."""
-    limit = request.config_dict.get(MAX_BODY_KEY, 1 << 20)
-    if request.content_length is not None and request.content_length > limit:
-        return web.json_response(openai_error(f"request body of {request.content_length} bytes is above the "
-                                              f"{limit}-byte limit"), status=413)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return web.json_response(openai_error(f"request body is above the {limit}-byte limit"), status=413)
-    depth = json_depth(raw)
-    if depth > max_depth:
-        return web.json_response(openai_error(f"request body nests JSON {depth} levels deep, above the limit "
-                                              f"of {max_depth}"), status=400)
-    try:
-        return model.model_validate_json(raw, strict=True)
-    except ValidationError as exc:
-        return web.json_response(validation_error(exc, raw), status=400)
-
-
-def _ignored(parsed: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
-    """The response header naming the fields the request sent that changed nothing (none: no header)."""
-    names = parsed.ignored()
-    return {IGNORED_HEADER: ", ".join(names)} if names else {}

@@ -1,6 +1,8 @@
-"""A conversation as an agent framework keeps it, turned into the chat messages the OpenAI face rendered.
+"""A conversation as an agent framework keeps it, turned into the chat messages the OpenAI face rendered:
+the one converter of Responses API items, for ``POST /v1/responses``'s ``input`` (``openai.responses``)
+and ``POST /handoffs {"conversation": {"messages": [...]}}`` (the sender's control API).
 
-``POST /handoffs {"conversation": {"messages": [...]}}`` takes each entry in either shape:
+Each entry is taken in either shape:
 
 - a chat-completions message, exactly as ``/v1/chat/completions`` takes it (``ChatMessage``: text parts,
   an assistant's ``tool_calls`` with null content, ``tool`` results);
@@ -14,8 +16,9 @@
 assistant output message (one with an ``id``) joins its text parts with newlines and takes the calls that
 follow it; a call with no message before it opens an assistant message of null content; a call's output is
 a ``tool`` message. So the prompt renders to the token ids the chat endpoint rendered, and the cache it
-stored is found. An item of another type is refused (422, as every invalid field of ``POST /handoffs``) naming
-``conversation.messages.N.type``.
+stored is found. An item of another type (``reasoning`` included: this node's model writes none) is refused
+naming its ``type`` (``input.N.type``: a 400; ``conversation.messages.N.type``: a 422, as every invalid field
+of ``POST /handoffs``).
 """
 
 from __future__ import annotations
