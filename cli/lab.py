@@ -195,6 +195,10 @@ def demo_cmd(
     compare_sim: Annotated[bool, typer.Option(help="Also run `pfec sim` on the same link (10 runs).")] = True,
     precision: PrecisionOpt = AUTO,
     mode: ModeOpt = AUTO,
+    receiver_cpu_quota: Annotated[
+        float | None, typer.Option(help="CPUs the receiver may use (cgroup cpu quota; 0.5: half a CPU, a "
+                                        "node ~2x slower on one CPU). Needs root.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """A real handoff on this machine: receiver, sender and link emulator over loopback UDP."""
@@ -203,7 +207,7 @@ def demo_cmd(
     try:
         cfg = DemoConfig(scheme=scheme, rho=rho, loss=loss, rate_mbps=rate_mbps, rtt_ms=rtt_ms,
                          tokens=tokens, seed=seed, reconstruction=reconstruction, compare_sim=compare_sim,
-                         precision=precision, mode=mode)
+                         precision=precision, mode=mode, receiver_cpu_quota=receiver_cpu_quota)
         result = run_demo(cfg)
     except ValueError as exc:
         raise fail(str(exc)) from None

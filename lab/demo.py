@@ -17,6 +17,7 @@ figure of a receiver that had every core).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ from pfec.lab.kv.workloads import QAExample, best_f1, contains_answer, needle_qa
 from pfec.lab.processes import (
     LOOPBACK_PSK,
     Child,
+    CpuQuota,
     NodeCpus,
     local_prefill_ttft,
     node_cpu_sets,
@@ -75,6 +77,7 @@ class DemoConfig:
     model: str = "default"
     precision: str = AUTO
     mode: str = AUTO  # auto (the planner's), handoff, split or local
+    receiver_cpu_quota: float | None = None  # CPUs the receiver may use (``processes.CpuQuota``); None: all
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -95,19 +98,31 @@ class DemoConfig:
             raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISION_CHOICES)}")
         if self.mode not in HANDOFF_MODES:
             raise ValueError(f"--mode {self.mode!r}: choose one of {', '.join(HANDOFF_MODES)}")
+        quota = self.receiver_cpu_quota
+        if quota is not None and not (math.isfinite(quota) and 0.01 <= quota <= 64):
+            raise ValueError(f"--receiver-cpu-quota {quota!r}: CPUs in 0.01..64 (0.5: half a CPU)")
 
 
-def start_receiver(model: str, log: Callable[[str], None], cpus: tuple[int, ...] | None = None) -> Child:
+def start_receiver(model: str, log: Callable[[str], None], cpus: tuple[int, ...] | None = None,
+                   cpu_quota: float | None = None) -> Child:
     """The receiver daemon's process of a real-model run on this machine (the demo, the break-even bench),
     on ``cpus`` (None: this process's), after this process's own set-up: tokenizers single-threaded, the
     packet paths ahead of other work, the embedded model converted once here rather than in two processes
-    at once."""
+    at once. ``cpu_quota``: the CPUs' worth of time it may use (``CpuQuota``, from before it measures its
+    speed), a slower node on this machine."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise_priority()
     if model == "default":
         llm.default_model_dir()
-    log("starting the receiver (loads the model) ...")
-    return Child("receiver", cpus=cpus, model=model, psk=LOOPBACK_PSK)
+    quota = None if cpu_quota is None else CpuQuota(cpu_quota, f"pfec-receiver-{os.getpid()}")
+    log("starting the receiver (loads the model)"
+        + ("" if quota is None else f" under a CPU quota of {quota.share:g} CPUs") + " ...")
+    try:
+        return Child("receiver", cpus=cpus, cpu_quota=quota, model=model, psk=LOOPBACK_PSK)
+    except BaseException:
+        if quota is not None:
+            quota.close()
+        raise
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -115,7 +130,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     cpus = node_cpu_sets()
     _log(f"CPUs: receiver {list(cpus.receiver)}, sender and relay {list(cpus.sender)}"
          + ("" if cpus.pinned else f" (not pinned: {cpus.why})"))
-    receiver = start_receiver(cfg.model, _log, cpus.pin("receiver"))
+    receiver = start_receiver(cfg.model, _log, cpus.pin("receiver"), cfg.receiver_cpu_quota)
     relay: Child | None = None
     try:
         result = run_event_loop(_sender_side(cfg, receiver, cpus, started))
@@ -184,6 +199,7 @@ def _result(cfg: DemoConfig, example: QAExample, report: dict[str, Any], local: 
         "inputs": {**asdict(cfg), "question": example.question, "gold_answers": gold,
                    "needle_kind": example.meta.get("kind"), "depth": example.meta.get("depth")},
         "cpus": cpus.to_json(),
+        "receiver_cpu_quota": cfg.receiver_cpu_quota,
         "recovered_utility": report.get("recovered_utility"),
         "precision_utility": report.get("precision_utility"),
         "ttft_s": ttft,
@@ -206,6 +222,9 @@ def _result(cfg: DemoConfig, example: QAExample, report: dict[str, Any], local: 
         "mode": report.get("handoff_mode"),
         "predicted_ttft_s": report.get("predicted_ttft_s"),
         "predicted_local_ttft_s": report.get("predicted_local_ttft_s"),
+        # each part of the TTFT the planner predicted from the receiver's measurements, beside what it took
+        "predicted_vs_measured": report.get("predicted_vs_measured"),
+        "receiver_defaulted": (report.get("planner") or {}).get("receiver_defaulted"),
         "meeting_token_planned": report.get("meeting_token_planned"),
         "computed_tokens": report.get("computed_tokens"),
         "blocks_computed": report.get("blocks_computed"),
@@ -287,6 +306,16 @@ def _format_cpus(cpus: dict[str, Any]) -> str:
     return f"nodes: {where}" if cpus.get("pinned") else f"nodes: not pinned ({cpus.get('why')})"
 
 
+def _format_parts(parts: dict[str, Any] | None, defaulted: list[str] | None) -> str:
+    """The planner's parts beside what they took (s, predicted/measured), from the OFFER's arrival."""
+    if not parts:
+        return "predicted vs measured: no prediction"
+    cells = [f"{name.removesuffix('_s')} {_num(row.get('predicted'), '.3f')}/"
+             f"{_num(row.get('measured'), '.3f')}" for name, row in parts.items()]
+    told = f"; defaulted: {', '.join(defaulted)}" if defaulted else ""
+    return "predicted/measured s: " + ", ".join(cells) + told
+
+
 def format_demo(result: dict[str, Any]) -> str:
     inp = result["inputs"]
     lines = [
@@ -311,7 +340,10 @@ def format_demo(result: dict[str, Any]) -> str:
         f"on the receiver's CPUs {_num(result.get('local_prefill_ttft_s'), '.3f')} s: "
         f"{_num(result.get('ttft_vs_local'), '.2f')}x (local prefill on the whole machine, in the sender: "
         f"{_num(result.get('local_prefill_whole_machine_ttft_s'), '.3f')} s)",
-        _format_cpus(result.get("cpus") or {}),
+        _format_cpus(result.get("cpus") or {})
+        + ("" if result.get("receiver_cpu_quota") is None
+           else f"; receiver under a CPU quota of {result['receiver_cpu_quota']:g} CPUs"),
+        _format_parts(result.get("predicted_vs_measured"), result.get("receiver_defaulted")),
     ]
     sim = result.get("sim")
     if sim and "recovered_utility_mean" in sim:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
@@ -45,7 +46,7 @@ from pfec.sender.kv import ContextInput, prompt_ids
 if TYPE_CHECKING:
     from pfec.common.model.llm import ModelRuntime
 
-__all__ = ["LOOPBACK_PSK", "Child", "NodeCpus", "local_prefill_ttft", "node_cpu_sets", "pinned",
+__all__ = ["LOOPBACK_PSK", "Child", "CpuQuota", "NodeCpus", "local_prefill_ttft", "node_cpu_sets", "pinned",
            "raise_priority", "relay_link"]
 
 LOOPBACK_PSK: Final = bytes(range(1, 33))  # loopback only; the daemons of a real deployment read a key file
@@ -164,6 +165,62 @@ def _take_cpus(cpus: Collection[int]) -> None:
 
 def _cpus_now() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+# --- CPU quota (a slower node on a fast machine) --------------------------------------------------------
+
+CGROUP_ROOT: Final = Path("/sys/fs/cgroup")
+#: The quota's period: short, so a throttled node runs in 10 ms slices rather than stalling for tens of ms
+#: at a time (the kernel's default period is 100 ms).
+QUOTA_PERIOD_US: Final = 10_000
+
+
+class CpuQuota:
+    """A cgroup holding at most ``share`` CPUs' worth of time per ``QUOTA_PERIOD_US`` (0.5: half a CPU)
+    for the processes ``add``-ed: a node ``1 / share`` times slower on a one-CPU set, whatever the
+    processor. The ``cpu`` controller of cgroup v1 (``cpu.cfs_quota_us`` and ``cpu.cfs_period_us`` under
+    ``/sys/fs/cgroup/cpu``) or v2 (``cpu.max``); it needs write access there (root). ``close`` moves what
+    is left to the parent group and removes the group."""
+
+    def __init__(self, share: float, name: str, root: Path = CGROUP_ROOT) -> None:
+        if not (isinstance(share, int | float) and 0.01 <= share <= 64):
+            raise ValueError(f"CPU quota {share!r}: a share of CPUs in 0.01..64 (0.5: half a CPU)")
+        quota_us = max(1000, round(share * QUOTA_PERIOD_US))
+        v1 = root / "cpu"
+        try:
+            if (v1 / "cpu.cfs_quota_us").exists():
+                self.path, self.version = v1 / name, 1
+                self.path.mkdir(exist_ok=True)
+                (self.path / "cpu.cfs_period_us").write_text(str(QUOTA_PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota_us))
+            elif (root / "cgroup.controllers").exists():
+                if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+                    (root / "cgroup.subtree_control").write_text("+cpu")
+                self.path, self.version = root / name, 2
+                self.path.mkdir(exist_ok=True)
+                (self.path / "cpu.max").write_text(f"{quota_us} {QUOTA_PERIOD_US}")
+            else:
+                raise ValueError(f"CPU quota: no cgroup cpu controller under {root} (v1 {v1}, or v2)")
+        except OSError as exc:
+            raise ValueError(f"CPU quota: cannot set up a cgroup under {root} ({exc.strerror}); it needs "
+                             "the cpu controller and write access there (root)") from None
+        self.share = quota_us / QUOTA_PERIOD_US
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` (every thread, and what it starts later) into the group."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def close(self) -> None:
+        """Move any process left to the parent group, then remove the group (best effort)."""
+        with contextlib.suppress(OSError):
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (self.path.parent / "cgroup.procs").write_text(pid)
+            self.path.rmdir()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cpus": self.share, "period_us": QUOTA_PERIOD_US, "cgroup": str(self.path),
+                "cgroup_version": self.version}
 
 
 # --- Local prefill (the receiver's alternative) ---------------------------------------------------------
@@ -336,14 +393,19 @@ class Child:
     """A spawned helper process speaking the module's protocol over a pipe: ready(address), requests
     (snapshot, local_prefill), stop -> stats. ``cpus``: the CPU set it runs on (None: this process's)."""
 
-    def __init__(self, role: str, cpus: Collection[int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, role: str, cpus: Collection[int] | None = None, cpu_quota: CpuQuota | None = None,
+                 **kwargs: Any) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.cpus = tuple(sorted(cpus)) if cpus is not None else None
         self.process = ctx.Process(target=_serve_child, args=(child_conn, role, kwargs, self.cpus),
                                    daemon=True, name=f"pfec-{role}")
         self.role = role
+        self.cpu_quota = cpu_quota  # closed with the child (``stop``, ``kill``)
         self.process.start()
+        if cpu_quota is not None:  # before the child has loaded anything: its start-up speed is the quota's
+            assert self.process.pid is not None
+            cpu_quota.add(self.process.pid)
 
     def wait_ready(self, timeout_s: float = 120.0) -> Any:
         try:
@@ -393,9 +455,13 @@ class Child:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
+        if self.cpu_quota is not None:
+            self.cpu_quota.close()
         return stats
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        if self.cpu_quota is not None:
+            self.cpu_quota.close()

@@ -62,6 +62,11 @@ def test_demo_json_with_the_default_model() -> None:
     every = sorted(os.sched_getaffinity(0))
     assert where["whole_machine"] == {"cpus": every, "torch_threads": len(every)}, where
     assert report["deadline_late_ms"] < 100, report
+    # each predicted part beside what it took, planned from the receiver's own measurements
+    parts = out["predicted_vs_measured"]
+    for part in ("ready_s", "rebuild_s", "question_s", "decode_s", "ttft_s"):
+        assert parts[part]["predicted"] > 0 and parts[part]["measured"] > 0, (part, parts)
+    assert out["receiver_defaulted"] == [], out["receiver_defaulted"]
 
 
 def _check_cpus(cpus: dict[str, Any], timed_on: dict[str, Any]) -> None:
@@ -80,6 +85,8 @@ def _check_cpus(cpus: dict[str, Any], timed_on: dict[str, Any]) -> None:
 def test_demo_rejects_a_bad_value_with_exit_2() -> None:
     res = CliRunner().invoke(app, ["demo", "--rho", "-1"])
     assert res.exit_code == 2 and "--rho" in res.output, res.output
+    res = CliRunner().invoke(app, ["demo", "--receiver-cpu-quota", "0"])
+    assert res.exit_code == 2 and "--receiver-cpu-quota" in res.output, res.output
 
 
 @pytest.mark.skipif(not _OK, reason=f"default model unavailable: {_WHY}")

@@ -128,3 +128,48 @@ def test_local_prefill_request_is_timed_with_the_receiver_s_threads(tiny: llm.Mo
     for bad in ((inputs, 0), ("text", 1), (inputs,)):
         with pytest.raises((ValueError, TypeError)):
             asyncio.run(ask(*bad))
+
+
+def test_a_cpu_quota_writes_its_share_of_a_short_period(tmp_path: Path) -> None:
+    """``CpuQuota`` under a cgroup v1 ``cpu`` controller: the group's period and quota, a process moved in
+    by pid; a share outside 0.01..64, or no controller, is refused with the reason."""
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1")
+    quota = processes.CpuQuota(0.5, "pfec-test", root=tmp_path)
+    group = tmp_path / "cpu" / "pfec-test"
+    assert (group / "cpu.cfs_period_us").read_text() == str(processes.QUOTA_PERIOD_US)
+    assert (group / "cpu.cfs_quota_us").read_text() == str(processes.QUOTA_PERIOD_US // 2)
+    quota.add(4242)
+    assert (group / "cgroup.procs").read_text() == "4242"
+    assert quota.to_json()["cpus"] == 0.5 and quota.to_json()["cgroup_version"] == 1
+    for share in (0.0, -1.0, 100.0):
+        with pytest.raises(ValueError, match="share of CPUs"):
+            processes.CpuQuota(share, "pfec-test", root=tmp_path)
+    with pytest.raises(ValueError, match="no cgroup cpu controller"):
+        processes.CpuQuota(0.5, "pfec-test", root=tmp_path / "nothing")
+
+
+def _cgroup_writable() -> bool:
+    try:
+        processes.CpuQuota(0.5, f"pfec-probe-{os.getpid()}").close()
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="no writable cgroup cpu controller here (needs root)")
+def test_a_process_under_a_cpu_quota_gets_its_share() -> None:
+    """A busy process in a group of a quarter CPU gets about a quarter of the wall time it spins."""
+    import subprocess
+    import sys
+
+    quota = processes.CpuQuota(0.25, f"pfec-test-{os.getpid()}")
+    spin = ("import time\nstart = time.monotonic()\nwhile time.monotonic() - start < 1.5: pass\n"
+            "print(time.process_time())")
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    try:
+        quota.add(child.pid)
+        out, _ = child.communicate(timeout=30)
+    finally:
+        quota.close()
+    assert float(out) < 0.75, out  # unthrottled it would be ~1.5 s of CPU
