@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import agents
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
@@ -289,3 +290,46 @@ def test_the_response_store_is_bounded_by_count_and_bytes() -> None:
     for rid in ("a", "b", "c"):
         counted.put(rid, "", turn)
     assert len(counted) == 2 and counted.get("a", "") is None
+
+
+def test_the_agents_sdk_default_model_class_runs_a_tool_turn(chat_tiny: llm.ModelRuntime,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OpenAI Agents SDK's ``OpenAIResponsesModel`` pointed at the node with default settings: a tool
+    call, the tool's output sent back, the final answer; streamed and not. The SDK sends the whole
+    conversation each turn: the second turn is served from the first's cache."""
+    agents.set_tracing_disabled(True)
+    prompts: list[list[int]] = []
+    _scripted(monkeypatch, [CALL, "w11 w12", CALL, "w13"], prompts)
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny"
+
+    async def test(node: Node) -> None:
+        api = _client(node)
+        agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(MODEL, api))
+        result = await agents.Runner.run(agent, "w5 w6 w7")
+        assert result.final_output == "w11 w12" and asked == ["Paris"]
+        _, second = result.raw_responses
+        assert second.usage.input_tokens_details.cached_tokens >= len(prompts[0]) > 0
+        streamed = agents.Runner.run_streamed(agent, "w5 w6 w7")
+        kinds = [event.type async for event in streamed.stream_events()]
+        assert streamed.final_output == "w13" and asked == ["Paris", "Paris"]
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        # The second turn's prompt: the call and the tool's output as the chat endpoint renders them.
+        function = {"name": "get_weather", "description": "The weather in a city.",
+                    "parameters": get_weather.params_json_schema, "strict": True}
+        tool = {"type": "function", "function": function}
+        call = {"id": "c", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        turn = [{"role": "system", "content": SYSTEM}, *HELLO,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c"}]
+        assert prompts[1] == node.face.chat_ids(turn, [tool])
+        await api.close()
+
+    run(chat_tiny, test)
