@@ -8,21 +8,32 @@ stay real (``test_openai_tools._scripted``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import agents
+import aiohttp
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from test_handoff_messages import PSK
 from test_openai_fields import HELLO, MODEL, TEMPLATE, TOKEN, Node, run
 from test_openai_tools import CALL, WEATHER, _scripted
 
+from pfec.common.codec import fec
 from pfec.common.model import llm, serving
+from pfec.common.model.runtime import runtime_identity
+from pfec.common.node.config import LimitsConfig, SenderLimitsConfig
+from pfec.common.node.control import ControlServer
 from pfec.common.node.openai.jobs import IGNORED_HEADER
 from pfec.common.node.openai.responses import ResponseStore
 from pfec.common.node.openai.responses_models import client
+from pfec.receiver.control import receiver_routes
+from pfec.receiver.daemon import ReceiverDaemon
+from pfec.sender.control import sender_routes
+from pfec.sender.daemon import SenderDaemon
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -333,3 +344,60 @@ def test_the_agents_sdk_default_model_class_runs_a_tool_turn(chat_tiny: llm.Mode
         await api.close()
 
     run(chat_tiny, test)
+
+
+def test_a_response_handed_off_by_its_id_continues_on_the_receiver_from_the_cache(
+        chat_tiny: llm.ModelRuntime) -> None:
+    """The sender serves a Responses turn; ``POST /handoffs`` names it by its ``resp_`` id; the receiver
+    (which never saw that id) continues it through ``/v1/responses`` from the handed-off cache when the
+    client sends the whole input, as the Agents SDK does by default."""
+    fec.warm_up()
+    identity = runtime_identity(chat_tiny)
+    salt = "team-r"
+
+    async def main() -> None:
+        rx = ReceiverDaemon(identity, PSK, runtime=chat_tiny, limits=LimitsConfig(max_completion_tokens=8))
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, runtime=chat_tiny, rate_mbps=400, owd_ms=1, rate_control="fixed",
+                          limits=SenderLimitsConfig(max_completion_tokens=8))
+        servers = [ControlServer(receiver_routes(rx)), ControlServer(sender_routes(tx))]
+        for server in servers:
+            await server.start(None, ("127.0.0.1", 0), TOKEN)
+        rx_url, tx_url = (f"http://127.0.0.1:{s.tcp_port}" for s in servers)
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+
+                async def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+                    async with http.post(url, data=json.dumps(body)) as response:
+                        return response.status, await response.json()
+
+                request = _create(model=identity.model_id, instructions=SYSTEM, tools=[TOOL], cache_salt=salt)
+                status, first = await post(tx_url + "/v1/responses", request)
+                assert status == 200, first
+                while tx.worker.pending:  # the conversation's cache upkeep (settle)
+                    await asyncio.sleep(0.01)
+                status, created = await post(tx_url + "/handoffs", {
+                    "receiver": "{}:{}".format(*rx.address), "rho": 4.0, "precision": "native",
+                    "handoff_mode": "handoff", "conversation": {"id": first["id"]}})
+                assert status == 202, created
+                async with http.get(f"{tx_url}/handoffs/{created['id']}?wait=60") as response:
+                    report = await response.json()
+                assert report["outcome"] == "done" and report["conversation"]["prefilled_tokens"] == 0, report
+                # The whole input, as the SDK sends it: the first input, the output items, the new turn.
+                items = [{"role": "user", "content": "w5 w6 w7"}, *first["output"],
+                         {"role": "user", "content": "w8"}]
+                status, follow = await post(rx_url + "/v1/responses", {**request, "input": items})
+                assert status == 200, follow
+                assert follow["usage"]["input_tokens_details"]["cached_tokens"] == report["n_tokens"], follow
+                assert follow["pfec"]["prefix"]["handoff_id"] == report["session_id"], follow
+                # The receiver never saw the id: previous_response_id there is a 404 naming it.
+                status, bad = await post(rx_url + "/v1/responses", {
+                    **request, "input": "w8", "previous_response_id": first["id"]})
+                assert status == 404 and bad["error"]["param"] == "previous_response_id", bad
+        finally:
+            for server in servers:
+                await server.close()
+            await tx.close()
+            await rx.close()
+
+    asyncio.run(main())
