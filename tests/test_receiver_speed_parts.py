@@ -80,6 +80,8 @@ def test_every_measured_part_travels_in_the_accept_and_reaches_the_planner() -> 
     alone = split_at(512, 1500, DEFAULT_GEOMETRY, level, LINK, ReceiverModel(CURVE, 0.05, question_tokens=30))
     assert loaded.parts["front_s"] - LINK.owd_s == pytest.approx(
         (alone.parts["front_s"] - LINK.owd_s) / (1 - share))
+    # a split rebuilds from its whole stream plan: as measured, the whole context's tokens
+    assert loaded.parts["rebuild_s"] == pytest.approx(1500 * 5e-6)
 
 
 def test_a_slower_node_is_planned_slower_without_a_constant_changed() -> None:

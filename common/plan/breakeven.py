@@ -460,7 +460,11 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     receiver = receiver.beside_stream(link)
     back_tokens = n_tokens - m
     kv = back_tokens * level.bytes_per_token(geometry)
-    rebuild = _rebuild_s(back_tokens, geometry, level, receiver)
+    # The receiver rebuilds from its whole stream plan (the back, then the front after it: every block's
+    # pieces are unpacked and the whole cache placed, the computed rows joined over it): as measured per
+    # context token, the rebuild costs the whole context; the constants count the back's tokens.
+    rebuilt = n_tokens if receiver.rebuild_s_per_token is not None else back_tokens
+    rebuild = _rebuild_s(rebuilt, geometry, level, receiver) if back_tokens else 0.0
     front = link.owd_s + receiver.front_s(m)
     back = link.handshake_s + link.owd_s + link.serialisation_s(kv) if back_tokens else 0.0
     parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
