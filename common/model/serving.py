@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from pfec.common.model.constrained import Compiled
+from pfec.common.model.constrained import GrammarError as GrammarError  # the OpenAI face catches it here
 from pfec.common.model.decode import batch_cache, forward_rows, stop_token_ids
 from pfec.common.model.kvcache import PartialKV
 from pfec.common.model.loading import ModelRuntime, check_length
@@ -33,13 +35,15 @@ _REPLACEMENT = "\ufffd"  # a token that ends inside a UTF-8 character decodes to
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick each token: greedy at temperature 0, else nucleus sampling from a seeded generator."""
+    """How to pick each token: greedy at temperature 0, else nucleus sampling from a seeded generator; with
+    a grammar, only among the tokens it allows (``constrained``), and the reply ends when it is complete."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: Compiled | None = None
 
 
 @dataclass
@@ -215,8 +219,11 @@ class _Decoder:
         self.text = ""
         self.finish_reason = "length"
         self.hold = max((len(s) for s in sampling.stop), default=1) - 1
+        self.matcher = None if sampling.grammar is None else sampling.grammar.matcher()
 
     def pick(self, logits: torch.Tensor) -> int:
+        if self.matcher is not None:
+            self.matcher.restrict(logits[0, -1])  # in place, on the logits' device
         row = logits[0, -1].float().cpu()
         s = self.sampling
         if s.temperature == 0:
@@ -235,10 +242,12 @@ class _Decoder:
             self._flush(final=True)
             return False
         self.out.append(token)
+        if self.matcher is not None:
+            self.matcher.consume(token)
         self.text = str(tokenizer_of(self.runtime).decode(self.out, skip_special_tokens=True))
         cut = _stop_at(self.text, self.sampling.stop)
-        if cut is not None:
-            self.text = self.text[:cut]
+        if cut is not None or (self.matcher is not None and self.matcher.done):
+            self.text = self.text if cut is None else self.text[:cut]
             self.finish_reason = "stop"
             self._flush(final=True)
             return False
