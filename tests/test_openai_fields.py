@@ -145,17 +145,17 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias", "changes the answer"),
     ("/chat/completions", {"logprobs": True}, "logprobs", "not built yet"),
     ("/chat/completions", {"top_logprobs": 2}, "top_logprobs", "not built yet"),
-    # Tools are built (tests/test_openai_tools.py); a choice that needs constrained decoding is not.
-    ("/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs constrained decoding"),
-    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                           "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "needs constrained decoding, not built yet"),
+    # Tools and constrained decoding are built (tests/test_openai_tools.py, tests/test_constrained.py); a
+    # choice no grammar can hold is refused.
+    ("/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools to call"),
     ("/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice.function.name", "not one of the tools"),
     ("/chat/completions", {"functions": [{"name": "f"}]}, "functions", "not built yet"),
-    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format", "structured output (json_schema) is not built yet"),
-    ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "not built yet"),
+    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+     "response_format.json_schema.name", "pattern"),
+    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, "response_format.json_schema.schema", "not a JSON type"),
+    ("/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "does not match"),
     ("/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "audio"),
     ("/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort", "not served"),
     ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),

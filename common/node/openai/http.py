@@ -41,6 +41,7 @@ from aiohttp import web
 from pfec.common.node.config_models import CommonLimits
 from pfec.common.node.control import MAX_JSON_DEPTH
 from pfec.common.node.metrics import NodeMetrics
+from pfec.common.node.openai import structured
 from pfec.common.node.openai import tools as openai_tools
 from pfec.common.node.openai.jobs import IGNORED_HEADER as IGNORED_HEADER  # where tests look for it
 from pfec.common.node.openai.jobs import (
@@ -154,9 +155,10 @@ class OpenAIFace:
 
     def _serve(self, job: Job, render: Callable[[], list[int]], salt: str, asked: int | None,
                stops: tuple[str, ...], temperature: float, top_p: float, seed: int | None,
-               cid: str) -> Served:
-        """Worker thread: tokenise, check the context, look up the store, complete, keep the cache.
-        ``asked``: the client's token limit; None is the rest of the context, up to the node's limit."""
+               cid: str, constraint: structured.Constraint | None = None) -> Served:
+        """Worker thread: tokenise, check the context, compile the constraint's grammar, look up the store,
+        complete, keep the cache. ``asked``: the client's token limit; None is the rest of the context, up
+        to the node's limit."""
         from pfec.common.model import serving  # deferred: torch
 
         field = "prompt" if cid.startswith("cmpl-") else "messages"
@@ -176,11 +178,19 @@ class OpenAIFace:
         # As vLLM: no limit asked is the rest of the context; the node's limit bounds it (the time a request
         # holds the worker, and the room its cache reserves).
         limit = asked if asked is not None else min(room, self.limits.max_completion_tokens)
+        try:
+            grammar = None if constraint is None else structured.compiled(self.runtime, constraint)
+        except structured.ConstraintError as exc:
+            raise ServingError(exc.field, str(exc)) from None
         match = self.store.lookup(salt, ids, self.clock(), max_tokens=len(ids) - 1)
         job.mark_started()
-        sampling = serving.Sampling(limit, temperature, top_p, seed, stops)
+        sampling = serving.Sampling(limit, temperature, top_p, seed, stops, grammar)
         prefix, n_cached = (match.entry.value, match.tokens) if match is not None else (None, 0)
-        done = serving.complete(self.runtime, ids, prefix, n_cached, sampling, job.on_text)
+        try:
+            done = serving.complete(self.runtime, ids, prefix, n_cached, sampling, job.on_text)
+        except serving.GrammarError as exc:  # the library's per-token bounds ran out mid-reply
+            blamed = structured.blamed(constraint)
+            raise ServingError(blamed, f"{blamed}: constrained decoding stopped: {exc}") from None
         origin = dict(match.entry.info) if match is not None else {}
         self.keep(salt, done.fed_ids, done.kv, {**origin, "completion_id": cid})
         return Served(done, origin)
@@ -251,8 +261,9 @@ class OpenAIFace:
                               f"{self.limits.serving_queue})")
         job = Job(asyncio.get_running_loop())
         try:
+            constraint = parsed.constraint() if isinstance(parsed, ChatCompletionRequest) else None
             future = self.worker.submit(self._serve, job, render, parsed.salt, limit, parsed.stops,
-                                        parsed.temperature, parsed.top_p, parsed.seed, cid)
+                                        parsed.temperature, parsed.top_p, parsed.seed, cid, constraint)
         except WorkerBusy as exc:
             return self._busy(str(exc))
         self.in_flight += 1

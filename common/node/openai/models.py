@@ -6,14 +6,13 @@ The fields OpenAI's chat and completions APIs define fall into four kinds:
 - honoured: ``messages``/``prompt``, ``max_tokens``, ``max_completion_tokens``, ``temperature``, ``top_p``,
   ``seed``, ``stop``, ``stream``, ``stream_options.include_usage`` and vLLM's ``cache_salt``;
 - accepted at the values that match what the node does, refused with the reason otherwise: ``n`` 1,
-  penalties 0, ``logit_bias`` empty, no logprobs, ``response_format`` text, ``modalities`` text, ``echo``
-  false, ``best_of`` 1;
-- tool calls: ``tools``, ``tool_choice`` (auto or none), ``parallel_tool_calls``, ``tool`` messages and an
-  assistant's ``tool_calls`` (``openai.tools``);
+  penalties 0, ``logit_bias`` empty, no logprobs, ``modalities`` text, ``echo`` false, ``best_of`` 1;
+- tool calls: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``tool`` messages and an assistant's
+  ``tool_calls`` (``openai.tools``); structured output, ``response_format`` (``openai.structured``: it
+  and ``tool_choice`` required or named are enforced by constrained decoding);
 - accepted and ignored, because they change nothing in the answer (vLLM ignores them too): ``IGNORED``;
   each response names the ones a request sent (``ignored()``), in a header;
-- refused as not built: ``tool_choice`` required or named (constrained decoding), legacy function calls,
-  structured output, audio, reasoning settings, web search, ``suffix``.
+- refused as not built: legacy function calls, audio, reasoning settings, web search, ``suffix``.
 
 An explicit null of an optional field means its default, as in OpenAI's own API. Bounds that depend on the
 node (``max_tokens`` against ``limits.max_completion_tokens``, the prompt against the model's context) are
@@ -34,6 +33,7 @@ from pydantic import (
     field_validator,
 )
 
+from pfec.common.node.openai.structured import Constraint, ResponseFormat, constraint
 from pfec.common.node.openai.tools import MAX_CALL_ID_CHARS, ToolCalls, ToolsMixin
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 
@@ -166,12 +166,6 @@ class StreamOptions(_Strict):
         default=None, description="Accepted and ignored: no chunk is padded against length side channels.")
 
 
-class ResponseFormatText(_Strict):
-    """``response_format`` as plain text (what the node always answers); structured output is refused."""
-
-    type: Literal["text"]
-
-
 class Prediction(_Strict):
     """Predicted output: a latency hint only (the answer is the model's either way), accepted and ignored."""
 
@@ -283,7 +277,7 @@ class ChatCompletionRequest(_Generation, ToolsMixin):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     logprobs: bool = Field(default=False, description="Only false.")
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Only 0.")
-    response_format: ResponseFormatText | None = None
+    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = Field(default=None, max_length=2)
     prediction: Prediction | None = None  # ignored: a latency hint only
     functions: None = None
@@ -322,14 +316,6 @@ class ChatCompletionRequest(_Generation, ToolsMixin):
             raise ValueError(f"logprobs are {NOT_BUILT}; send 0, null or leave top_logprobs out")
         return v
 
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _response_format(cls, v: Any) -> Any:
-        if isinstance(v, dict) and v.get("type") in ("json_object", "json_schema"):
-            raise ValueError(f"structured output ({v['type']}) is {NOT_BUILT}; send {{\"type\": \"text\"}}, "
-                             "null or leave response_format out")
-        return v
-
     @field_validator("modalities", mode="before")
     @classmethod
     def _modalities(cls, v: Any) -> Any:
@@ -348,6 +334,10 @@ class ChatCompletionRequest(_Generation, ToolsMixin):
 
     def rendered(self) -> list[dict[str, Any]]:
         return [m.rendered() for m in self.messages]
+
+    def constraint(self) -> Constraint | None:
+        """What ``response_format`` and ``tool_choice`` hold the reply to (None: free text)."""
+        return constraint(self.response_format, self)
 
     def ignored(self) -> list[str]:
         names = super().ignored()

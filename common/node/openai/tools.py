@@ -1,4 +1,4 @@
-"""Tool calls on ``/v1/chat/completions`` (issue 38, item 1, without constrained decoding).
+"""Tool calls on ``/v1/chat/completions`` (issue 38, item 1).
 
 - The request's tools (``Tool``), each bounded: its name as OpenAI spells names, its description, and its
   ``parameters``, whose shape is checked as a JSON Schema object (``schema_problem``) before anything else.
@@ -10,7 +10,8 @@
   blocks into calls, streamed or not, with one state machine. A block that names an undeclared tool or
   does not parse stays text (content), never an error.
 - ``tool_choice``: ``auto`` (the default with tools) and ``none`` (the tools not offered). ``required`` and
-  a named function need constrained decoding, not built yet: a 400 naming ``tool_choice``.
+  a named function are held to a grammar of calls (``openai.structured``): a valid call always comes back.
+  A named function that is not among the tools is a 400 naming ``tool_choice.function.name``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ MAX_ARGUMENTS_CHARS = 1 << 16  # an earlier call's arguments, as the client send
 MAX_CALL_ID_CHARS = 128
 PARSERS = ("hermes",)  # limits.tool_call_parser's values
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CONSTRAINED = "needs constrained decoding, not built yet on this node"
 
 # OpenAI's rule for a function's name.
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 _JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_OTHER_PROPERTIES = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
                "propertyNames", "unevaluatedProperties", "additionalItems")
 
@@ -53,8 +54,9 @@ class FunctionDef(_Closed):
     description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
     parameters: dict[str, Any] | None = Field(
         default=None, description="A JSON Schema object (its shape checked, bounded in size and depth).")
-    strict: bool | None = Field(default=None, description="Accepted; strict calls need constrained decoding, "
-                                "not built yet: a call is parsed from what the model writes.")
+    strict: bool | None = Field(default=None, description="Accepted. Under tool_choice required or a named "
+                                "function the arguments always match the schema; under auto they are parsed "
+                                "from what the model writes.")
 
     @field_validator("parameters")
     @classmethod
@@ -120,8 +122,8 @@ class ToolsMixin(_Closed):
 
     tools: Tools | None = None
     tool_choice: ToolChoice | None = Field(
-        default=None, description="auto (the default with tools) or none; required and a named function "
-        f"{CONSTRAINED}.")
+        default=None, description="auto (the default with tools), none, required or a named function (the "
+        "last two held to a grammar of calls: a valid call always comes back).")
     parallel_tool_calls: bool | None = Field(
         default=None, description="false: only the first call parsed is kept (true or null: all of them).")
 
@@ -141,9 +143,8 @@ class ToolsMixin(_Closed):
             if choice.function.name not in names:
                 return ("tool_choice.function.name",
                         f"tool_choice.function.name: {choice.function.name!r} is not one of the tools")
-            return "tool_choice", f"tool_choice: a named function {CONSTRAINED}; send \"auto\" or \"none\""
-        if choice == "required":
-            return "tool_choice", f"tool_choice: \"required\" {CONSTRAINED}; send \"auto\" or \"none\""
+        if choice == "required" and not self.tools:
+            return "tool_choice", "tool_choice: \"required\" needs tools to call; send tools, or \"auto\""
         return None
 
     def offered(self) -> list[dict[str, Any]] | None:
@@ -196,6 +197,28 @@ def schema_problem(schema: Any, depth: int, top: bool = False) -> str | None:
     if "enum" in schema and not isinstance(schema["enum"], list):
         return "enum is a list"
     return None
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with each object schema that lists ``properties`` and says nothing of other properties
+    closed (``additionalProperties: false``), as OpenAI's strict mode has schemas written: a forced call's
+    arguments (and a strict ``response_format``) hold only what they declare. ``allOf`` members are left
+    as written (closing each would refuse the properties of the others)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not _OTHER_PROPERTIES & set(out):
+        out["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if key != "allOf" and isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    return out
 
 
 # --------------------------------------------------------------------------- the prompt
