@@ -29,7 +29,7 @@ from pfec.common.node.config import LimitsConfig, SenderLimitsConfig
 from pfec.common.node.control import ControlServer
 from pfec.common.node.openai.jobs import IGNORED_HEADER
 from pfec.common.node.openai.responses import ResponseStore
-from pfec.common.node.openai.responses_models import client
+from pfec.common.node.openai.responses_models import ResponsesRequest, client
 from pfec.receiver.control import receiver_routes
 from pfec.receiver.daemon import ReceiverDaemon
 from pfec.sender.control import sender_routes
@@ -285,6 +285,41 @@ def test_chat_fields_are_spelled_as_this_api_spells_them() -> None:
                        ("max_completion_tokens", "max_output_tokens"), ("messages.4.content", "input"),
                        ("messages", "input"), ("tool_choice", "tool_choice"), ("temperature", "temperature")):
         assert client(chat) == ours, chat
+
+
+def test_the_request_translates_into_the_chat_request() -> None:
+    """text.format is response_format, a flat tool a nested one, a named tool_choice chat's shape; the
+    instructions open the messages, the previous conversation follows, then the input."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    developer = {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "w8"}]}
+    parsed = ResponsesRequest.model_validate_json(json.dumps(_create(
+        instructions=SYSTEM, tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False, cache_salt="s", input=[developer],
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}})),
+        strict=True)
+    prior = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
+    body = parsed.chat_body(prior, parsed.input_messages())
+    assert body == {
+        "model": MODEL, "temperature": 0, "top_p": 1.0, "max_completion_tokens": 3, "cache_salt": "s",
+        "parallel_tool_calls": False,
+        "messages": [{"role": "system", "content": SYSTEM}, *prior, {"role": "system", "content": "w8"}],
+        "tools": [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema,
+                                                                   "strict": True}}}
+    for kind in ("json_object", "text"):
+        parsed = ResponsesRequest.model_validate({**_create(), "text": {"format": {"type": kind}}})
+        assert parsed.chat_body([], parsed.input_messages())["response_format"] == {"type": kind}
+    for choice in ("auto", "none", "required"):
+        parsed = ResponsesRequest.model_validate({**_create(), "tool_choice": choice})
+        assert parsed.chat_body([], parsed.input_messages())["tool_choice"] == choice
+    echoed = Response.model_validate({"id": "resp_1", "object": "response", "created_at": 0, "output": [],
+                                      **ResponsesRequest.model_validate_json(json.dumps(_create(
+                                          tools=[TOOL], text={"format": {"type": "json_schema", "name": "c",
+                                                                         "schema": schema}})),
+                                          strict=True).echoed()})
+    assert echoed.text is not None and echoed.text.format is not None
+    assert echoed.text.format.type == "json_schema" and echoed.text.format.schema_ == schema
 
 
 def test_the_response_store_is_bounded_by_count_and_bytes() -> None:
