@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pfec.common.node.config import LimitsConfig
 from pfec.common.plan.handoff import (
     BLOCK_TOKENS,
@@ -23,6 +25,7 @@ from pfec.common.plan.handoff import (
     OfferApp,
 )
 from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan
+from pfec.common.plan.pieces import Level
 from pfec.common.plan.precision import PieceLayout
 from pfec.common.plan.stream import check_offer, fidelity_named
 from pfec.common.plan.utility import UtilityProfile
@@ -54,6 +57,13 @@ def check_offer_app(app_blob: bytes, offer: Offer, identity: ModelIdentity, runt
     app = OfferApp.decode(app_blob, max_tokens=max_tokens, max_blob_bytes=max_blob_bytes)
     plan = identity.plan(app.n_tokens)  # bounded: n_tokens <= max_tokens
     n_source = plan.n_fragments if app.precision is None else offer.n_source  # checked later
+    if app.held is not None:  # a chain: blocks lost upstream are not streamed (native), never data
+        if app.held.n_layers != plan.geometry.n_layers:
+            raise ValueError(f"OFFER held layers: {app.held.n_layers}, this model has "
+                             f"{plan.geometry.n_layers}")
+        if app.precision is None:
+            sent = app.held.block_levels(plan) != Level.NONE
+            n_source = sum(len(plan.block_fragments(int(b))) for b in np.flatnonzero(sent))
     if app.split is not None:
         check_split(app, runtime)
         if is_local(app):  # a local prefill: one placeholder symbol, no KV

@@ -390,8 +390,10 @@ class ReceiverDaemon:
         (the response's ``pfec.prefix``)."""
         if self.face is None or app.prefix is None or done.kv is None:
             return False
-        info = {"handoff_id": f"{sid:016x}", "recovered_utility": done.utility, "precision": done.precision,
-                "precision_utility": done.precision_utility}
+        info: dict[str, Any] = {"handoff_id": f"{sid:016x}", "recovered_utility": done.utility,
+                                "precision": done.precision, "precision_utility": done.precision_utility}
+        if done.held is not None:  # what a chain hands on from here (sender/kv.py), and what it lacks
+            info.update(held=done.held, missing=done.held.missing())
         kept = self.face.keep(app.prefix.salt, app.prefix.context_ids, done.kv, info)
         self._loop_call(self.face.export_metrics)
         return kept

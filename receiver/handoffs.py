@@ -375,6 +375,8 @@ class Handoffs:
         record.pop("blocks_bitmap", None)
         if info.app is not None and info.app.prefix is not None:
             record["prefix_kept"] = done.kept
+        if done.held is not None:  # how much of the context this node lacks, and on which hop it was lost
+            record["missing"] = done.held.missing()
         info.result = record
         info.state = "result_sent"
         self.results.append(record)

@@ -28,7 +28,8 @@ from pfec.common.plan.handoff import (
     pack_bits,
     recovered_utility,
 )
-from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, decode_fragment_ids
+from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, decode_fragment_ids
+from pfec.common.plan.pieces import HeldBlocks, held_after_hop
 from pfec.common.plan.precision import FidelityTable, Level, PiecePlan
 from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, front_chunk_end
 from pfec.common.plan.stream import NATIVE, file_by_stream_index, score_stream
@@ -132,6 +133,7 @@ class Reconstructed:
     blocks_received: int | None = None
     kv: PartialKV | None = None  # the rebuilt context, kept when the OFFER carries its prefix
     kept: bool = False  # the prefix cache store took it
+    held: HeldBlocks | None = None  # what this node holds of the context now (a chain passes it on)
 
     @classmethod
     def failed(cls, exc: Exception) -> Reconstructed:
@@ -192,6 +194,10 @@ def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, a
     received = file_by_fragment(plan, decoded_esis, store)
     utility = None
     complete = received.complete_blocks
+    lost_upstream = _lost_upstream(app, plan)
+    if lost_upstream is not None:  # a chain: whatever came for a block lost before the sender is no data
+        received.have[np.isin(np.arange(plan.n_fragments), _fragments(plan, lost_upstream))] = False
+        complete = complete & ~lost_upstream
     split: dict[str, Any] = {}
     if front is not None:
         computed = _computed_blocks(len(complete), app.n_tokens, front.tokens)
@@ -201,7 +207,8 @@ def _reconstruct_native(runtime: ModelRuntime | None, identity: ModelIdentity, a
     levels = {Level.NATIVE.label: int(complete.sum()), Level.NONE.label: int((~complete).sum())}
     if profile is not None:
         utility = recovered_utility(profile.block_utilities(plan), complete)
-    done = Reconstructed(complete, utility, Rebuilt(None, None, None), NATIVE, utility, levels, **split)
+    done = Reconstructed(complete, utility, Rebuilt(None, None, None), NATIVE, utility, levels, **split,
+                         held=_held(app, plan, np.where(complete, Level.NATIVE, Level.NONE)))
     if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
@@ -246,6 +253,15 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     precision_utility = score.precision_utility
     split: dict[str, Any] = {}
     rebuild_levels = score.levels
+    lost_upstream = _lost_upstream(app, identity.plan(app.n_tokens))
+    if lost_upstream is not None:  # a chain: a block lost before the sender is masked, whatever came for it
+        rebuild_levels = np.where(lost_upstream, Level.NONE, rebuild_levels).astype(np.int8)
+        usable = usable & ~lost_upstream
+        fid = stream.fidelity.block_fidelity(plan.layout)[np.arange(len(usable)), rebuild_levels]
+        total = float(utilities.sum())
+        block_utility = float(utilities[usable].sum()) / total if total > 0 else 0.0
+        precision_utility = float((utilities * fid * usable).sum()) / total if total > 0 else 0.0
+        levels = {lvl.label: int((rebuild_levels == lvl).sum()) for lvl in Level}
     if front is not None:
         computed = _computed_blocks(len(usable), app.n_tokens, front.tokens)
         rebuild_levels = np.where(computed, Level.NONE, score.levels)  # the front's rows replace them
@@ -261,7 +277,7 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
         split = {"computed_tokens": front.tokens, "blocks_computed": int(computed.sum()),
                  "blocks_received": int(received.sum())}
     done = Reconstructed(usable, block_utility, Rebuilt(None, None, None), stream.mix, precision_utility,
-                         levels, **split)
+                         levels, **split, held=_held(app, identity.plan(app.n_tokens), rebuild_levels))
     if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
@@ -371,3 +387,22 @@ def error_result(at: AtDeadline, mode: str, error: str) -> ResultApp:
     """A RESULT that reports ``error`` and nothing rebuilt (the session still ends: RESULT, then CLOSE)."""
     return ResultApp(None, 0, 0, at.decoded, at.n_source, pack_bits(np.zeros(0, bool)), None, None,
                      at.late_s * 1000, None, mode, error=error, start=at.start)
+
+
+# --- a chain: what the OFFER says was lost upstream, what this node holds after its hop ---------------------
+
+
+def _lost_upstream(app: OfferApp, plan: BlockPlan) -> npt.NDArray[np.bool_] | None:
+    """The blocks the OFFER says were lost before its sender (``app.held``), or None (no chain)."""
+    return None if app.held is None else app.held.block_levels(plan) == Level.NONE
+
+
+def _fragments(plan: BlockPlan, blocks: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+    """The fragment ids of ``blocks``."""
+    ids = [f for b in np.flatnonzero(blocks) for f in plan.block_fragments(int(b))]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _held(app: OfferApp, plan: BlockPlan, levels: npt.NDArray[np.int8]) -> HeldBlocks | None:
+    """What this node holds after the hop, for a context it keeps (``app.prefix``): None otherwise."""
+    return None if app.prefix is None else held_after_hop(plan, np.asarray(levels, dtype=np.int8), app.held)

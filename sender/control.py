@@ -34,6 +34,7 @@ from pfec.common.node.udp import Destination, DestinationRefused
 from pfec.common.node.worker import WorkerBusy
 from pfec.common.plan.deadline import DEFAULT_RHO, MAX_REPAIR_FRACTION
 from pfec.common.plan.handoff import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS, MAX_TOKEN_ID
+from pfec.common.plan.pieces import HeldBlocks
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
@@ -270,7 +271,7 @@ async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled
         offered = ref.offered()
         messages, tools = ref.rendered(), None if offered is None else tuple(offered)
     try:
-        ids, kv, cached, _origin = await daemon.worker.submit(face.conversation_cache, salt, messages, tools)
+        ids, kv, cached, origin = await daemon.worker.submit(face.conversation_cache, salt, messages, tools)
     except ServingError as exc:
         field = "conversation.cache_salt" if exc.param == "cache_salt" else "conversation"
         return _field_error(exc.status, field, str(exc))
@@ -280,7 +281,8 @@ async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled
         return _field_error(422, "conversation", str(exc))
     finally:
         face.export_metrics()
-    return Prefilled(salt, tuple(ids), kv, cached)
+    held = origin.get("held")  # received before (a chain): what this node holds of it goes on as held
+    return Prefilled(salt, tuple(ids), kv, cached, held if isinstance(held, HeldBlocks) else None)
 
 
 def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:

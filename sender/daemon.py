@@ -416,7 +416,7 @@ class SenderDaemon:
                        spec.max_new_tokens, self.identity.model_id, generate,
                        None if stream is None else stream.offer,
                        None if split is None else SplitOffer(split.meeting_token, split.context_ids),
-                       prepared.prefix)
+                       prepared.prefix, prepared.held)
         app, blob = offer_blob(app, prefix_optional=spec.inputs.prefilled is None)
         setup = SenderSetup(
             scheme=scheme,
@@ -442,6 +442,8 @@ class SenderDaemon:
                 "n_tokens": len(prefilled.context_ids), "cached_tokens": prefilled.cached_tokens,
                 "prefilled_tokens": len(prefilled.context_ids) - prefilled.cached_tokens,
                 "cache_salt": bool(prefilled.salt)}
+            if prepared.held is not None:  # received before: what of it this node lacked when it sent it
+                handoff.report["conversation"]["missing_upstream"] = prepared.held.missing()
         if prepared.prefix is not None:  # whether the receiver may keep the context for later requests
             handoff.report["prefix_offered"] = app.prefix is not None
         fraction = setup.repair_budget

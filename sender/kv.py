@@ -29,6 +29,7 @@ from pfec.common.plan.mode_choice import (
     choose_mode,
     handoff_deadline_s,
 )
+from pfec.common.plan.pieces import HeldBlocks, Level
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
@@ -53,13 +54,16 @@ if TYPE_CHECKING:
 class Prefilled:
     """A conversation's cache, made whole by the OpenAI face before the handoff (its salt goes with it):
     the handoff streams it without prefilling again. The cache is handed over once (``take``), so a kept
-    handoff record holds no KV."""
+    handoff record holds no KV. ``held``: a conversation this node received before (a chain): the level it
+    holds each received block at, lost ones included (``HeldBlocks``); the handoff passes that on."""
 
-    def __init__(self, salt: str, context_ids: tuple[int, ...], kv: PartialKV, cached_tokens: int) -> None:
+    def __init__(self, salt: str, context_ids: tuple[int, ...], kv: PartialKV, cached_tokens: int,
+                 held: HeldBlocks | None = None) -> None:
         self.salt = salt
         self.context_ids = context_ids
         self.cached_tokens = cached_tokens  # of context_ids, found in the store (the rest prefilled)
         self._kv: PartialKV | None = kv
+        self.held = held
 
     def take(self) -> KVCache:
         if self._kv is None:
@@ -163,6 +167,7 @@ class Prepared:
     planner: dict[str, Any] | None = None  # choose_mix's / choose_mode's view
     split: Split | None = None  # a split or local handoff (None: the whole cache streams)
     prefix: PrefixOffer | None = None  # the context's ids: the receiver keeps its cache under their salt
+    held: HeldBlocks | None = None  # a chain: what this node holds of the context, for the OFFER
 
     @property
     def precision(self) -> str:
@@ -255,6 +260,9 @@ def prepare_model(
     request = precision or PrecisionRequest()
     plan = identity.plan(len(context_ids))
     utilities = profile.block_utilities(plan)
+    held = inp.prefilled.held if inp.prefilled is not None else None
+    if held is not None:  # a chain streams what this node holds, whole (a front computed there would not be)
+        request = replace(request, mode="handoff")
     choice: ModeChoice | None = None
     if request.mode != "handoff" and not (request.mode == AUTO and request.precision == NATIVE):
         # a split's front runs at the receiver's speed: not chosen on the stored curve (none stated, or
@@ -280,18 +288,38 @@ def prepare_model(
         mix, planner = choice.mix, choice.view
     else:
         mix, planner = _mix_for(identity, plan.n_tokens, request, len(question_ids))
-    if mix == NATIVE:
+    stream = None if mix == NATIVE else plan_stream(identity, plan.n_tokens, mix, utilities, order)
+    if held is not None and stream is not None and _below_held(stream, held.block_levels(plan)):
+        stream, planner = None, {**(planner or {}), "raised_to_native": "a block held above the mix's level"}
+    if stream is None:
         queue = _order(plan, utilities, order)
+        if held is not None:  # a block lost upstream is not streamed: the OFFER says it is lost
+            queue = queue[_held_fragments(plan, held, queue)]
         symbols = llm.serialise_symbols(runtime, cache, plan, queue)
         return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
-                        cache if keep_cache else None, planner=planner, prefix=prefix)
-    stream = plan_stream(identity, plan.n_tokens, mix, utilities, order)
+                        cache if keep_cache else None, planner=planner, prefix=prefix, held=held)
     started = time.perf_counter()
     symbols = llm.serialise_stream(runtime, cache, stream.plan)
     stream.quantise_s = time.perf_counter() - started
     queue = np.arange(stream.plan.n_symbols, dtype=np.int64)
     return Prepared(plan, utilities, queue, symbols, question_ids, prefill_s, profile_name,
-                    cache if keep_cache else None, stream=stream, planner=planner, prefix=prefix)
+                    cache if keep_cache else None, stream=stream, planner=planner, prefix=prefix, held=held)
+
+
+def _below_held(stream: Stream, held: npt.NDArray[np.int8]) -> bool:
+    """Whether the mix plans a block that arrived quantised below the level it arrived at: quantised again
+    below what it holds. A block held native (received so, or computed here) is quantised once, as in any
+    handoff; a block lost upstream (NONE) is no bound: it goes as lost."""
+    planned = stream.plan.planned_levels()
+    quantised = (held != Level.NONE) & (held != Level.NATIVE)
+    return bool((quantised & (planned < held)).any())
+
+
+def _held_fragments(plan: BlockPlan, held: HeldBlocks, queue: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """Which fragments of ``queue`` belong to blocks this node holds (not lost upstream)."""
+    present = held.block_levels(plan) != Level.NONE
+    block_of_fragment = np.repeat(np.arange(plan.n_blocks), np.diff(plan.first_fragment))
+    return np.asarray(present[block_of_fragment[queue]])
 
 
 def _context_cache(runtime: ModelRuntime, inp: ContextInput, context_ids: Sequence[int]) -> KVCache:

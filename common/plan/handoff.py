@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pfec.common.plan.kvlayout import BlockPlan, KVGeometry, decode_fragment_ids, fitted_symbol_size
+from pfec.common.plan.pieces import HeldBlocks
 from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.stream import PrecisionOffer
@@ -258,6 +259,7 @@ class OfferApp:
     precision: PrecisionOffer | None = None  # None: native fragments (the blob is then as before)
     split: SplitOffer | None = None  # None: the whole cache streams (the blob is then as before)
     prefix: PrefixOffer | None = None  # the context's ids and salt: the receiver keeps it as a prefix cache
+    held: HeldBlocks | None = None  # a context received before (a chain): each block's level, lost ones
 
     def encode(self) -> bytes:
         data = asdict(self)
@@ -268,6 +270,10 @@ class OfferApp:
                 del data[name]
             else:
                 data[name] = part.to_json()
+        if self.held is None:
+            del data["held"]
+        else:
+            data["held"] = self.held.to_json()
         if self.prefix is None:
             del data["prefix"]
         else:
@@ -321,9 +327,13 @@ class OfferApp:
             raise ValueError("OFFER split: a local prefill (m = n_tokens) streams nothing (no precision)")
         prefix_data = data.get("prefix")
         prefix = None if prefix_data is None else PrefixOffer.from_json(prefix_data, n_tokens, split)
+        held_data = data.get("held")
+        held = None if held_data is None else HeldBlocks.from_json(held_data, n_tokens, BLOCK_TOKENS)
+        if held is not None and split is not None:
+            raise ValueError("OFFER held: a split's front is computed by the receiver (whole handoffs only)")
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
                    max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
-                   split=split, prefix=prefix)
+                   split=split, prefix=prefix, held=held)
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:

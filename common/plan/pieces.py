@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from pfec.common.plan.kvlayout import KVGeometry
+from pfec.common.plan.kvlayout import BlockPlan, KVGeometry
 
 __all__ = [
     "BASE_LEVEL",
@@ -23,16 +23,19 @@ __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "DEFAULT_VALUE_GROUP",
     "LEVEL_NAMES",
+    "MAX_HOPS",
     "META_BYTES",
     "MIX_TOPS",
     "N_KINDS",
     "QUANTISED_LEVELS",
     "REFINE_TO",
     "SCHEME",
+    "HeldBlocks",
     "Level",
     "PieceKind",
     "PieceLayout",
     "default_value_group",
+    "held_after_hop",
     "ladder",
     "mix_bytes_per_token",
     "parse_level",
@@ -263,3 +266,138 @@ def mix_bytes_per_token(layout: PieceLayout, mix: str) -> float:
     low_bytes = layout.bytes_per_token(ladder(BASE_LEVEL, low))
     high_bytes = layout.bytes_per_token(ladder(BASE_LEVEL, high))
     return (1.0 - share) * low_bytes + share * high_bytes
+
+
+# --- What a node holds of a context it received (a chain A -> B -> C) ------------------------------
+#
+# What a node holds of a context it received, for a handoff that passes it on (a chain A -> B -> C).
+#
+# B's rebuilt cache is not the context A prefilled: a block lost on the way is masked (its rows are zeros),
+# and a block that arrived quantised holds its dequantised values. When B hands the grown conversation on,
+# its OFFER says so per block (``HeldBlocks``): the level B holds each block at (``Level.NONE``: lost
+# upstream), over the first ``n_tokens`` tokens of the context (what B received; B's own continuation after
+# them is computed, native), and how many blocks each earlier hop lost. The sender never streams a lost
+# block's rows as data, nor quantises a held block below the level it holds; C masks what was lost upstream
+# and reports it beside what its own hop lost.
+#
+# Blocks are the ``BlockPlan``'s: layer-major, ``BLOCK_TOKENS`` tokens each, all KV heads. JSON:
+# ``{"n": <tokens covered>, "layers": <n_layers>, "runs": [level, count, level, count, ...], "hops": [...]}``
+# (run-length levels; every field typed and bounded by ``from_json``).
+
+MAX_HOPS: Final = 64  # earlier hops an OFFER may list
+MAX_LAYERS: Final = 1024  # layers an OFFER's held blocks may name (the receiver checks its own)
+
+
+def _token_blocks(n_tokens: int, block_tokens: int) -> int:
+    return -(-n_tokens // block_tokens)
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """The level each block of a received context is held at, and the blocks each earlier hop lost."""
+
+    n_tokens: int
+    n_layers: int
+    levels: tuple[int, ...]  # Level values, n_layers x ceil(n_tokens / block_tokens), layer-major
+    hops_lost: tuple[int, ...] = ()
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        expected = self.n_layers * _token_blocks(self.n_tokens, self.block_tokens)
+        if self.n_tokens < 1 or self.n_layers < 1 or len(self.levels) != expected:
+            raise ValueError(f"held blocks: {len(self.levels)} levels for {self.n_layers} layers of "
+                             f"{self.n_tokens} tokens ({expected} expected)")
+        if any(not Level.NONE <= lvl <= Level.NATIVE for lvl in self.levels):
+            raise ValueError("held blocks: a level outside none..native")
+
+    @property
+    def lost_blocks(self) -> int:
+        return sum(1 for lvl in self.levels if lvl == Level.NONE)
+
+    @property
+    def lost_upstream(self) -> int:
+        """Blocks lost on the hops before this node (the sum of ``hops_lost``)."""
+        return sum(self.hops_lost)
+
+    def missing(self) -> dict[str, Any]:
+        """How much of the context is missing and where it was lost: blocks lost in all and on each hop
+        (first hop first), the share of blocks, and the token spans where some layer's block is lost."""
+        n_tb = _token_blocks(self.n_tokens, self.block_tokens)
+        lost = np.asarray(self.levels, dtype=np.int8).reshape(self.n_layers, n_tb) == Level.NONE
+        spans: list[list[int]] = []
+        for tb in np.flatnonzero(lost.any(axis=0)):
+            start, end = int(tb) * self.block_tokens, min((int(tb) + 1) * self.block_tokens, self.n_tokens)
+            if spans and spans[-1][1] == start:
+                spans[-1][1] = end
+            else:
+                spans.append([start, end])
+        total = len(self.levels)
+        return {"blocks": total, "blocks_missing": int(lost.sum()), "fraction_missing": round(
+            float(lost.sum()) / total, 6), "lost_by_hop": list(self.hops_lost), "tokens_missing": spans,
+            "n_tokens": self.n_tokens}
+
+    def block_levels(self, plan: BlockPlan) -> npt.NDArray[np.int8]:
+        """The level of each block of ``plan`` (a context that starts with the held one): a block inside
+        the held tokens is held as received; one past them was computed here (native); one that straddles
+        the end takes the held block's level (a lost one is lost whole: its rows are masked together)."""
+        if plan.n_tokens < self.n_tokens or plan.geometry.n_layers != self.n_layers:
+            raise ValueError(f"held blocks cover {self.n_tokens} tokens of {self.n_layers} layers; the "
+                             f"handoff has {plan.n_tokens} tokens of {plan.geometry.n_layers}")
+        if plan.block_tokens != self.block_tokens:
+            raise ValueError("held blocks: another block size than the handoff's")
+        held_tb = _token_blocks(self.n_tokens, self.block_tokens)
+        out = np.full((self.n_layers, plan.n_token_blocks), Level.NATIVE, dtype=np.int8)
+        out[:, :held_tb] = np.asarray(self.levels, dtype=np.int8).reshape(self.n_layers, held_tb)
+        return out.reshape(-1)
+
+    def to_json(self) -> dict[str, Any]:
+        runs: list[int] = []
+        for lvl in self.levels:
+            if runs and runs[-2] == lvl:
+                runs[-1] += 1
+            else:
+                runs += [int(lvl), 1]
+        return {"n": self.n_tokens, "layers": self.n_layers, "runs": runs, "hops": list(self.hops_lost)}
+
+    @classmethod
+    def from_json(cls, data: object, n_tokens: int, block_tokens: int = 16) -> HeldBlocks:
+        """Typed and bounded against the OFFER's context (``n_tokens``); ValueError naming the bad field.
+        The runs are expanded only after their total is checked against the blocks they must cover."""
+        if not isinstance(data, dict) or set(data) != {"n", "layers", "runs", "hops"}:
+            raise ValueError("OFFER held: expected an object with n, layers, runs and hops")
+        n, layers, runs, hops = data["n"], data["layers"], data["runs"], data["hops"]
+        if type(n) is not int or not 1 <= n <= n_tokens:
+            raise ValueError(f"OFFER held n: expected 1..{n_tokens} (the context's tokens)")
+        if type(layers) is not int or not 1 <= layers <= MAX_LAYERS:
+            raise ValueError(f"OFFER held layers: expected 1..{MAX_LAYERS}")
+        expected = layers * _token_blocks(n, block_tokens)
+        if (not isinstance(runs, list) or len(runs) % 2 or len(runs) > 2 * expected
+                or not all(type(v) is int for v in runs)):
+            raise ValueError(f"OFFER held runs: expected [level, count, ...] pairs over {expected} blocks")
+        pairs = list(zip(runs[::2], runs[1::2], strict=True))
+        if any(not Level.NONE <= lvl <= Level.NATIVE or count < 1 for lvl, count in pairs) or sum(
+                count for _, count in pairs) != expected:
+            raise ValueError(f"OFFER held runs: levels 0..4 with positive counts covering {expected} blocks")
+        if (not isinstance(hops, list) or len(hops) > MAX_HOPS
+                or not all(type(h) is int and 0 <= h <= expected for h in hops)):
+            raise ValueError(f"OFFER held hops: expected at most {MAX_HOPS} block counts in 0..{expected}")
+        levels = tuple(lvl for lvl, count in pairs for _ in range(count))
+        return cls(n, layers, levels, tuple(hops), block_tokens)
+
+
+def held_after_hop(plan: BlockPlan, received: npt.NDArray[np.int8],
+                   upstream: HeldBlocks | None) -> HeldBlocks:
+    """What a receiver holds after this hop: each block at the level it arrived here (``received``, Level
+    values over ``plan``'s blocks), never above what the sender held it at (``upstream``); this hop's
+    losses (blocks the sender held that did not arrive) appended to the earlier hops'."""
+    levels = np.asarray(received, dtype=np.int8)
+    hops: Sequence[int] = ()
+    sent = np.ones(len(levels), dtype=bool)
+    if upstream is not None:
+        held = upstream.block_levels(plan)
+        sent = held != Level.NONE
+        levels = np.minimum(levels, held)
+        hops = upstream.hops_lost
+    lost_here = int(((levels == Level.NONE) & sent).sum())
+    return HeldBlocks(plan.n_tokens, plan.geometry.n_layers, tuple(int(v) for v in levels),
+                      (*hops, lost_here), plan.block_tokens)

@@ -358,7 +358,8 @@ class OpenAIFace:
                 "prefill_tokens": done.prompt_tokens - done.cached_tokens,
                 "server_ttft_s": round(done.ttft_s, 6),
                 "prefix": {k: origin[k] for k in ("handoff_id", "recovered_utility", "precision",
-                                                   "precision_utility", "completion_id") if k in origin}
+                                                   "precision_utility", "missing", "completion_id")
+                           if k in origin}
                 if origin else None}
 
     async def _stream(self, request: web.Request, parsed: ChatCompletionRequest | CompletionRequest,
