@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import agents
@@ -436,3 +437,27 @@ def test_a_response_handed_off_by_its_id_continues_on_the_receiver_from_the_cach
             await rx.close()
 
     asyncio.run(main())
+
+
+def test_a_failure_mid_stream_ends_it_with_a_failed_response(chat_tiny: llm.ModelRuntime,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(runtime: llm.ModelRuntime, ids: list[int], prefix: Any, n_cached: int, sampling: Any,
+                on_text: Any = None) -> serving.Completion:
+        on_text("w5 ")
+        time.sleep(0.3)  # the stream is open by then (the worker thread)
+        raise RuntimeError("the model broke")
+
+    monkeypatch.setattr(serving, "complete", failing)
+
+    async def test(node: Node) -> None:
+        status, body, _ = await node.post("/responses", _create(stream=True))
+        events = [EVENTS.validate_python(e) for e in body["events"]]
+        assert status == 200 and events[-1].type == "response.failed", body
+        assert events[-1].response.status == "failed" and events[-1].response.error is not None
+        assert events[-1].response.error.code == "server_error"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        # Not streamed: OpenAI's error body, a 500 (the control API's middleware), never a hung request.
+        status, body, _ = await node.post("/responses", _create())
+        assert status == 500 and "error" in body, body
+
+    run(chat_tiny, test)

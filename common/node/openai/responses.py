@@ -275,9 +275,14 @@ class _Turn:
         this API's for ``previous_response_id`` (the output items through the one converter, as a client
         sending them back as input would have them)."""
         self.api.face._record(self.rid, self.chat, self.messages, reply.message())
-        if self.parsed.store:
+        if not self.parsed.store:
+            return
+        try:
             turn = chat_messages(_ITEMS.validate_python(copy.deepcopy(output.items)))
-            self.api.store.put(self.rid, self.parsed.salt, self.conversation + turn)
+        except ValidationError as exc:  # a reply past the input's bounds (a call's arguments): not kept
+            log.warning("%s is not kept for previous_response_id: %s", self.rid, exc.errors()[0]["msg"])
+            return
+        self.api.store.put(self.rid, self.parsed.salt, self.conversation + turn)
 
     def body(self, output: Output | None, served: Served | None, incomplete: bool = False,
              failed: str | None = None) -> dict[str, Any]:
