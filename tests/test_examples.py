@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow  # loads the default model and runs three agent steps: ~20-40 s
+pytestmark = pytest.mark.slow  # each loads the default model and runs a few agent steps: ~20-70 s
 
 
 def test_the_langgraph_pipeline_continues_the_handed_off_conversation_on_the_receiver() -> None:
@@ -23,3 +23,20 @@ def test_the_langgraph_pipeline_continues_the_handed_off_conversation_on_the_rec
     assert handed and cached, run.stdout
     assert cached.group(1) == handed.group(1) and int(cached.group(2)) > int(cached.group(1))
     assert "'handoff_id'" in run.stdout
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_agents_sdk_handoff_moves_the_conversation_and_the_writer_continues_from_it(api: str) -> None:
+    """The researcher calls its tool on node A, hands off with the SDK's transfer_to_writer, and the
+    writer's first request on node B is served from the handed-off cache: every token of the handed-off
+    conversation, under OpenAIChatCompletionsModel and under the SDK's default OpenAIResponsesModel."""
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "agents_handoff.py"), "--api", api],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"researcher \(node A\): tool_call_item, tool_call_output_item, message_output_item",
+                     run.stdout), run.stdout
+    handed = re.search(r"handoff \S+: done, (\d+) tokens of KV \(\d+ prefilled on A for it\), recovered "
+                       r"utility 1\.0", run.stdout)
+    cached = re.search(r"(\d+) of (\d+) prompt tokens from the handed-off cache", run.stdout)
+    assert handed and cached and "after the handoff, Writer (node B)" in run.stdout, run.stdout
+    assert int(cached.group(1)) == int(handed.group(1)) > 0 and int(cached.group(2)) > int(cached.group(1))
