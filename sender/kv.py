@@ -34,6 +34,7 @@ from pfec.common.plan.precision import SCHEME as QUANT_SCHEME
 from pfec.common.plan.precision import FidelityTable, PieceLayout, PiecePlan
 from pfec.common.plan.stream import (
     AUTO,
+    MIXES,
     NATIVE,
     PrecisionOffer,
     fidelity_name_for,
@@ -290,7 +291,9 @@ def prepare_model(
         mix, planner = _mix_for(identity, plan.n_tokens, request, len(question_ids))
     stream = None if mix == NATIVE else plan_stream(identity, plan.n_tokens, mix, utilities, order)
     if held is not None and stream is not None and _below_held(stream, held.block_levels(plan)):
-        stream, planner = None, {**(planner or {}), "raised_to_native": "a block held above the mix's level"}
+        stream = _raised(identity, plan, mix, utilities, order, held)
+        planner = {**(planner or {}), "raised_from": mix,  # a block that arrived quantised bounds the mix
+                   "mix": NATIVE if stream is None else stream.mix}
     if stream is None:
         queue = _order(plan, utilities, order)
         if held is not None:  # a block lost upstream is not streamed: the OFFER says it is lost
@@ -313,6 +316,18 @@ def _below_held(stream: Stream, held: npt.NDArray[np.int8]) -> bool:
     planned = stream.plan.planned_levels()
     quantised = (held != Level.NONE) & (held != Level.NATIVE)
     return bool((quantised & (planned < held)).any())
+
+
+def _raised(identity: ModelIdentity, plan: BlockPlan, mix: str, utilities: npt.NDArray[np.float64],
+            order: str, held: HeldBlocks) -> Stream | None:
+    """The nearest mix above ``mix`` that plans no block that arrived quantised below its level (None:
+    native, which is below nothing)."""
+    levels = held.block_levels(plan)
+    for above in reversed(MIXES[1:MIXES.index(mix)]):
+        stream = plan_stream(identity, plan.n_tokens, above, utilities, order)
+        if not _below_held(stream, levels):
+            return stream
+    return None
 
 
 def _held_fragments(plan: BlockPlan, held: HeldBlocks, queue: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:

@@ -28,7 +28,7 @@ from pfec.lab.emulator.relay import UdpRelay
 from pfec.lab.sim.channel import Bernoulli
 from pfec.node.daemon import NodeDaemon
 from pfec.receiver.rebuild import StreamPlan, reconstruct
-from pfec.sender.kv import _below_held, plan_stream
+from pfec.sender.kv import ContextInput, PrecisionRequest, Prefilled, _below_held, plan_stream, prepare_model
 
 GEOMETRY = KVGeometry(n_layers=3, n_kv_heads=2, head_dim=16, dtype="bf16")
 N, H, I4, I8 = Level.NONE, Level.NATIVE, Level.INT4, Level.INT8
@@ -114,6 +114,46 @@ def test_a_block_that_arrived_quantised_is_never_planned_below_its_level(tiny: l
     assert not _below_held(int4, held)  # at its own level it is not below
     held[3] = N
     assert not _below_held(int4, held)  # a lost block is no bound: it goes as lost
+
+
+@pytest.mark.parametrize("held_at, asked, sent", [
+    (I4, "int2", "int4"),  # int4 blocks are not quantised again at int2: the nearest mix above that fits
+    (I8, "int4", "int8"),
+    (I8, "int8-int4", "int8"),  # half its blocks would be int4
+    (H, "int2", "int2"),  # blocks held native are quantised once, as in any handoff
+])
+def test_a_chain_raises_the_mix_until_no_block_is_quantised_below_what_it_holds(
+        tiny: llm.ModelRuntime, held_at: int, asked: str, sent: str) -> None:
+    identity = runtime_identity(tiny)
+    ids = tuple(int(x) for x in np.random.default_rng(6).integers(3, 90, size=60))
+    cache, _ = llm.prefill(tiny, ids)
+    plan = identity.plan(len(ids))
+    levels = [held_at] * plan.n_blocks
+    levels[2] = N  # lost upstream: no bound on the mix
+    held = HeldBlocks(len(ids), identity.geometry.n_layers, tuple(levels), (1,))
+    prefilled = Prefilled("s", ids, llm.partial_from_cache(cache, None, "mask"), len(ids), held)
+    prepared = prepare_model(tiny, identity, ContextInput(prefilled=prefilled), "utility",
+                             synthetic_profile(identity.geometry.n_layers), "synthetic", keep_cache=False,
+                             precision=PrecisionRequest(precision=asked, mode="auto"))
+    assert prepared.precision == sent and prepared.held == held and prepared.split is None
+    assert prepared.planner is not None and prepared.planner.get("raised_from") == (
+        asked if sent != asked else None)
+
+
+def test_a_chain_does_not_stream_what_was_lost_upstream(tiny: llm.ModelRuntime) -> None:
+    identity = runtime_identity(tiny)
+    ids = tuple(int(x) for x in np.random.default_rng(7).integers(3, 90, size=60))
+    cache, _ = llm.prefill(tiny, ids)
+    plan = identity.plan(len(ids))
+    levels = [H] * plan.n_blocks
+    levels[1] = levels[5] = N
+    held = HeldBlocks(len(ids), identity.geometry.n_layers, tuple(levels), (2,))
+    prefilled = Prefilled("s", ids, llm.partial_from_cache(cache, None, "mask"), len(ids), held)
+    prepared = prepare_model(tiny, identity, ContextInput(prefilled=prefilled), "utility",
+                             synthetic_profile(identity.geometry.n_layers), "synthetic", keep_cache=False)
+    lost = set(plan.block_fragments(1)) | set(plan.block_fragments(5))
+    assert set(prepared.queue.tolist()) == set(range(plan.n_fragments)) - lost
+    assert prepared.n_source == len(prepared.symbols) == plan.n_fragments - len(lost)
 
 
 # --------------------------------------------------------------------------- the receiver masks it
