@@ -13,6 +13,7 @@ import contextlib
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -24,9 +25,24 @@ from transformers import DynamicCache
 
 from pfec.common.model.attention import Observation, observing
 from pfec.common.model.loading import ModelRuntime, check_length
-from pfec.common.model.quant import DequantisedKV, Layers, dequantise, quantise, quantise_tensors
+from pfec.common.model.quant import (
+    DequantisedKV,
+    Layers,
+    checked_levels,
+    dequantise,
+    pieces_on,
+    place,
+    quantise,
+    quantise_tensors,
+)
 from pfec.common.model.staging import pack_stream_tensor, to_device, to_host, unpack_stream_tensor
-from pfec.common.plan.kvlayout import FRAGMENT_ID_SIZE, BlockPlan, assemble_rows, fragment_symbols
+from pfec.common.plan.kvlayout import (
+    FRAGMENT_ID_SIZE,
+    BlockPlan,
+    assemble_rows,
+    decode_fragment_ids,
+    fragment_symbols,
+)
 from pfec.common.plan.precision import PieceKind, PiecePlan, pack_stream, unpack_stream
 
 ReconstructionMode = Literal["mask", "zero"]
@@ -301,6 +317,96 @@ def rebuild_from_stream(runtime: ModelRuntime, plan: PiecePlan, store: npt.NDArr
     masks = _layer_masks(kv.available) if mode == "mask" else None
     elapsed = time.perf_counter() - started
     return PartialKV(kv.keys, kv.values, masks, plan.layout.n_tokens, mode, elapsed)
+
+
+class LiveRebuild:
+    """A quantised stream's cache, built while the stream arrives: each block is dequantised into the
+    final tensors once its pieces complete, and again when a refinement raises its level, so that when
+    the session starts only the last blocks, the missing rows' masks and the question remain.
+
+    The event loop hands over the decoded symbols as they come (``offer``: rows of 4-byte stream index +
+    payload, copied off the decoder); the model worker places them (``drain``, between a split's front
+    chunks or as a job of its own) and builds the cache at the deadline (``finish``) from the levels the
+    session scored, equal to what ``rebuild_from_stream`` builds from the same store (each block is
+    dequantised on its own: ``quant.place``). Tensors are allocated on the first ``drain``."""
+
+    def __init__(self, runtime: ModelRuntime, plan: PiecePlan) -> None:
+        if plan.layout.geometry != runtime.geometry:
+            raise ValueError(f"piece plan geometry {plan.layout.geometry} is not the model's "
+                             f"{runtime.geometry}")
+        self.runtime, self.plan = runtime, plan
+        self.inbox: deque[npt.NDArray[np.uint8]] = deque()  # loop -> worker (deque: thread-safe ends)
+        self.store = np.zeros((plan.n_symbols, plan.symbol_size), dtype=np.uint8)
+        self.have = np.zeros(plan.n_symbols, dtype=np.bool_)
+        self.levels = np.zeros(plan.layout.n_blocks, dtype=np.int64)  # as placed
+        self.bases = np.zeros(plan.layout.n_blocks, dtype=np.int64)
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.placed = 0  # block placements so far (a refined block counts again)
+        self.place_s = 0.0  # worker seconds spent placing before the deadline
+
+    def offer(self, rows: npt.NDArray[np.uint8]) -> None:
+        """Event loop: newly decoded symbols [n, 4 + symbol_size] (a copy: the decoder keeps its store)."""
+        if rows.ndim != 2 or rows.shape[1] != FRAGMENT_ID_SIZE + self.plan.symbol_size or not len(rows):
+            return
+        self.inbox.append(rows)
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None or self.values is None:
+            g, rt = self.plan.layout.geometry, self.runtime
+            shape = (g.n_layers, g.n_kv_heads, self.plan.layout.n_tokens, g.head_dim)
+            self.keys = torch.zeros(shape, dtype=rt.compute_dtype, device=rt.device)
+            self.values = torch.zeros(shape, dtype=rt.compute_dtype, device=rt.device)
+        return self.keys, self.values
+
+    def _place(self, store: npt.NDArray[np.uint8], levels: npt.ArrayLike, bases: npt.ArrayLike) -> int:
+        lv, bs = checked_levels(self.plan.layout, levels, bases)
+        changed = (lv != self.levels) | ((bs != self.bases) & (lv > 0))
+        if not changed.any():
+            return 0
+        keys, values = self._tensors()
+        pieces = pieces_on(unpack_stream(self.plan, store, changed), keys.device)
+        place(pieces, self.plan.layout, lv, bs, keys, values, changed)
+        self.levels, self.bases = lv, bs
+        self.placed += int(changed.sum())
+        return int(changed.sum())
+
+    def drain(self) -> int:
+        """Worker: file what the loop handed over and place every block whose usable level rose; returns
+        the blocks placed."""
+        if not self.inbox:
+            return 0
+        started = time.perf_counter()
+        while self.inbox:
+            rows = self.inbox.popleft()
+            ids = decode_fragment_ids(rows)
+            ok = (ids >= 0) & (ids < self.plan.n_symbols)
+            self.store[ids[ok]] = rows[ok, FRAGMENT_ID_SIZE:]
+            self.have[ids[ok]] = True
+        levels, bases = self.plan.usable(self.have)
+        placed = self._place(self.store, levels, bases)
+        self.place_s += time.perf_counter() - started
+        return placed
+
+    def finish(self, store: npt.NDArray[np.uint8], levels: npt.ArrayLike, bases: npt.ArrayLike,
+               mode: ReconstructionMode = "mask") -> PartialKV:
+        """Worker, at the deadline: the cache at the session's ``levels`` (from its whole ``store``, filed
+        by stream index): the blocks not yet placed at their level placed now, those placed but now at
+        NONE (a split's computed front, a chain's lost blocks) zeroed; the rows' masks."""
+        if mode not in ("mask", "zero"):
+            raise ValueError(f"reconstruction mode {mode!r} is not one of mask, zero")
+        started = time.perf_counter()
+        self.inbox.clear()
+        self._place(store, levels, bases)
+        keys, values = self._tensors()
+        g, layout = self.plan.layout.geometry, self.plan.layout
+        have = torch.from_numpy(self.levels.reshape(g.n_layers, layout.n_token_blocks) > 0).to(keys.device)
+        available = have.repeat_interleave(layout.block_tokens, dim=1)[:, None, : layout.n_tokens]
+        available = available.expand(g.n_layers, g.n_kv_heads, layout.n_tokens)
+        masks = _layer_masks(available) if mode == "mask" else None
+        layers = range(g.n_layers)
+        return PartialKV([keys[i, None] for i in layers], [values[i, None] for i in layers], masks,
+                         layout.n_tokens, mode, time.perf_counter() - started)
 
 
 def _layer_masks(available: torch.Tensor) -> list[torch.Tensor | None]:

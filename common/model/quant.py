@@ -444,7 +444,25 @@ def dequantise(pieces: PieceBytes | DevicePieces, layout: PieceLayout, levels: n
     """
     g = layout.geometry
     device = torch.device(device)
-    pieces = {PieceKind(k): _on_device(v, device) for k, v in pieces.items()}
+    pieces = pieces_on(pieces, device)
+    lv, bs = checked_levels(layout, levels, bases)
+    shape = (g.n_layers, g.n_kv_heads, layout.n_tokens, g.head_dim)
+    keys, values = _empty(shape, dtype, device), _empty(shape, dtype, device)
+    if (lv == Level.NONE).any():
+        keys.zero_()
+        values.zero_()
+    place(pieces, layout, lv, bs, keys, values, None)
+    have = torch.from_numpy(lv.reshape(g.n_layers, layout.n_token_blocks) > Level.NONE).to(device)
+    available = have.repeat_interleave(layout.block_tokens, dim=1)[:, None, : layout.n_tokens]
+    available = available.expand(g.n_layers, g.n_kv_heads, layout.n_tokens)
+    layer_range = range(g.n_layers)
+    return DequantisedKV([keys[i, None] for i in layer_range], [values[i, None] for i in layer_range],
+                         lv.astype(np.int8), available)
+
+
+def checked_levels(layout: PieceLayout, levels: npt.ArrayLike,
+                   bases: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Block levels and bases as ``dequantise`` takes them, or a ValueError naming what is wrong."""
     lv = np.asarray(levels, dtype=np.int64)
     bs = np.asarray(bases, dtype=np.int64)
     if lv.shape != (layout.n_blocks,) or bs.shape != lv.shape:
@@ -454,28 +472,38 @@ def dequantise(pieces: PieceBytes | DevicePieces, layout: PieceLayout, levels: n
     quant = (lv > Level.NONE) & (lv < Level.NATIVE)
     if (quant & ((bs < Level.INT2) | (bs > lv))).any():
         raise ValueError("a quantised block needs a base level between int2 and its level")
-    shape = (g.n_layers, g.n_kv_heads, layout.n_tokens, g.head_dim)
-    keys, values = _empty(shape, dtype, device), _empty(shape, dtype, device)
-    if (lv == Level.NONE).any():
-        keys.zero_()
-        values.zero_()
+    return lv, bs
+
+
+def place(pieces: DevicePieces, layout: PieceLayout, lv: npt.NDArray[np.int64], bs: npt.NDArray[np.int64],
+           keys: torch.Tensor, values: torch.Tensor, only: npt.NDArray[np.bool_] | None) -> None:
+    """Each block of ``only`` (None: every block) at its level into keys/values [L, H, T, D]; a block of
+    ``only`` at NONE is zeroed (``only`` None: the caller zeroed the tensors). ``pieces`` on the tensors'
+    device; only the chosen blocks' rows are read (``kvcache.LiveRebuild`` places blocks as they arrive)."""
+    device = keys.device
     for cls in _size_classes(layout):
         ids = _class_blocks(layout, cls)
+        chosen = np.ones(ids.size, dtype=np.bool_) if only is None else only[ids]
         route_base = np.where(lv[ids] == Level.NATIVE, Level.NONE, bs[ids])
-        routes = np.unique(np.stack([route_base, lv[ids]], axis=1)[lv[ids] > Level.NONE], axis=0)
+        if only is not None and (none := chosen & (lv[ids] == Level.NONE)).any():
+            batch = _Batch(layout, cls, np.flatnonzero(none), device)
+            zeros = keys.new_zeros((*batch.lead, layout.geometry.n_kv_heads, cls.tokens, keys.shape[-1]))
+            batch.write(keys, zeros)
+            batch.write(values, zeros)
+        live = chosen & (lv[ids] > Level.NONE)
+        routes = np.unique(np.stack([route_base, lv[ids]], axis=1)[live], axis=0)
         for base, level in routes.tolist():
-            pick = np.flatnonzero((lv[ids] == level) & (route_base == base))
+            pick = np.flatnonzero((lv[ids] == level) & (route_base == base) & chosen)
             batch = _Batch(layout, cls, None if pick.size == ids.size else pick, device)
             if level == Level.NATIVE:
                 _native_route(batch, pieces, keys, values)
             else:
                 _dequantise_route(batch, pieces, Level(base), Level(level), keys, values)
-    have = torch.from_numpy(lv.reshape(g.n_layers, layout.n_token_blocks) > Level.NONE).to(device)
-    available = have.repeat_interleave(layout.block_tokens, dim=1)[:, None, : layout.n_tokens]
-    available = available.expand(g.n_layers, g.n_kv_heads, layout.n_tokens)
-    layer_range = range(g.n_layers)
-    return DequantisedKV([keys[i, None] for i in layer_range], [values[i, None] for i in layer_range],
-                         lv.astype(np.int8), available)
+
+
+def pieces_on(pieces: PieceBytes | DevicePieces, device: torch.device) -> DevicePieces:
+    """Each kind's piece rows on ``device`` (``_on_device``)."""
+    return {PieceKind(k): _on_device(v, device) for k, v in pieces.items()}
 
 
 def _on_device(rows: npt.NDArray[np.uint8] | torch.Tensor, device: torch.device) -> torch.Tensor:

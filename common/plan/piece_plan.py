@@ -288,8 +288,10 @@ def pack_stream(plan: PiecePlan, pieces: PieceBytes) -> npt.NDArray[np.uint8]:
     return stream.reshape(plan.n_symbols, plan.symbol_size)
 
 
-def unpack_stream(plan: PiecePlan, symbols: npt.NDArray[np.uint8]) -> dict[PieceKind, npt.NDArray[np.uint8]]:
-    """Piece bytes by kind from the symbol store [n_symbols, symbol_size] (rows of absent pieces are zero).
+def unpack_stream(plan: PiecePlan, symbols: npt.NDArray[np.uint8],
+                  blocks: npt.NDArray[np.bool_] | None = None) -> dict[PieceKind, npt.NDArray[np.uint8]]:
+    """Piece bytes by kind from the symbol store [n_symbols, symbol_size] (rows of absent pieces are zero);
+    ``blocks`` [n_blocks]: only those blocks' pieces (a cache built as its blocks arrive).
 
     Which pieces are complete is the caller's (``PiecePlan.complete_pieces``): bytes of missing symbols
     are whatever the store holds.
@@ -299,12 +301,16 @@ def unpack_stream(plan: PiecePlan, symbols: npt.NDArray[np.uint8]) -> dict[Piece
             f"symbol store has shape {symbols.shape} {symbols.dtype}, the plan needs "
             f"({plan.n_symbols}, {plan.symbol_size}) uint8"
         )
+    if blocks is not None and np.asarray(blocks).shape != (plan.layout.n_blocks,):
+        raise ValueError(f"blocks must be [{plan.layout.n_blocks}] bool, got {np.asarray(blocks).shape}")
     stream = np.ascontiguousarray(symbols).reshape(-1)
     out: dict[PieceKind, npt.NDArray[np.uint8]] = {}
     for kind in map(PieceKind, np.unique(plan.kinds).tolist()):
         rows = np.zeros((plan.layout.n_blocks, plan.layout.piece_size(kind, plan.layout.block_tokens)),
                         dtype=np.uint8)
         for idx, size in _classes(plan, kind):
+            if blocks is not None:
+                idx = idx[np.asarray(blocks, dtype=np.bool_)[plan.blocks[idx]]]
             rows[plan.blocks[idx], :size] = _windows(stream, size)[plan.offsets[idx]]
         out[kind] = rows
     return out
