@@ -290,3 +290,52 @@ def test_a_chain_hands_on_what_b_holds_and_c_masks_exactly_what_b_lacked(chat_ti
             assert third["pfec"]["prefix"]["missing"] == c_missing, third["pfec"]
 
     asyncio.run(main())
+
+
+def test_a_quantised_chain_hands_int4_on_at_int4_when_int2_is_asked(chat_tiny: llm.ModelRuntime) -> None:
+    """A -> B at int4 (B holds every block at int4 or below), B -> C asked for int2: B raises the mix so no
+    block is quantised again below what it holds; C checks the plan, rebuilds it and continues from it."""
+    identity = runtime_identity(chat_tiny)
+    salt = "team-q"
+
+    async def main() -> None:
+        async with _node(chat_tiny) as (a, a_url), _node(chat_tiny) as (b, b_url), _node(chat_tiny) as (
+                c, c_url), aiohttp.ClientSession(headers=HEADERS) as http:
+
+            async def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+                data = None if body is None else json.dumps(body)
+                async with http.request(method, url, data=data) as response:
+                    return response.status, await response.json()
+
+            async def hand(url: str, node: NodeDaemon, to: NodeDaemon, cid: str, precision: str) -> Any:
+                await _settle(node)
+                status, created = await call("POST", url + "/handoffs", {
+                    "receiver": "{}:{}".format(*to.address), "rho": 6.0, "precision": precision,
+                    "conversation": {"id": cid}})
+                assert status == 202, created
+                _, report = await call("GET", f"{url}/handoffs/{created['id']}?wait=60")
+                assert report["outcome"] == "done", report
+                assert report["recovered_utility"] == pytest.approx(1.0), report
+                await _settle(to)
+                return report
+
+            chat = "/v1/chat/completions"
+            request = {"model": identity.model_id, "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+            turns = [{"role": "user", "content": " ".join(f"w{5 + i % 80}" for i in range(40))}]
+            _, first = await call("POST", a_url + chat, {**request, "messages": turns})
+            to_b = await hand(a_url, a, b, first["id"], "int4")
+            assert to_b["precision"] == "int4", to_b
+            turns += [{"role": "assistant", "content": first["choices"][0]["message"]["content"] or ""},
+                      {"role": "user", "content": "w11"}]
+            _, second = await call("POST", b_url + chat, {**request, "messages": turns})
+            to_c = await hand(b_url, b, c, second["id"], "int2")
+            assert to_c["precision"] == "int4" and to_c["planner"]["raised_from"] == "int2", to_c
+            _, c_results = await call("GET", c_url + "/results")
+            assert c_results["results"][-1]["missing"]["lost_by_hop"] == [0, 0]
+            turns += [{"role": "assistant", "content": second["choices"][0]["message"]["content"] or ""},
+                      {"role": "user", "content": "w13"}]
+            status, third = await call("POST", c_url + chat, {**request, "messages": turns})
+            assert status == 200, third
+            assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == to_c["n_tokens"], third
+
+    asyncio.run(main())
