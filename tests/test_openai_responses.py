@@ -16,6 +16,7 @@ from typing import Any
 import agents
 import aiohttp
 import openai
+import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -461,3 +462,67 @@ def test_a_failure_mid_stream_ends_it_with_a_failed_response(chat_tiny: llm.Mode
         assert status == 500 and "error" in body, body
 
     run(chat_tiny, test)
+
+
+# --------------------------------------------------------------------------- structured output, default model
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+TIME = {"type": "function", "name": "get_time", "description": "The local time in a timezone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                       "required": ["timezone"]}, "strict": True}
+
+
+@pytest.mark.slow  # the embedded default model (a word-level tiny model cannot write JSON): ~1 minute
+def test_structured_output_and_forced_calls_come_from_the_chat_endpoints_constraints() -> None:
+    """text.format json_schema/json_object and tool_choice required/named through /v1/responses are the chat
+    endpoint's constrained decoding; a schema the grammar library cannot compile is a 400 naming
+    text.format.schema; the Agents SDK's output_type comes back typed."""
+    runtime = llm.load_model("default", device="cpu")
+    agents.set_tracing_disabled(True)
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    async def test(node: Node) -> None:
+        api = openai.AsyncOpenAI(base_url=node.url, api_key=TOKEN, max_retries=0, timeout=600)
+        ask = "Ada Lovelace was 36 years old. Give the person's name and age as JSON."
+        done = await api.responses.create(model=runtime.model_id, input=ask, temperature=0, text={
+            "format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+        value = json.loads(done.output_text)
+        assert done.status == "completed" and set(value) == {"name", "age"}, done
+        assert isinstance(value["name"], str) and isinstance(value["age"], int)
+        assert done.text is not None and done.text.format is not None
+        assert done.text.format.type == "json_schema"
+        streamed = [e async for e in await api.responses.create(
+            model=runtime.model_id, input="Reply with a JSON object whose key 'answer' is 2 + 2.",
+            temperature=0, stream=True, text={"format": {"type": "json_object"}})]
+        assert streamed[-1].type == "response.completed"
+        assert isinstance(json.loads(streamed[-1].response.output_text), dict)
+        # Forced calls: named, and required.
+        for choice, names in (({"type": "function", "name": "get_time"}, {"get_time"}),
+                              ("required", {"get_weather", "get_time"})):
+            forced = await api.responses.create(  # type: ignore[call-overload]
+                model=runtime.model_id, input="Hello, who are you?", tools=[TOOL, TIME], tool_choice=choice,
+                temperature=0)
+            calls = [item for item in forced.output if item.type == "function_call"]
+            assert calls and all(c.name in names for c in calls), forced.output
+            assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
+        # A schema the library cannot compile: this API's field, streamed or not (compiled before the stream).
+        bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+        for stream in (False, True):
+            status, body, _ = await node.post("/responses", {
+                "model": runtime.model_id, "input": "hi", "stream": stream,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": bad}}})
+            assert status == 400 and body["error"]["param"] == "text.format.schema", body
+            assert body["error"]["message"].startswith("text.format.schema: "), body
+        # The Agents SDK's output_type, default settings: a strict json_schema, the answer typed.
+        agent = agents.Agent(name="extract", instructions="Extract the person.", output_type=Person,
+                             model=agents.OpenAIResponsesModel(runtime.model_id, api))
+        result = await agents.Runner.run(agent, "Grace Hopper was 85 years old.")
+        assert isinstance(result.final_output, Person), result.final_output
+        await api.close()
+
+    run(runtime, test, max_completion_tokens=64)
