@@ -1,5 +1,6 @@
-"""Precision levels and pieces (sans-IO, numpy only): the levels, the piece kinds and their ladders, and the
-byte size of every piece of a KV cache (``PieceLayout``).
+"""Precision levels and pieces (sans-IO, numpy only): the levels, the piece kinds and their ladders, the
+byte size of every piece of a KV cache (``PieceLayout``), and the level a node holds each block of a
+context it received at (``HeldBlocks``, for a chain that hands it on).
 
 The quantiser, the ladder of pieces and their byte layout are described in :mod:`.precision`'s docstring.
 """
