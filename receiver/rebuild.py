@@ -277,7 +277,8 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
         split = {"computed_tokens": front.tokens, "blocks_computed": int(computed.sum()),
                  "blocks_received": int(received.sum())}
     done = Reconstructed(usable, block_utility, Rebuilt(None, None, None), stream.mix, precision_utility,
-                         levels, **split, held=_held(app, identity.plan(app.n_tokens), rebuild_levels))
+                         levels, **split, held=_held(app, identity.plan(app.n_tokens), np.where(
+                             usable & (rebuild_levels == Level.NONE), Level.NATIVE, rebuild_levels)))
     if runtime is None or not (app.generate or app.prefix is not None):
         return done
     from pfec.common.model import llm  # deferred: torch
@@ -404,5 +405,6 @@ def _fragments(plan: BlockPlan, blocks: npt.NDArray[np.bool_]) -> npt.NDArray[np
 
 
 def _held(app: OfferApp, plan: BlockPlan, levels: npt.NDArray[np.int8]) -> HeldBlocks | None:
-    """What this node holds after the hop, for a context it keeps (``app.prefix``): None otherwise."""
+    """What this node holds after the hop, for a context it keeps (``app.prefix``): None otherwise.
+    ``levels``: each block's level here (a split's computed front: native)."""
     return None if app.prefix is None else held_after_hop(plan, np.asarray(levels, dtype=np.int8), app.held)

@@ -27,7 +27,7 @@ from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig
 from pfec.lab.emulator.relay import UdpRelay
 from pfec.lab.sim.channel import Bernoulli
 from pfec.node.daemon import NodeDaemon
-from pfec.receiver.rebuild import StreamPlan, reconstruct
+from pfec.receiver.rebuild import Front, StreamPlan, compute_front, reconstruct
 from pfec.sender.kv import ContextInput, PrecisionRequest, Prefilled, _below_held, plan_stream, prepare_model
 
 GEOMETRY = KVGeometry(n_layers=3, n_kv_heads=2, head_dim=16, dtype="bf16")
@@ -193,6 +193,29 @@ def test_a_block_the_offer_says_was_lost_upstream_is_masked_whatever_arrived_for
     assert done.kv is not None
     rows = done.kv.keys[layer][0, :, token_block * 16:(token_block + 1) * 16]
     assert float(rows.abs().sum()) == 0.0
+
+
+def test_a_split_s_computed_front_is_held_native_not_lost(tiny: llm.ModelRuntime) -> None:
+    """A split whose front the receiver computed (the stream's pieces for it replaced by the front's rows):
+    those blocks are held native, so a chain from here streams them, never declares them lost."""
+    identity = runtime_identity(tiny)
+    ids = tuple(int(x) for x in np.random.default_rng(8).integers(3, 90, size=70))
+    plan = identity.plan(len(ids))
+    profile = synthetic_profile(identity.geometry.n_layers)
+    cache, _ = llm.prefill(tiny, ids)
+    planned = plan_stream(identity, len(ids), "int4", profile.block_utilities(plan), "utility", 2)
+    store = llm.serialise_stream(tiny, cache, planned.plan)
+    fidelity = fidelity_named(planned.offer.fidelity, identity.geometry.n_layers, None)
+    front = Front(ids, meeting_token=32)
+    compute_front(tiny, front, lambda _tokens: None)
+    front.tokens = 32  # the stream met it there
+    app = OfferApp(len(ids), (), generate=False, prefix=PrefixOffer("s", ids), precision=planned.offer,
+                   split=SplitOffer(32, ids))
+    done = reconstruct(tiny, identity, app, profile, np.arange(len(store)), store,
+                       StreamPlan("int4", planned.plan, fidelity), front)
+    assert done.held is not None and done.held.lost_blocks == 0 and done.held.hops_lost == (0,)
+    grid = np.asarray(done.held.levels).reshape(identity.geometry.n_layers, -1)
+    assert (grid[:, :2] == H).all() and (grid[:, 2:] == I4).all()  # the front native, the back as it came
 
 
 # --------------------------------------------------------------------------- three nodes, a lossy first hop
