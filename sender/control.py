@@ -282,7 +282,11 @@ async def _conversation(daemon: SenderDaemon, ref: ConversationRef) -> Prefilled
     finally:
         face.export_metrics()
     held = origin.get("held")  # received before (a chain): what this node holds of it goes on as held
-    return Prefilled(salt, tuple(ids), kv, cached, held if isinstance(held, HeldBlocks) else None)
+    if not isinstance(held, HeldBlocks):
+        held = None
+    elif cached < held.n_tokens:  # the conversation left the received context there: the rest is recomputed
+        held = held.truncated(cached)
+    return Prefilled(salt, tuple(ids), kv, cached, held)
 
 
 def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:

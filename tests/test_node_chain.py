@@ -63,6 +63,14 @@ def runtime_plan(n_tokens: int) -> BlockPlan:
     return BlockPlan(GEOMETRY, n_tokens, 1028)
 
 
+def test_a_held_map_cut_where_a_conversation_left_the_received_context() -> None:
+    held = HeldBlocks(40, 3, (H, N, I4, H, H, H, N, H, I4), (2,))
+    assert held.truncated(20).levels == (H, N, H, H, N, H) and held.truncated(20).hops_lost == (2,)
+    assert held.truncated(40) == held
+    with pytest.raises(ValueError, match="cannot cut"):
+        held.truncated(41)
+
+
 @pytest.mark.parametrize("bad, field", [
     ({"n": 41, "layers": 3, "runs": [4, 9], "hops": []}, "held n"),  # beyond the context
     ({"n": 40, "layers": 3, "runs": [4, 8], "hops": []}, "held runs"),  # covers 8 of 9 blocks

@@ -320,6 +320,16 @@ class HeldBlocks:
         """Blocks lost on the hops before this node (the sum of ``hops_lost``)."""
         return sum(self.hops_lost)
 
+    def truncated(self, n_tokens: int) -> HeldBlocks:
+        """The levels of the first ``n_tokens`` tokens (a conversation that left the received context
+        there: the rest was computed again); a block cut in two keeps its level."""
+        if not 1 <= n_tokens <= self.n_tokens:
+            raise ValueError(f"held blocks: cannot cut {self.n_tokens} tokens to {n_tokens}")
+        grid = np.asarray(self.levels, dtype=np.int8).reshape(self.n_layers, -1)
+        kept = grid[:, :_token_blocks(n_tokens, self.block_tokens)]
+        return HeldBlocks(n_tokens, self.n_layers, tuple(int(v) for v in kept.reshape(-1)), self.hops_lost,
+                          self.block_tokens)
+
     def missing(self) -> dict[str, Any]:
         """How much of the context is missing and where it was lost: blocks lost in all and on each hop
         (first hop first), the share of blocks, and the token spans where some layer's block is lost."""
