@@ -201,6 +201,17 @@ def test_a_node_hands_on_a_conversation_it_received_and_continued(chat_tiny: llm
             assert status == 200, third
             assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == to_c["n_tokens"], third
             assert third["pfec"]["prefix"]["handoff_id"] == to_c["session_id"], third["pfec"]
+            # A conversation that leaves what B received early (its first message cut short): what B
+            # holds of it goes on cut there, the rest computed again.
+            status, created = await call("POST", b_url + "/handoffs", {
+                "receiver": "{}:{}".format(*c.address), "rho": 4.0, "precision": "native",
+                "handoff_mode": "handoff", "conversation": {
+                    "messages": [{"role": "user", "content": "w5 w6 w7"}], "cache_salt": salt}})
+            assert status == 202, created
+            _, cut = await call("GET", f"{b_url}/handoffs/{created['id']}?wait=60")
+            assert cut["outcome"] == "done", cut
+            held = cut["conversation"]["missing_upstream"]
+            assert held["n_tokens"] == cut["conversation"]["cached_tokens"] < to_b["n_tokens"], cut
 
     asyncio.run(main())
 
