@@ -1,8 +1,9 @@
-"""Tool calls on the OpenAI face (issue 38, item 1, without constrained decoding): the tools' bounds and
-their schema's shape, the Hermes fallback for a template that ignores tools (the default model's), the
-template's own rendering when it takes them, the Hermes parser streamed and not, ``tool_choice`` and
-``parallel_tool_calls``, tool messages. A random model never writes a call, so the route is tested end
-to end with only the text of ``serving.complete`` scripted (its cache and counts stay real).
+"""Tool calls on the OpenAI face (issue 38, item 1; their constrained decoding: tests/test_constrained.py):
+the tools' bounds and their schema's shape, the Hermes fallback for a template that ignores tools (the
+default model's), the template's own rendering when it takes them, the Hermes parser streamed and not, a
+forced reply's calls only, ``tool_choice`` and ``parallel_tool_calls``, tool messages. A random model
+never writes a call, so the route is tested end to end with only the text of ``serving.complete``
+scripted (its cache and counts stay real).
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def test_hermes_parser_streamed_or_whole_gives_the_same_calls_and_text() -> None
     # A call the reply ends without closing (max_tokens, a stop) is tried at the end.
     assert _strip_ids(_events(HermesParser(names), [CALL.removesuffix(CLOSE)])) == [
         ("get_weather", {"city": "Paris"})]
+
+
+def test_a_forced_reply_is_calls_only() -> None:
+    """Under tool_choice required or named the grammar allows calls only: what text the parser is left with
+    (a last call max_tokens cut short) is dropped, streamed or not; unforced, it comes back as content."""
+    cut = CALL + "\n" + CALL[:20]
+    for forced, content in ((True, None), (False, "\n" + CALL[:20])):
+        whole = openai_tools.Reply([WEATHER], "hermes", True, forced)
+        whole.feed(cut)
+        whole.finish()
+        message = whole.message()
+        assert message["content"] == content and len(message["tool_calls"]) == 1, message
+        streamed = openai_tools.Reply([WEATHER], "hermes", True, forced)
+        deltas = [d for i in range(0, len(cut), 4) for d in streamed.deltas(streamed.feed(cut[i:i + 4]))]
+        deltas += streamed.deltas(streamed.finish())
+        assert any("content" in d for d in deltas) is (not forced), deltas
 
 
 def test_hermes_parser_leaves_what_is_not_a_declared_call_as_text() -> None:

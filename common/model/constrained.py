@@ -2,9 +2,10 @@
 vLLM, SGLang and llama.cpp use beside xgrammar; docs/ARCHITECTURE.md says why this one).
 
 - ``Grammar`` says what a reply may be: JSON text matching a JSON Schema (``content``), and/or tool calls,
-  each ``open`` + JSON matching ``call`` + ``close`` (one, or one or more with ``parallel``). The node
-  builds it from ``response_format`` and ``tool_choice`` (``common/node/openai/structured.py``); the
-  Hermes tags are the node's, the Lark grammar written from them is made here.
+  each ``open`` + JSON matching ``call`` + ``close`` (one, or one or more with ``parallel``), a newline
+  between them and at most one after (a model that ends its calls with one may still stop there). The
+  node builds it from ``response_format`` and ``tool_choice`` (``common/node/openai/structured.py``);
+  the Hermes tags are the node's, the Lark grammar written from them is made here.
 - ``compile_grammar`` turns it into a ``Compiled`` grammar for the runtime's tokenizer, cached per grammar
   in a bounded LRU (``CACHE_ENTRIES``); a grammar the library cannot build is a ``GrammarError``.
 - Each request copies the compiled matcher (``Compiled.matcher``). Before each token the matcher fills a
@@ -70,7 +71,7 @@ class Grammar:
             rules.append(f"content: %json {_with_options(self.content)}")
         if self.call is not None:
             starts.append("calls")
-            rules.append('calls: call ("\\n" call)*' if self.parallel else "calls: call")
+            rules.append('calls: call ("\\n" call)* "\\n"?' if self.parallel else 'calls: call "\\n"?')
             rules.append(f"call: {json.dumps(self.open)} body {json.dumps(self.close)}")
             rules.append(f"body: %json {_with_options(self.call)}")
         if not starts:

@@ -315,7 +315,8 @@ class OpenAIFace:
 
     def _reply(self, parsed: ChatCompletionRequest | CompletionRequest) -> openai_tools.Reply:
         if isinstance(parsed, ChatCompletionRequest):
-            return openai_tools.Reply(parsed.offered(), self.limits.tool_call_parser, parsed.parallel)
+            return openai_tools.Reply(parsed.offered(), self.limits.tool_call_parser, parsed.parallel,
+                                      parsed.forced)
         return openai_tools.Reply(None, self.limits.tool_call_parser, True)
 
     def _record(self, cid: str, parsed: ChatCompletionRequest | CompletionRequest,

@@ -157,6 +157,12 @@ class ToolsMixin(_Closed):
     def parallel(self) -> bool:
         return self.parallel_tool_calls is not False
 
+    @property
+    def forced(self) -> bool:
+        """``tool_choice`` required or a named function: the reply is calls only."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice,
+                                                                                   NamedToolChoice))
+
 
 def schema_problem(schema: Any, depth: int, top: bool = False) -> str | None:
     """Why ``schema`` is not a JSON Schema (None: its shape is one). A boolean is a schema below the top; the
@@ -403,20 +409,27 @@ def parser(name: str, tools: Sequence[Mapping[str, Any]], parallel: bool) -> Her
 
 class Reply:
     """A reply's text and calls as they come, and what they make: the stream's deltas, the message, the
-    finish reason. Without tools offered, text only (no parser: plain text streams as it comes)."""
+    finish reason. Without tools offered, text only (no parser: plain text streams as it comes).
+    ``forced`` (a grammar of calls held the reply): calls only; the one text a grammar of calls leaves is a
+    last call ``max_tokens`` cut short, and it is dropped."""
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, parser_name: str, parallel: bool) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, parser_name: str, parallel: bool,
+                 forced: bool = False) -> None:
         self.parser = None if tools is None else parser(parser_name, tools, parallel)
+        self.forced = forced and self.parser is not None
         self.events: list[Event] = []
         self.n_calls = 0
 
     def feed(self, text: str) -> list[Event]:
         new: list[Event] = [text] if self.parser is None else self.parser.feed(text)
-        self.events.extend(new)
-        return new
+        return self._keep(new)
 
     def finish(self) -> list[Event]:
-        new = [] if self.parser is None else self.parser.finish()
+        return self._keep([] if self.parser is None else self.parser.finish())
+
+    def _keep(self, new: list[Event]) -> list[Event]:
+        if self.forced:
+            new = [e for e in new if isinstance(e, ParsedCall)]
         self.events.extend(new)
         return new
 
