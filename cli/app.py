@@ -24,6 +24,8 @@ bench_app = typer.Typer(help="Benchmarks; each writes docs/benchmarks/NAME.json.
 tune_app = typer.Typer(help="Parameter searches on simulated handoffs.", no_args_is_help=True)
 sender_app = typer.Typer(help="The sender daemon (prefill, stream KV, control API).", no_args_is_help=True)
 receiver_app = typer.Typer(help="The receiver daemon (decode, rebuild, generate).", no_args_is_help=True)
+node_app = typer.Typer(help="A node with both roles: one model, prefix store and control API.",
+                       no_args_is_help=True)
 
 app.command("keygen", help="Generate a pre-shared key file for a node pair.")(node.keygen_cmd)
 app.command("emulate", help="Link emulator: rate, delay and loss between two nodes.")(lab.emulate_cmd)
@@ -71,6 +73,8 @@ app.add_typer(sender_app, name="sender")
 sender_app.command("serve")(node.sender_serve_cmd)
 app.add_typer(receiver_app, name="receiver")
 receiver_app.command("serve")(node.receiver_serve_cmd)
+app.add_typer(node_app, name="node")
+node_app.command("serve")(node.node_serve_cmd)
 
 
 def main() -> None:  # pragma: no cover - console entry point
