@@ -12,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -42,12 +42,14 @@ from pfec.common.plan.mode_choice import PLANNER_MODES, choose_mix, choose_mode,
 from pfec.common.plan.stream import AUTO, check_mix
 from pfec.common.plan.utility import SHIPPED_PROFILE, UtilityProfile
 from pfec.lab.emulator.emulate import emulate
+from pfec.lab.emulator.fanout import MAX_RECEIVERS, Branch
 from pfec.lab.emulator.link import DirectionSpec, EmulatorConfig, parse_loss
 from pfec.lab.emulator.netns import NetnsSpec
 from pfec.lab.reporting.progress import progress_line
 from pfec.lab.reporting.text import format_sim_table
 from pfec.lab.sim.channel import parse_loss_spec
 
+T = TypeVar("T")
 MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ResultJsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
@@ -218,20 +220,27 @@ def emulate_cmd(
     mode: Annotated[
         str, typer.Option(help="relay: UDP relay (no root); netns: TUN between two namespaces (root).")
     ] = "relay",
-    listen: Annotated[str, typer.Option(help="relay: HOST:PORT the sender sends to.")] = "0.0.0.0:7401",
-    forward_to: Annotated[str, typer.Option(help="relay: the receiver's HOST:PORT.")] = "127.0.0.1:7400",
+    listen: Annotated[str, typer.Option(
+        help="relay: HOST:PORT the sender sends to (with several --forward-to: the group port; receiver i's "
+        "own port is PORT+1+i).")] = "0.0.0.0:7401",
+    forward_to: Annotated[list[str] | None, typer.Option(
+        help="relay: the receiver's HOST:PORT [default: 127.0.0.1:7400]. Give it up to 8 times to fan out: "
+        "one uplink (rate, queue, trace), then per receiver its own delay and loss.")] = None,
     rate_mbps: Annotated[float, typer.Option(help="Link rate, Mbit/s (0 = unlimited).")] = 100.0,
     reverse_rate_mbps: Annotated[
         float | None, typer.Option(help="Reverse link rate, Mbit/s (default: --rate-mbps).")
     ] = None,
-    rtt_ms: Annotated[float, typer.Option(help="Round-trip time; each direction delays RTT/2.")] = 20.0,
-    owd_ms: Annotated[
-        float | None, typer.Option(help="One-way delay per direction (overrides --rtt-ms).")
-    ] = None,
-    loss: Annotated[
-        str, typer.Option(help="Forward loss: none | bernoulli:P | ge:EG,EB,PGB,PBG | trace:PATH.")
-    ] = "none",
-    reverse_loss: Annotated[str, typer.Option(help="Reverse (ACK path) loss, same forms.")] = "none",
+    rtt_ms: Annotated[list[float] | None, typer.Option(
+        help="Round-trip time; each direction delays RTT/2 [default: 20]. Fan-out: once for all receivers "
+        "or once per receiver, in --forward-to's order.")] = None,
+    owd_ms: Annotated[list[float] | None, typer.Option(
+        help="One-way delay per direction (overrides --rtt-ms); fan-out: once or once per receiver.")] = None,
+    loss: Annotated[list[str] | None, typer.Option(
+        help="Forward loss: none | bernoulli:P | ge:EG,EB,PGB,PBG | trace:PATH [default: none]. Fan-out: "
+        "once for all receivers or once per receiver, in order.")] = None,
+    reverse_loss: Annotated[list[str] | None, typer.Option(
+        help="Reverse (ACK path) loss, same forms [default: none]; fan-out: once or once per receiver.",
+    )] = None,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations (streams forward/reverse).")] = 1,
     realization: Annotated[int, typer.Option(help="Realization index (pairs runs with `pfec sim`).")] = 0,
     queue_packets: Annotated[
@@ -256,37 +265,66 @@ def emulate_cmd(
         bool, typer.Option("--json", help="Print the final counters as one JSON object.")
     ] = False,
 ) -> None:
-    """Emulate a rate-limited, delayed, lossy link between a sender and a receiver (lab/emulator/)."""
+    """Emulate a rate-limited, delayed, lossy link between a sender and a receiver, or one sender and up
+    to 8 receivers behind a shared uplink (lab/emulator/)."""
     if mode not in ("relay", "netns"):
         raise fail(f"--mode {mode!r}: use 'relay' or 'netns'")
+    targets = forward_to or ["127.0.0.1:7400"]
     try:
-        owd_s = (owd_ms if owd_ms is not None else rtt_ms / 2.0) / 1000.0
+        if len(targets) > 1 and mode != "relay":
+            raise ValueError("several --forward-to fan out through the relay: use --mode relay")
+        if len(targets) > MAX_RECEIVERS:
+            raise ValueError(f"--forward-to: at most {MAX_RECEIVERS} receivers, got {len(targets)}")
+        n = len(targets)
+        owds = _per_receiver("--owd-ms", owd_ms, n) if owd_ms else [
+            r / 2.0 for r in _per_receiver("--rtt-ms", rtt_ms or [20.0], n)]
+        losses = [parse_loss(s) for s in _per_receiver("--loss", loss or ["none"], n)]
+        rev_losses = [parse_loss(s) for s in _per_receiver("--reverse-loss", reverse_loss or ["none"], n)]
         rev_rate = rate_mbps if reverse_rate_mbps is None else reverse_rate_mbps
         trace, depth = trace_link(rate_trace, rate_scale, queue_ms, queue_bytes)
+        listen_hp = parse_host_port(listen, allow_port_zero=True) if mode == "relay" else ("", 0)
+        hps = [parse_host_port(t) if mode == "relay" else ("", 0) for t in targets]
+        fan = n > 1  # the uplink has the rate and queue; each branch its delay and loss
         config = EmulatorConfig(
-            forward=DirectionSpec(rate_mbps * 1e6, owd_s, parse_loss(loss), queue_packets, trace, depth),
-            reverse=DirectionSpec(rev_rate * 1e6, owd_s, parse_loss(reverse_loss), queue_packets),
+            forward=DirectionSpec(rate_mbps * 1e6, 0.0 if fan else owds[0] / 1000.0,
+                                  None if fan else losses[0], queue_packets, trace, depth),
+            reverse=DirectionSpec(rev_rate * 1e6, 0.0 if fan else owds[0] / 1000.0,
+                                  None if fan else rev_losses[0], queue_packets),
             seed=seed,
             realization=realization,
         )
-        listen_hp = parse_host_port(listen, allow_port_zero=True) if mode == "relay" else ("", 0)
-        fwd_hp = parse_host_port(forward_to) if mode == "relay" else ("", 0)
+        branches = tuple(Branch(hp, o / 1000.0, lo, rl)
+                         for hp, o, lo, rl in zip(hps, owds, losses, rev_losses, strict=True)) if fan else ()
         spec = NetnsSpec(ns_a=ns_a, ns_b=ns_b)
         if seed < 0 or realization < 0:
             raise ValueError(f"--seed and --realization must be >= 0, got {seed} and {realization}")
     except ValueError as exc:
         raise fail(str(exc)) from None
     try:
-        stats = emulate("relay" if mode == "relay" else "netns", config, listen_hp, fwd_hp, spec,
-                        stats_interval, duration, quiet=as_json, keep_namespaces=keep_namespaces)
+        stats = emulate("relay" if mode == "relay" else "netns", config, listen_hp, hps[0], spec,
+                        stats_interval, duration, quiet=as_json, keep_namespaces=keep_namespaces,
+                        branches=branches)
     except OSError as exc:
         raise fail(str(exc)) from None
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
-    else:
+        return
+    for label, part in ([("uplink ", stats["uplink"])] + [(f"receiver {r['address']} ", r)
+                                                          for r in stats["receivers"]]
+                        if "uplink" in stats else [("", stats)]):
         for name in ("forward", "reverse"):
-            typer.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in stats[name].items()), err=True)
-        typer.echo(f"cpu {stats['cpu_s']} s over {stats['elapsed_s']} s", err=True)
+            typer.echo(f"{label}{name}: " + ", ".join(f"{k} {v}" for k, v in part[name].items()), err=True)
+    typer.echo(f"cpu {stats['cpu_s']} s over {stats['elapsed_s']} s", err=True)
+
+
+def _per_receiver(option: str, values: list[T], n: int) -> list[T]:
+    """One value for every receiver, or one per receiver (``n`` of them, in --forward-to's order)."""
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"{option}: give it once for all receivers or once per --forward-to ({n}), "
+                         f"got {len(values)}")
+    return list(values)
 
 
 # --------------------------------------------------------------------------- learning and tuning

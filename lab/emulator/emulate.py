@@ -1,8 +1,9 @@
 """`pfec emulate`: a user-space link emulator (rate, one-way delay, seeded loss) for real UDP traffic.
 
-The link model and its timed delivery are in ``link``; the two front ends that put real traffic
-through it are ``emulator_relay.UdpRelay`` (a UDP relay, no privileges) and ``emulator_netns.TunBridge``
-(TUN devices between two network namespaces, root). This module runs one of them as a long-lived process:
+The link model and its timed delivery are in ``link``; the front ends that put real traffic through it
+are ``relay.UdpRelay`` (a UDP relay, no privileges), ``fanout.FanoutRelay`` (the relay with several
+receivers: one uplink, then a branch per receiver) and ``netns.TunBridge`` (TUN devices between two
+network namespaces, root). This module runs one of them as a long-lived process:
 until SIGINT/SIGTERM or a duration, with periodic counters on stderr.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pfec.common.node.eventloop import run_event_loop
 from pfec.common.node.signals import stop_on_signals
+from pfec.lab.emulator.fanout import Branch, FanoutRelay
 from pfec.lab.emulator.link import EmulatorConfig
 from pfec.lab.emulator.netns import (
     NetnsSpec,
@@ -30,9 +32,17 @@ __all__ = ["EmulatorMode", "emulate", "format_stats"]
 
 EmulatorMode = Literal["relay", "netns"]
 T = TypeVar("T")
+Front = UdpRelay | FanoutRelay | TunBridge
 
 def format_stats(t: float, stats: dict[str, Any], prev: dict[str, Any] | None, dt: float) -> str:
-    """One line of counters per direction, with the rates since the previous line."""
+    """One line of counters per direction, with the rates since the previous line; a fan-out relay's
+    uplink, then each receiver's branch."""
+    if "uplink" in stats:
+        lines = [format_stats(t, stats["uplink"], prev["uplink"] if prev else None, dt) + " (uplink)"]
+        for i, r in enumerate(stats["receivers"]):
+            before = prev["receivers"][i] if prev else None
+            lines.append(format_stats(t, r, before, dt) + f" (receiver {i} {r['address']})")
+        return "\n".join(lines)
     parts = [f"t={t:7.1f}s"]
     for name in ("forward", "reverse"):
         s = stats[name]
@@ -50,8 +60,13 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _announce(front: UdpRelay | TunBridge, forward_to: tuple[str, int]) -> None:
-    if isinstance(front, UdpRelay):
+def _announce(front: Front, forward_to: tuple[str, int]) -> None:
+    if isinstance(front, FanoutRelay):
+        host, port = front.listen_address
+        _log(f"fan-out relay: group port {host}:{port}")
+        for (h, p), b in zip(front.receiver_addresses, front.branches, strict=True):
+            _log(f"  receiver port {h}:{p} -> {b.address[0]}:{b.address[1]}")
+    elif isinstance(front, UdpRelay):
         host, port = front.listen_address
         _log(f"relay listening on {host}:{port}, forwarding to {forward_to[0]}:{forward_to[1]}")
     else:
@@ -68,17 +83,22 @@ async def _run_front(
     stats_interval: float,
     duration: float,
     quiet: bool,
+    branches: tuple[Branch, ...],
 ) -> dict[str, Any]:
     stop = asyncio.Event()
-    front: UdpRelay | TunBridge = (
-        UdpRelay(config, listen, forward_to) if mode == "relay" else TunBridge(config, spec)
-    )
+    front: Front
+    if mode == "netns":
+        front = TunBridge(config, spec)
+    elif len(branches) > 1:
+        front = FanoutRelay(config, listen, branches)
+    else:
+        front = UdpRelay(config, listen, forward_to)
     with stop_on_signals(stop):
         return await _relay_until_stopped(front, forward_to, stop, stats_interval, duration, quiet)
 
 
 async def _relay_until_stopped(
-    front: UdpRelay | TunBridge,
+    front: Front,
     forward_to: tuple[str, int],
     stop: asyncio.Event,
     stats_interval: float,
@@ -121,9 +141,12 @@ def emulate(
     duration: float = 0.0,
     quiet: bool = False,
     keep_namespaces: bool = False,
+    branches: tuple[Branch, ...] = (),
 ) -> dict[str, Any]:
     """Emulate the link until SIGINT/SIGTERM (or ``duration`` s); the final counters.
 
+    Relay mode with several ``branches`` fans out (``fanout.FanoutRelay``: ``config`` is the uplink's, the
+    branches carry each receiver's delay and loss); otherwise ``forward_to`` is the one receiver.
     netns mode creates the two namespaces first and removes them afterwards unless ``keep_namespaces``.
     Raises OSError when the front end cannot start (netns mode without root, a port in use, ...).
     ``quiet`` leaves out the periodic counter lines (stderr).
@@ -137,7 +160,8 @@ def emulate(
             setup_namespaces(spec)
             created = True
         return run_event_loop(
-            _run_front(mode, config, listen, forward_to, spec, stats_interval, duration, quiet)
+            _run_front(mode, config, listen, forward_to, spec, stats_interval, duration, quiet,
+                       branches)
         )
     finally:
         if created and not keep_namespaces:
