@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pfec.cli import bench_gpu, bench_path, bench_serving, kv, lab, node, plan, transports
+from pfec.cli import bench_chain, bench_gpu, bench_path, bench_serving, kv, lab, node, plan, transports
 from pfec.cli import eval as eval_commands
 from pfec.cli.handoff import handoff_cmd
 
@@ -64,6 +64,7 @@ bench_app.command("breakeven")(lab.bench_breakeven_cmd)
 bench_app.command("rate-control")(bench_path.bench_rate_control_cmd)
 bench_app.command("traces")(bench_path.bench_traces_cmd)
 bench_app.command("serving")(bench_serving.bench_serving_cmd)
+bench_app.command("chain")(bench_chain.bench_chain_cmd)
 bench_app.command("quic")(transports.bench_quic_cmd)
 bench_app.command("fairness")(bench_path.bench_fairness_cmd)
 bench_app.command("gpu")(bench_gpu.bench_gpu_cmd)
