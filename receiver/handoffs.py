@@ -36,6 +36,7 @@ from pfec.common.node.config import LimitsConfig
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import PeerAddress
 from pfec.common.node.worker import ModelWorker, WorkerBusy
+from pfec.common.plan.breakeven import LIVE_REBUILD_EVERY_S
 from pfec.common.plan.handoff import ModelIdentity, OfferApp, ResultApp, pack_bits
 from pfec.common.plan.stream import symbol_token_ends
 from pfec.common.plan.utility import ProfileError, UtilityProfile
@@ -61,6 +62,7 @@ from pfec.receiver.session import (
 )
 
 if TYPE_CHECKING:
+    from pfec.common.model.kvcache import LiveRebuild
     from pfec.common.model.llm import ModelRuntime
 
 log = logging.getLogger("pfec.receiver")
@@ -68,6 +70,10 @@ RESULTS_KEPT = 256
 # How long a split's front waits for the loop to place its next chunk (``meet``) before it runs the planned
 # one: the loop answers between datagram batches (well under a millisecond here).
 MEET_WAIT_S = 0.05
+# How often a quantised stream's newly decoded symbols are handed to the model worker, which places their
+# blocks into the cache while the stream goes on (``LiveRebuild``): what is left at the deadline is what
+# arrived in the last period, the blocks' masks and the question.
+LIVE_EVERY_S = LIVE_REBUILD_EVERY_S  # the planner's assumption (``breakeven``)
 _REAPED = "receiver reaped the session after its deadline and grace"
 
 
@@ -85,6 +91,9 @@ class SessionInfo:
     n_source: int = 0
     symbol_size: int = 0
     front: Front | None = None  # a split's (or local prefill's) front, computed here in chunks
+    live: LiveRebuild | None = None  # a quantised stream's cache, built while it arrives
+    live_seen: np.ndarray | None = None  # the decoder's symbols already handed to ``live``
+    live_job: bool = False  # a placement job is queued or running in the worker
 
 
 def _record(sid: int, /, **fields: Any) -> dict[str, Any]:
@@ -295,7 +304,49 @@ class Handoffs:
             # The stream carries the front too, after the back (``stream_plan``'s ``front_after``): no
             # token is the front's alone, so the session starts once what is not computed has arrived.
             session.set_split(symbol_token_ends(stream.plan), app.n_tokens, 0, self.clock())
+        self._start_live(info, stream)
         return False
+
+    # ------------------------------------------------------------------ rebuild while the stream arrives
+    def _start_live(self, info: SessionInfo, stream: StreamPlan) -> None:
+        """A quantised stream to rebuild here: its cache is built while it arrives (``LiveRebuild``)."""
+        app = info.app
+        if self.runtime is None or app is None or not (app.generate or app.prefix is not None):
+            return
+        from pfec.common.model.kvcache import LiveRebuild  # deferred: torch (a model is loaded here)
+
+        info.live = LiveRebuild(self.runtime, stream.plan)
+        if info.front is not None:  # the worker is the front's: it places between its chunks
+            info.front.between = info.live.drain
+        asyncio.get_running_loop().call_later(LIVE_EVERY_S, self._live_tick, info.session_id)
+
+    def _live_tick(self, sid: int) -> None:
+        """Every ``LIVE_EVERY_S`` while the session decodes: copy the symbols decoded since the last tick
+        off the decoder (the loop owns it) to the session's ``LiveRebuild``, and have the worker place them
+        when it is idle (a split's front places them between its chunks)."""
+        info = self.sessions.get(sid)
+        session = self.endpoint.sessions.get(sid)
+        live = None if info is None else info.live
+        if info is None or live is None or session is None or not session.decoding:
+            return
+        if info.state != "receiving" or live.failed is not None:
+            return
+        decoder = session.decoder
+        if info.live_seen is None:
+            info.live_seen = np.zeros(len(decoder.have), dtype=np.bool_)
+        new = np.flatnonzero(decoder.have & ~info.live_seen)
+        if new.size:
+            info.live_seen[new] = True
+            live.offer(decoder.store[new])
+        if live.inbox and not info.live_job and self.worker.pending == 0:
+            try:
+                job = self.worker.submit(live.drain)
+            except WorkerBusy:
+                job = None
+            if job is not None:
+                info.live_job = True
+                job.add_done_callback(lambda _job: setattr(info, "live_job", False))
+        asyncio.get_running_loop().call_later(LIVE_EVERY_S, self._live_tick, sid)
 
     # ------------------------------------------------------------------ deadline: rebuild, generate, RESULT
     def _on_deadline(self, event: DeadlineReached, now: float) -> None:
@@ -318,8 +369,8 @@ class Handoffs:
         # Filing, scoring, rebuild and generation all run in the worker: the loop keeps serving datagrams.
         try:
             job = self.worker.submit(self._rebuild, event.session_id, info.app, info.profile,
-                                     event.decoded_esis, event.store, info.stream, front,
-                                     force=front is not None)
+                                     event.decoded_esis, event.store, info.stream, front, info.live,
+                                     force=front is not None or info.live_job)
         except WorkerBusy as exc:
             self._result_without_rebuild(event, late, f"receiver busy: {exc}")
             return
@@ -327,9 +378,10 @@ class Handoffs:
         job.add_done_callback(lambda fut: self._on_generated(event.session_id, at, fut))
 
     def _rebuild(self, sid: int, app: OfferApp, profile: UtilityProfile | None, decoded: np.ndarray,
-                 store: np.ndarray, stream: StreamPlan | None, front: Front | None) -> Reconstructed:
+                 store: np.ndarray, stream: StreamPlan | None, front: Front | None,
+                 live: LiveRebuild | None = None) -> Reconstructed:
         """Worker thread: ``reconstruct`` (and answer), then the context goes to the prefix cache store."""
-        done = reconstruct(self.runtime, self.identity, app, profile, decoded, store, stream, front)
+        done = reconstruct(self.runtime, self.identity, app, profile, decoded, store, stream, front, live)
         if done.kv is not None and self.keep is not None:
             done.kept = self.keep(sid, app, done)
         done.kv = None  # the store holds it (or refused it): the session's record does not

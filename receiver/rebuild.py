@@ -37,7 +37,7 @@ from pfec.common.plan.utility import UtilityProfile
 from pfec.receiver.session import DeadlineReached, ReceiverStats
 
 if TYPE_CHECKING:
-    from pfec.common.model.kvcache import KVCache, PartialKV
+    from pfec.common.model.kvcache import KVCache, LiveRebuild, PartialKV
     from pfec.common.model.llm import ModelRuntime
 
 
@@ -73,6 +73,9 @@ class Front:
     # A split's: (done, planned end, seconds per token so far) -> where the stream meets the next chunk
     # (the session's ``front_chunk_end``); None: the planned chunks (a local prefill: nothing streams).
     meet: Callable[[int, int, float], int] | None = None
+    # Run between chunks (worker thread): the stream's blocks that completed meanwhile placed into the cache
+    # (``LiveRebuild.drain``; the worker is the front's until it ends)
+    between: Callable[[], object] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -88,6 +91,8 @@ def compute_front(runtime: ModelRuntime, front: Front, progress: Callable[[int],
     started = time.perf_counter()
     while front.tokens < len(ids) and not front.stop.is_set():
         end = front_chunk_end(front.tokens, front.meeting_token, len(ids), front.chunk_tokens)
+        if front.between is not None and front.timed:
+            front.between()
         if front.meet is not None and front.timed:
             met = front.meet(front.tokens, end, seconds_per_token(front.timed))
             end = min(end, max(front.tokens + 1, met))
@@ -134,6 +139,7 @@ class Reconstructed:
     kv: PartialKV | None = None  # the rebuilt context, kept when the OFFER carries its prefix
     kept: bool = False  # the prefix cache store took it
     held: HeldBlocks | None = None  # what this node holds of the context now (a chain passes it on)
+    live: dict[str, Any] | None = None  # a cache built while the stream arrived: what was placed before
 
     @classmethod
     def failed(cls, exc: Exception) -> Reconstructed:
@@ -165,11 +171,12 @@ class AtDeadline:
 def reconstruct(runtime: ModelRuntime | None, identity: ModelIdentity, app: OfferApp,
                 profile: UtilityProfile | None, decoded_esis: npt.NDArray[np.int64],
                 store: npt.NDArray[np.uint8], stream: StreamPlan | None = None,
-                front: Front | None = None) -> Reconstructed:
+                front: Front | None = None, live: LiveRebuild | None = None) -> Reconstructed:
     """Worker thread: file the decoded symbols by fragment id, score them, rebuild the cache, generate.
 
     A split (``front``): the computed prefix [0, c) exactly, the received blocks after it at their best
-    level, the rest masked; a local prefill finishes its front first (nothing streamed)."""
+    level, the rest masked; a local prefill finishes its front first (nothing streamed). ``live``: a
+    quantised stream's cache as built while it arrived (only what is left is placed now)."""
     if front is not None and app.split is not None:
         if app.split.meeting_token >= app.n_tokens:
             return _reconstruct_local(runtime, identity, app, profile, front)
@@ -177,11 +184,11 @@ def reconstruct(runtime: ModelRuntime | None, identity: ModelIdentity, app: Offe
             return _reconstruct_native(runtime, identity, app, profile, decoded_esis, store, front)
         if stream is None or profile is None:
             raise ValueError("the OFFER's precision plan was never checked here (its profile did not load)")
-        return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream, front)
+        return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream, front, live)
     if app.precision is not None:
         if stream is None or profile is None:
             raise ValueError("the OFFER's precision plan was never checked here (its profile did not load)")
-        return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream)
+        return _reconstruct_stream(runtime, identity, app, profile, decoded_esis, store, stream, live=live)
     return _reconstruct_native(runtime, identity, app, profile, decoded_esis, store)
 
 
@@ -240,7 +247,7 @@ def _computed_blocks(n_blocks: int, n_tokens: int, computed: int) -> npt.NDArray
 def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, app: OfferApp,
                         profile: UtilityProfile, decoded_esis: npt.NDArray[np.int64],
                         store: npt.NDArray[np.uint8], stream: StreamPlan,
-                        front: Front | None = None) -> Reconstructed:
+                        front: Front | None = None, live: LiveRebuild | None = None) -> Reconstructed:
     """File by stream index -> complete pieces -> each block's level -> dequantise -> rebuild -> generate
     (a split: the computed prefix joins in front of the received blocks)."""
     plan = stream.plan
@@ -284,7 +291,11 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     from pfec.common.model import llm  # deferred: torch
 
     started = time.perf_counter()
-    kv = llm.rebuild_from_stream(runtime, plan, filed, rebuild_levels, score.bases, app.mode)
+    if live is not None and live.failed is None:  # built as the stream arrived: what is left, the masks
+        kv = live.finish(filed, rebuild_levels, score.bases, app.mode)
+        done.live = {"blocks_placed_before": live.placed_before, "place_s": round(live.place_s, 6)}
+    else:
+        kv = llm.rebuild_from_stream(runtime, plan, filed, rebuild_levels, score.bases, app.mode)
     if front is not None and front.cache is not None:
         kv = llm.join_prefix(kv, front.cache, front.tokens)
     kv.rebuild_s = time.perf_counter() - started
@@ -362,6 +373,7 @@ def result_of(done: Reconstructed, at: AtDeadline, ttft_s: float | None, mode: s
         rebuild_s=rebuilt.rebuild_s,
         error=rebuilt.error,
         stats={
+            **({} if done.live is None else {"live_rebuild": done.live}),
             "received": dict(stats.received),
             "lost": stats.lost,
             "late": stats.late,

@@ -138,7 +138,8 @@ def test_every_handoff_plans_with_the_receivers_stated_speed_and_the_measured_rt
     assert second["planner_inputs"]["rtt_from"] == "measured" and second["planner_inputs"]["rtt_ms"] > 0
     for report in (first, second):
         owd_s = report["planner_inputs"]["rtt_ms"] / 2000
-        local = owd_s + speed.curve.seconds(first["n_tokens"]) + speed.decode_s
+        n = first["n_tokens"]
+        local = owd_s + speed.curve.seconds(n) + speed.decode_s + speed.parts.decode_s_per_token * n
         assert report["predicted_local_ttft_s"] == pytest.approx(local, rel=0.05), report
         # planned with what the receiver measured, and each predicted part beside what it took there
         planner = report["planner"]
@@ -1248,3 +1249,33 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
     assert flooded["queue_dropped"] > 0.3 * flooded["received"], flooded
     # The FEC took the self-inflicted loss for the channel's and spent repairs on it.
     assert told["repair_sent"] > 2 * measured["repair_sent"], (told["repair_sent"], measured["repair_sent"])
+
+
+def test_a_quantised_stream_is_rebuilt_while_it_arrives_with_the_same_answer(
+        tiny: llm.ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39 item 3 end to end: over a slow link the receiver places the stream's blocks into the cache
+    as they complete (the RESULT's ``live_rebuild``: blocks placed before the deadline), and its answer is
+    the one-shot rebuild's (the same handoff with the live build switched off)."""
+    identity = runtime_identity(tiny)
+
+    async def handoff() -> dict[str, Any]:
+        rx = ReceiverDaemon(identity, PSK, runtime=tiny)
+        await rx.start("127.0.0.1", 0)
+        tx = SenderDaemon(identity, PSK, runtime=tiny, rate_mbps=1, owd_ms=1)
+        h = tx.submit(HandoffSpec(ContextInput(context=_context(), question="w7 w8 w9", system=""),
+                                  rx.address, rho=3.0, max_new_tokens=6, precision="int8",
+                                  handoff_mode="handoff", full_kv_answer=True))
+        report = await _wait(h)
+        await tx.close()
+        await rx.close()
+        return report
+
+    live = run(handoff())
+    assert live["outcome"] == "done" and live["start"] == "ready", live
+    placed = live["receiver_stats"]["live_rebuild"]
+    assert placed["blocks_placed_before"] > 0 and placed["place_s"] > 0, placed
+    monkeypatch.setattr(receiver_handoffs.Handoffs, "_start_live", lambda *_args: None)
+    whole = run(handoff())
+    assert "live_rebuild" not in whole["receiver_stats"], whole["receiver_stats"]
+    assert live["answer"] == whole["answer"] and live["answer"], (live["answer"], whole["answer"])
+    assert live["recovered_utility"] == whole["recovered_utility"] == 1.0

@@ -5,6 +5,7 @@ the conservative defaults and named, never a crash."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pfec.common.model import llm, speed
 from pfec.common.plan.breakeven import (
     DEFAULT_MODEL_DECODE_S,
     DEFAULT_MODEL_PREFILL,
+    LIVE_REBUILD_EVERY_S,
     LinkModel,
     ReceiverModel,
     level_named,
@@ -67,21 +69,34 @@ def test_every_measured_part_travels_in_the_accept_and_reaches_the_planner() -> 
                          datagram_s=model.datagram_s)
     plan = plan_handoff(1500, DEFAULT_GEOMETRY, LINK, recv)
     handoff = plan.option("handoff", "int8")
-    assert handoff.parts["rebuild_s"] == pytest.approx(1500 * 5e-6)
-    assert plan.option("handoff", "int8-int4").parts["rebuild_s"] == pytest.approx(1500 * 5.5e-6)
-    assert plan.option("handoff", "native").parts["rebuild_s"] == pytest.approx(1500 * 2e-6)
+    # a quantised stream is placed as it arrives: the last placement period's share is left at ready
+    ser = handoff.parts["serialisation_s"]
+    assert handoff.parts["rebuild_s"] == pytest.approx(1500 * 5e-6 * LIVE_REBUILD_EVERY_S / ser)
+    mixed = plan.option("handoff", "int8-int4")
+    assert mixed.parts["rebuild_s"] == pytest.approx(
+        1500 * 5.5e-6 * LIVE_REBUILD_EVERY_S / mixed.parts["serialisation_s"])
+    assert plan.option("handoff", "native").parts["rebuild_s"] == pytest.approx(1500 * 2e-6)  # one-shot
+    # a placer slower than the link leaves its backlog
+    slow = replace(recv, rebuild_s_per_token=(2e-6, 2e-3, 2e-3, 2e-3))
+    slow_handoff = plan_handoff(1500, DEFAULT_GEOMETRY, LINK, slow).option("handoff", "int8")
+    assert slow_handoff.parts["rebuild_s"] == pytest.approx(3.0 - slow_handoff.parts["serialisation_s"])
     assert handoff.parts["question_s"] == pytest.approx(0.04 + 30 * 3e-3 + 1500 * 5e-5)
     assert handoff.parts["decode_s"] == pytest.approx(0.05 + 1530 * 2e-6)
     # The front shares its core with the stream: 25 us per datagram at 100 Mbit/s (8,953 datagrams/s).
     share = 25e-6 * 100e6 / 8 / (1362 + 4 + 30)
     assert recv.stream_factor(LINK) == pytest.approx(1 / (1 - share))
     level = level_named("int8")
-    loaded = split_at(512, 1500, DEFAULT_GEOMETRY, level, LINK, recv)
+    beside = split_at(512, 1500, DEFAULT_GEOMETRY, level, LINK, replace(recv, rebuild_s_per_token=None))
     alone = split_at(512, 1500, DEFAULT_GEOMETRY, level, LINK, ReceiverModel(CURVE, 0.05, question_tokens=30))
-    assert loaded.parts["front_s"] - LINK.owd_s == pytest.approx(
+    assert beside.parts["front_s"] - LINK.owd_s == pytest.approx(
         (alone.parts["front_s"] - LINK.owd_s) / (1 - share))
-    # a split rebuilds from its whole stream plan: as measured, the whole context's tokens
-    assert loaded.parts["rebuild_s"] == pytest.approx(1500 * 5e-6)
+    loaded = split_at(512, 1500, DEFAULT_GEOMETRY, level, LINK, recv)
+    assert loaded.parts["front_s"] > beside.parts["front_s"]  # the blocks placed between its chunks
+    # a split rebuilds from its whole stream plan (as measured, the whole context's tokens), placed as it
+    # arrives: between the front's chunks, which it lengthens, and in the idle worker after
+    whole = 1500 * 5e-6
+    assert loaded.parts["rebuild_s"] < whole
+    assert loaded.parts["front_s"] + loaded.parts["rebuild_s"] <= beside.parts["front_s"] + whole + 1e-9
 
 
 def test_a_slower_node_is_planned_slower_without_a_constant_changed() -> None:

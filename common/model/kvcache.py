@@ -343,6 +343,8 @@ class LiveRebuild:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.placed = 0  # block placements so far (a refined block counts again)
+        self.placed_before = 0  # of them, before ``finish``
+        self.failed: str | None = None  # a drain refused a block (the deadline's rebuild then runs whole)
         self.place_s = 0.0  # worker seconds spent placing before the deadline
 
     def offer(self, rows: npt.NDArray[np.uint8]) -> None:
@@ -373,9 +375,18 @@ class LiveRebuild:
 
     def drain(self) -> int:
         """Worker: file what the loop handed over and place every block whose usable level rose; returns
-        the blocks placed."""
-        if not self.inbox:
+        the blocks placed. A block refused (a piece with NaN scales) stops the live build (``failed``): the
+        deadline's one-shot rebuild refuses it as before."""
+        if not self.inbox or self.failed is not None:
             return 0
+        try:
+            return self._drain()
+        except ValueError as exc:
+            self.failed = str(exc)
+            self.inbox.clear()
+            return 0
+
+    def _drain(self) -> int:
         started = time.perf_counter()
         while self.inbox:
             rows = self.inbox.popleft()
@@ -397,6 +408,7 @@ class LiveRebuild:
             raise ValueError(f"reconstruction mode {mode!r} is not one of mask, zero")
         started = time.perf_counter()
         self.inbox.clear()
+        self.placed_before = self.placed
         self._place(store, levels, bases)
         keys, values = self._tensors()
         g, layout = self.plan.layout.geometry, self.plan.layout

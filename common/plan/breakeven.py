@@ -376,14 +376,36 @@ def handoff_option(n_tokens: int, geometry: KVGeometry, level: PrecisionLevel, l
     """The whole cache streams at ``level``: handshake + one-way delay + serialisation + rebuild, then
     the question's forward call and a decode step."""
     kv = n_tokens * level.bytes_per_token(geometry)
+    rebuild = _rebuild_s(n_tokens, geometry, level, receiver)
+    if _rebuilds_live(level, receiver):  # placed as it arrives: what the stream outpaces, or its last period
+        rebuild = _left_at_ready(rebuild, link.serialisation_s(kv))
     parts = {
         "handshake_s": link.handshake_s, "owd_s": link.owd_s, "serialisation_s": link.serialisation_s(kv),
-        "rebuild_s": _rebuild_s(n_tokens, geometry, level, receiver),
+        "rebuild_s": rebuild,
         "question_s": receiver.question_s(n_tokens),
         "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens),
     }
     return Option("handoff", level.name, sum(parts.values()), kv, math.ceil(link.wire_bytes(kv)),
                   keeps_floor, None, parts)
+
+
+#: How often the receiver places a quantised stream's completed blocks into its cache while the stream
+#: arrives (``receiver/handoffs.py``; ``common/model/kvcache.LiveRebuild``).
+LIVE_REBUILD_EVERY_S: Final = 0.025
+
+
+def _rebuilds_live(level: PrecisionLevel, receiver: ReceiverModel) -> bool:
+    """Whether a receiver builds a stream at ``level`` as it arrives: a quantised one, on a receiver that
+    measured its rebuild (one that states it runs the code that builds live)."""
+    return level.bf16_ratio is not None and receiver.rebuild_s_per_token is not None
+
+
+def _left_at_ready(rebuild_s: float, arrival_s: float) -> float:
+    """What is left of a rebuild of ``rebuild_s`` placed while its stream arrives over ``arrival_s``: the
+    backlog where placing is slower than arriving, else the last placement period's share."""
+    if arrival_s <= 0:
+        return rebuild_s
+    return max(rebuild_s - arrival_s, rebuild_s * min(1.0, LIVE_REBUILD_EVERY_S / arrival_s))
 
 
 def _rebuild_s(n_tokens: float, geometry: KVGeometry, level: PrecisionLevel,
@@ -467,6 +489,13 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     rebuild = _rebuild_s(rebuilt, geometry, level, receiver) if back_tokens else 0.0
     front = link.owd_s + receiver.front_s(m)
     back = link.handshake_s + link.owd_s + link.serialisation_s(kv) if back_tokens else 0.0
+    if back_tokens and _rebuilds_live(level, receiver):
+        # Placed as it arrives: between the front's chunks (lengthening it) for what arrives before the
+        # front ends, then in the idle worker until the back has landed; the rest after.
+        left = _left_at_ready(rebuild, back)
+        during = (rebuild - left) * min(1.0, front / back)
+        front += during
+        rebuild = left + max(0.0, rebuild - left - during - max(0.0, back - front))
     parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
              "question_s": receiver.question_s(n_tokens),
              "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens)}
