@@ -23,7 +23,7 @@ SANS_IO = (
     "pfec.common.codec", "pfec.common.wire", "pfec.common.sched", "pfec.common.plan", "pfec.common.events",
     "pfec.sender.transport",
     "pfec.receiver.session", "pfec.receiver.endpoint", "pfec.receiver.session_states",
-    "pfec.receiver.session_types", "pfec.receiver.split", "pfec.receiver.handshake",
+    "pfec.receiver.session_types", "pfec.receiver.split", "pfec.receiver.handshake", "pfec.receiver.fanout",
 )
 IO = {"asyncio", "socket", "time", "threading", "selectors", "uvloop", "aiohttp", "prometheus_client"}
 TORCH = {"torch", "transformers", "safetensors", "accelerate", "gguf"}
