@@ -18,17 +18,24 @@ def bench_serving_cmd(
     context_tokens: Annotated[int, typer.Option(min=64, help="Each conversation's context, tokens.")] = 1500,
     max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of every request.")] = 8,
     rate_mbps: Annotated[float, typer.Option(help="The handoff's pacing rate (loopback UDP).")] = 100.0,
+    constrained_prompts: Annotated[int, typer.Option(
+        min=0, max=20, help="Prompts of each constrained row (tool_choice required, a strict json_schema) "
+        "and of the decode-step overhead per grammar library; 0 skips them.")] = 20,
+    constrained_max_tokens: Annotated[int, typer.Option(min=8, help="max_tokens of those requests.")] = 64,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where serving.json and .md go.")] = DOCS_BENCH,
 ) -> None:
     """TTFT of the receiver's first request after a conversation handoff against the same messages with
     nothing stored, and each node's second-turn prefill (real daemons, the default model, the openai
-    client)."""
+    client). Then constrained decoding: valid forced tool calls, replies validating a strict schema, and
+    the decode step's overhead per grammar library (xgrammar where installed)."""
     from pfec.lab.bench.serving import run_serving_bench, write_serving_bench  # deferred: torch, daemons
 
     try:
         result = run_serving_bench(runs, context_tokens, max_tokens, rate_mbps,
-                                   progress=progress_line("bench serving"))
+                                   progress=progress_line("bench serving"),
+                                   constrained_prompts=constrained_prompts,
+                                   constrained_max_tokens=constrained_max_tokens)
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_serving_bench, out_dir, "serving.md", as_json)

@@ -133,7 +133,8 @@ def complete(runtime: ModelRuntime, prompt_ids: Sequence[int], prefix: PartialKV
     started = time.perf_counter()
     base = crop(prefix, n_cached) if prefix is not None and n_cached else None
     with torch.inference_mode():
-        cache, masks, logits = _start(runtime, base, prompt_ids[n_cached:], n_cached, sampling.max_tokens)
+        cache, masks, logits = start_cache(runtime, base, prompt_ids[n_cached:], n_cached,
+                                           sampling.max_tokens)
         prefill_s = time.perf_counter() - started
         decoded = _Decoder(runtime, sampling, on_text)
         fed = list(prompt_ids)
@@ -149,7 +150,7 @@ def complete(runtime: ModelRuntime, prompt_ids: Sequence[int], prefix: PartialKV
                       fed, ttft_s, prefill_s)
 
 
-def _start(runtime: ModelRuntime, base: PartialKV | None, suffix: Sequence[int], start: int,
+def start_cache(runtime: ModelRuntime, base: PartialKV | None, suffix: Sequence[int], start: int,
            room: int) -> tuple[DynamicCache, list[torch.Tensor | None] | None, torch.Tensor]:
     """A cache with ``room`` rows free after the suffix (each decoded token is then written in place; a
     ``DynamicCache`` concatenates, copying the whole cache per token), the suffix prefilled into it, and
@@ -198,7 +199,7 @@ def extend(runtime: ModelRuntime, ids: Sequence[int], prefix: PartialKV | None, 
     if base is not None and n_cached == len(ids):
         return base
     with torch.inference_mode():
-        cache, _, _ = _start(runtime, base, ids[n_cached:], n_cached, 0)
+        cache, _, _ = start_cache(runtime, base, ids[n_cached:], n_cached, 0)
     return _leftover(cache, None if base is None else base.row_masks, len(ids),
                      base.mode if base is not None else "mask")
 
