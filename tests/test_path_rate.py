@@ -41,9 +41,11 @@ class Bottleneck:
     8 datagrams. It drives a controller the way a session and its pacer do, in 100 us steps."""
 
     def __init__(self, rate: PathRate, link_bps: float, queue_s: float = 0.1, loss_every: int = 0,
-                 burst: tuple[float, float] | None = None) -> None:
+                 burst: tuple[float, float] | None = None, random_loss: float = 0.0, seed: int = 0) -> None:
         self.rate, self.link_bps, self.queue_s, self.loss_every = rate, link_bps, queue_s, loss_every
         self.burst = burst  # (from, to): the channel loses every other datagram sent then
+        self.random_loss, self.rng = random_loss, random.Random(seed)  # each datagram lost with this chance
+        self.admitted: list[float] = []  # when each datagram the queue took was sent
         self.free_at = 0.0  # when the link has sent everything queued
         self.next_send = 0.0
         self.sent = self.received = self.dropped = 0
@@ -73,7 +75,10 @@ class Bottleneck:
             self.dropped += 1
             return
         self.free_at = start + DATAGRAM * 8 / self.link_bps
+        self.admitted.append(t)
         if self.loss_every and self.sent % self.loss_every == 0:
+            return
+        if self.random_loss and self.rng.random() < self.random_loss:  # on the wire, after the queue
             return
         if self.burst is not None and self.burst[0] <= t < self.burst[1] and pn % 2:
             return
@@ -633,7 +638,7 @@ def test_the_delivery_cap_holds_in_flight_to_what_the_acks_delivered() -> None:
     caps._phases.phase = Phase.CRUISE
     caps.on_round_open()
     for k in range(100):
-        caps.on_ack(k * 1e-3, 4 * k)
+        caps.on_ack(k * 1e-3, 4 * k, 0)
     assert caps.delivery_packets == pytest.approx(4000 * (0.02 + 0.03))
     assert caps.limit == caps.delivery_packets < caps.window_packets
     caps.restart()

@@ -10,9 +10,11 @@
   inflated by that very start.
 - A handoff that joined a standing queue claims its share instead (a loss-based flow yields only to
   loss): a round trip over the RTT it met, then ``JOINED_STARTUP_WINDOW`` at STARTUP's pace.
-- **The delivery cap**, per ACK: what the ACKs of the last ``DELIVERY_WINDOW_ROUNDS`` rounds delivered,
-  over the RTT plus ``QUEUE_BUDGET_S``. The max filter holds a burst's rate: a round trip at it queues
-  50-100 ms in an LTE cell's stall after its burst.
+- **The delivery cap**, per ACK: what the ACKs of the last ``DELIVERY_WINDOW_ROUNDS`` rounds say the
+  link carried, over the RTT plus ``QUEUE_BUDGET_S``. The max filter holds a burst's rate: a round trip at
+  it queues 50-100 ms in an LTE cell's stall after its burst.
+- Carried is what arrived plus the random-loss floor's share of what went missing (never more than went
+  missing): a 25% channel loss counted as a slower link shrank the cap's queue budget by half.
 - Under a neighbour's standing queue there is no delivery cap: it would yield a loss-based flow the link.
 - Neither cap is ever below ``CWND_MIN_PACKETS``.
 """
@@ -52,8 +54,8 @@ class InFlightCaps:
         self.window_packets = 0.0
         self.delivery_packets = math.inf  # the delivery cap (inf: none)
         self.limit = 0.0
-        self._acks: deque[tuple[float, int]] = deque()  # the delivery cap's (ACK time, delivered by then)
-        self._ack_base = (math.inf, 0)  # its window's base (inf: none yet)
+        self._acks: deque[tuple[float, int, int]] = deque()  # the delivery cap's (ACK time, delivered, lost)
+        self._ack_base = (math.inf, 0, 0)  # its window's base (inf: none yet)
         self._budget_window_s = DELIVERY_WINDOW_ROUNDS * FIRST_ROUND_S
         self._budget_span_s = math.inf  # its round trip (inf: no delivery cap)
         self.refresh(pace_bps)
@@ -89,23 +91,25 @@ class InFlightCaps:
         budget = max(QUEUE_BUDGET_S, QUEUE_BUDGET_RTT * rtt.base_rtt())
         self._budget_span_s = ref * (STARTUP_GAIN if self._phases.phase is Phase.STARTUP else 1.0) + budget
 
-    def on_ack(self, now: float, delivered: int) -> None:
-        """An ACK at ``now`` brought the receivers' count to ``delivered``: the delivery cap is what the
-        window's ACKs delivered, over its round trip."""
+    def on_ack(self, now: float, delivered: int, lost: int) -> None:
+        """An ACK at ``now`` brought the receivers' counts to ``delivered`` and ``lost``: the delivery cap is
+        what the window's ACKs say was carried, over its round trip."""
         acks = self._acks
-        acks.append((now, delivered))
+        acks.append((now, delivered, lost))
         edge = now - self._budget_window_s
         while acks[0][0] <= edge:  # the newest ACK at or before the window's edge is its base
             self._ack_base = acks.popleft()
-        acked_at, base = self._ack_base
+        acked_at, base, base_lost = self._ack_base
         if self._budget_span_s < math.inf and acked_at <= edge:
-            packets = (delivered - base) * self._budget_span_s / (now - acked_at)
+            arrived = delivered - base
+            carried = arrived + self._delivery.credit(arrived, lost - base_lost, clear=False)
+            packets = carried * self._budget_span_s / (now - acked_at)
             self.delivery_packets = max(CWND_MIN_PACKETS, packets)
             self.limit = min(self.window_packets, self.delivery_packets)
 
     def restart(self) -> None:
         """A new handoff after an idle spell: no delivery cap until its ACKs say how fast it delivers."""
         self._acks.clear()
-        self._ack_base = (math.inf, 0)
+        self._ack_base = (math.inf, 0, 0)
         self._budget_span_s = self.delivery_packets = math.inf
         self.limit = self.window_packets

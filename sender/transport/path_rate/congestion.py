@@ -8,9 +8,10 @@
   ACK may lower the round's count).
 - The rule is silent while draining, and for a smoothed RTT after a cut or a drain began: those losses
   answer the cut or the overshoot before it.
-- Loss without a queue is the channel's, the FEC's business: it sets the random-loss floor. A queue above
-  the base RTT counts too: a loss-based neighbour's standing queue inflates the min RTT, and its
-  drop-tail losses are not the channel's.
+- Loss in a round **clear of queues** is the channel's, the FEC's business: it sets the random-loss floor,
+  and the delivery-rate sample credits it (:mod:`.delivery`). Clear means no queue of ours above
+  ``congested_queue_s`` and none above the base RTT: a loss-based neighbour's standing queue inflates the
+  min RTT, and its drop-tail losses are not the channel's.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ class CongestionRule:
             return False
         return loss > loss_floor + LOSS_MARGIN and self._queued >= QUEUED_ROUNDS
 
-    def channel_loss(self, congested: bool, rtt: RttEstimate) -> bool:
-        """The round's loss is the channel's (into the random-loss floor): no queue of ours or another's."""
-        return not (congested or self.queued or rtt.queue_above_base_s() > rtt.congested_queue_s())
+    @staticmethod
+    def clear(rtt: RttEstimate) -> bool:
+        """The round now closing stood no queue of ours or another's: nothing in it could drop, its loss is
+        the channel's (read before the round's RTTs close)."""
+        limit = rtt.congested_queue_s()
+        return rtt.round_queue_s() <= limit and rtt.queue_above_base_s() <= limit
 
     def cut(self, estimate_bps: float, rate_bps: float) -> float:
         """The estimate after a congested round that delivered ``rate_bps`` (to be clamped)."""

@@ -35,8 +35,9 @@ class PathRate:
 
     __slots__ = (
         "_breaker", "_capped", "_caps", "_congestion", "_delivered", "_delivery", "_forecast", "_lost",
-        "_packets_sent", "_phases", "_rtt", "bytes_sent", "datagram_bytes", "last_delivery_at",
-        "last_sent_at", "pace_bps", "rounds", "sent_since_delivery", "start_bps",
+        "_packets_sent", "_phases", "_reported_lost", "_rtt", "bytes_sent", "datagram_bytes",
+        "last_delivery_at", "last_sent_at", "pace_bps", "rounds", "sending_since", "sent_since_delivery",
+        "start_bps",
     )
 
     def __init__(self, start_bps: float, datagram_bytes: int, *, max_bps: float | None = None,
@@ -60,11 +61,13 @@ class PathRate:
         self.rounds = 0
         self.bytes_sent = 0
         self.last_sent_at = -math.inf
+        self.sending_since: float | None = None  # the first data datagram since the start or an idle restart
         self.last_delivery_at: float | None = None  # None until the path first delivers
         self.sent_since_delivery = 0
         self._packets_sent = 0
         self._delivered = 0  # cumulative data datagrams the receivers counted
         self._lost = 0
+        self._reported_lost = 0  # what the receivers counted lost (``_lost`` less write-offs)
         self._caps = InFlightCaps(self._rtt, self._delivery, self._phases, datagram_bytes, self.pace_bps)
 
     # ------------------------------------------------------------------ what the session and adapters read
@@ -143,6 +146,8 @@ class PathRate:
     def on_packet_sent(self, now: float, size: int) -> None:
         if now - self.last_sent_at > RESTART_IDLE_S and self._packets_sent > 0:
             self._restart()
+        if self.sending_since is None:
+            self.sending_since = now
         self.last_sent_at = now
         self.bytes_sent += size
         self._packets_sent += 1
@@ -153,6 +158,7 @@ class PathRate:
 
     def on_packets_lost(self, now: float, count: int) -> None:
         self._lost += count
+        self._reported_lost += count
 
     def write_off(self, count: int) -> None:
         """An ended session's datagrams its receiver never counted: out of flight as lost, the round's loss
@@ -166,7 +172,7 @@ class PathRate:
         self._delivered += count
         self.last_delivery_at = now
         self.sent_since_delivery = 0
-        self._caps.on_ack(now, self._delivered)
+        self._caps.on_ack(now, self._delivered, self._reported_lost)
         opened_at = self._delivery.opened_at
         if opened_at is None:
             self._open_round(now)
@@ -189,9 +195,10 @@ class PathRate:
 
     def _close_round(self, now: float) -> None:
         """The algorithm, once per round: measure, judge, step the phase, forecast, cap."""
-        rtt, delivery = self._rtt, self._delivery
+        rtt, delivery, congestion = self._rtt, self._delivery, self._congestion
+        clear = congestion.clear(rtt)
         sample = delivery.close(now, self._delivered, self._lost, self._packets_sent, rtt.newest_sent_at,
-                                self.datagram_bytes, self.pace_bps, self._capped)
+                                self.datagram_bytes, self.pace_bps, self._capped, clear)
         if sample is None:  # the first round after a start: the receiver's burst of what it held
             return
         self.rounds += 1
@@ -199,9 +206,8 @@ class PathRate:
         loss = sample.loss
         self._breaker.on_round(now, sample.lost, sample.delivered)
         delivery.take(sample)
-        congestion = self._congestion
         congested = congestion.judge(now, loss, delivery.loss_floor, rtt, self._phases.phase is Phase.DRAIN)
-        if congestion.channel_loss(congested, rtt):
+        if clear and not congested:
             delivery.learn_floor(loss)
         if congested:
             delivery.restart_from(congestion.cut(delivery.estimate_bps, sample.rate_bps))
@@ -219,7 +225,7 @@ class PathRate:
         self._rtt.restart()
         self._caps.restart()
         self._breaker.restart()
-        self.last_delivery_at = None
+        self.last_delivery_at = self.sending_since = None
         # What the last handoff sent that its receiver never counted (what followed its last ACK: the
         # tail's repairs, a split's front once the receiver started) will never be: not in flight. Kept
         # in flight, it piled up handoff after handoff until the cap held a slow path at a trickle.

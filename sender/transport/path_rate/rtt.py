@@ -92,6 +92,13 @@ class RttEstimate:
         the channel's."""
         return 0.0 if self.min_rtt == math.inf else min(self.min_rtt, self.prior_s)
 
+    def round_queue_s(self) -> float:
+        """The round now closing: its smallest RTT above the min RTT (what ``close_round`` will make the
+        queueing delay; the last round's without a sample)."""
+        if self.round_min_rtt == math.inf or self.min_rtt == math.inf:
+            return self.queue_delay_s
+        return max(0.0, self.round_min_rtt - self.min_rtt)
+
     def queue_above_base_s(self) -> float:
         """The newest round's smallest RTT above the base RTT: a queue another flow keeps standing shows
         here, even one from before the first sample."""
