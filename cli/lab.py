@@ -222,7 +222,11 @@ def emulate_cmd(
     ] = "relay",
     listen: Annotated[str, typer.Option(
         help="relay: HOST:PORT the sender sends to (with several --forward-to: the group port; receiver i's "
-        "own port is PORT+1+i).")] = "0.0.0.0:7401",
+        "own port is PORT+1+i). An IPv4 multicast group is joined: one receiver's last mile.")] = (
+        "0.0.0.0:7401"),
+    join_on: Annotated[str | None, typer.Option(
+        help="relay: with a multicast --listen, join the group on the interface with this IPv4 address.",
+    )] = None,
     forward_to: Annotated[list[str] | None, typer.Option(
         help="relay: the receiver's HOST:PORT [default: 127.0.0.1:7400]. Give it up to 8 times to fan out: "
         "one uplink (rate, queue, trace), then per receiver its own delay and loss.")] = None,
@@ -271,6 +275,8 @@ def emulate_cmd(
         raise fail(f"--mode {mode!r}: use 'relay' or 'netns'")
     targets = forward_to or ["127.0.0.1:7400"]
     try:
+        if join_on is not None:
+            parse_host_port(f"{join_on}:1")
         if len(targets) > 1 and mode != "relay":
             raise ValueError("several --forward-to fan out through the relay: use --mode relay")
         if len(targets) > MAX_RECEIVERS:
@@ -303,7 +309,7 @@ def emulate_cmd(
     try:
         stats = emulate("relay" if mode == "relay" else "netns", config, listen_hp, hps[0], spec,
                         stats_interval, duration, quiet=as_json, keep_namespaces=keep_namespaces,
-                        branches=branches)
+                        branches=branches, multicast_interface=join_on)
     except OSError as exc:
         raise fail(str(exc)) from None
     if as_json:

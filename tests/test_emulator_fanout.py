@@ -160,7 +160,7 @@ def test_fanout_relay_rejects_duplicates_and_too_many() -> None:
     cfg = EmulatorConfig()
     with pytest.raises(ValueError, match="appears twice"):
         FanoutRelay(cfg, ("127.0.0.1", 0), [Branch(("127.0.0.1", 9)), Branch(("127.0.0.1", 9))])
-    with pytest.raises(ValueError, match="1..8 receivers"):
+    with pytest.raises(ValueError, match=r"1\.\.8 receivers"):
         FanoutRelay(cfg, ("127.0.0.1", 0), [Branch(("127.0.0.1", 9 + i)) for i in range(9)])
     with pytest.raises(ValueError, match="owd_s must be in"):
         Branch(("127.0.0.1", 9), owd_s=-1)

@@ -84,6 +84,7 @@ async def _run_front(
     duration: float,
     quiet: bool,
     branches: tuple[Branch, ...],
+    multicast_interface: str | None,
 ) -> dict[str, Any]:
     stop = asyncio.Event()
     front: Front
@@ -92,7 +93,7 @@ async def _run_front(
     elif len(branches) > 1:
         front = FanoutRelay(config, listen, branches)
     else:
-        front = UdpRelay(config, listen, forward_to)
+        front = UdpRelay(config, listen, forward_to, multicast_interface=multicast_interface)
     with stop_on_signals(stop):
         return await _relay_until_stopped(front, forward_to, stop, stats_interval, duration, quiet)
 
@@ -142,11 +143,13 @@ def emulate(
     quiet: bool = False,
     keep_namespaces: bool = False,
     branches: tuple[Branch, ...] = (),
+    multicast_interface: str | None = None,
 ) -> dict[str, Any]:
     """Emulate the link until SIGINT/SIGTERM (or ``duration`` s); the final counters.
 
     Relay mode with several ``branches`` fans out (``fanout.FanoutRelay``: ``config`` is the uplink's, the
-    branches carry each receiver's delay and loss); otherwise ``forward_to`` is the one receiver.
+    branches carry each receiver's delay and loss); otherwise ``forward_to`` is the one receiver. A
+    multicast ``listen`` group is joined on ``multicast_interface`` (``relay.join_group``).
     netns mode creates the two namespaces first and removes them afterwards unless ``keep_namespaces``.
     Raises OSError when the front end cannot start (netns mode without root, a port in use, ...).
     ``quiet`` leaves out the periodic counter lines (stderr).
@@ -161,7 +164,7 @@ def emulate(
             created = True
         return run_event_loop(
             _run_front(mode, config, listen, forward_to, spec, stats_interval, duration, quiet,
-                       branches)
+                       branches, multicast_interface)
         )
     finally:
         if created and not keep_namespaces:

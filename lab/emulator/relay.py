@@ -3,11 +3,16 @@
 The relay listens for the sender on ``listen``, forwards to ``forward_to`` from a socket connected to it,
 and relays the replies to the sender's last address; both directions cross the emulated link
 (``link``). Sizes are UDP payloads, as in the simulator's slot model.
+
+``listen`` may be an IPv4 multicast group: the relay then joins it (on the interface whose address is
+``multicast_interface``, else the one the group's route names) and is one receiver's last mile behind a
+LAN that replicates the group in the kernel (tests/test_multicast_netns.py); replies go back unicast.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import time
 from collections.abc import Callable
@@ -16,13 +21,30 @@ from typing import Any, Final
 from pfec.common.node.udp import set_buffers
 from pfec.lab.emulator.link import DeliveryQueue, EmulatorConfig, LinkFront
 
-__all__ = ["UdpRelay"]
+__all__ = ["UdpRelay", "is_multicast_group", "join_group"]
 
 _RCVBUF: Final = 8 << 20
 
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def is_multicast_group(host: str) -> bool:
+    """Whether ``host`` is an IPv4 multicast group address (224.0.0.0/4)."""
+    try:
+        return ipaddress.ip_address(host).version == 4 and ipaddress.ip_address(host).is_multicast
+    except ValueError:
+        return False
+
+
+def join_group(sock: socket.socket, group: tuple[str, int], interface: str | None = None) -> None:
+    """Bind ``sock`` to the group's port (shared with other members) and join the group on the interface
+    with address ``interface`` (None: the one the kernel's route for the group names)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(group)
+    mreq = socket.inet_aton(group[0]) + socket.inet_aton(interface or "0.0.0.0")
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
 
 
 class _Proto(asyncio.DatagramProtocol):
@@ -51,10 +73,12 @@ class UdpRelay(LinkFront):
         forward_to: tuple[str, int],
         *,
         socket_buffer_bytes: int = _RCVBUF,
+        multicast_interface: str | None = None,
     ) -> None:
         super().__init__(config)
         self.listen = listen
         self.forward_to = forward_to
+        self.multicast_interface = multicast_interface
         self.no_peer = 0  # replies that arrived before any sender did
         self._bufsize = socket_buffer_bytes
         self._down: asyncio.DatagramTransport | None = None
@@ -93,7 +117,10 @@ class UdpRelay(LinkFront):
             for s in (down_sock, up_sock):
                 set_buffers(s, self._bufsize, self._bufsize)
                 s.setblocking(False)
-            down_sock.bind(self.listen)
+            if is_multicast_group(self.listen[0]):
+                join_group(down_sock, self.listen, self.multicast_interface)
+            else:
+                down_sock.bind(self.listen)
             up_sock.connect(self.forward_to)
         except OSError as exc:
             down_sock.close()
