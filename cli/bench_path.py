@@ -23,20 +23,47 @@ def bench_rate_control_cmd(
     tokens: TokensOpt = 1536,
     deadline_ms: DeadlineMsOpt = 2700.0,
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
+    sections: Annotated[str, typer.Option(
+        help="Comma-separated: told (the told-rate rows), lossy (the lossy-link rows).")] = "told,lossy",
+    loss_links: Annotated[str, typer.Option(help="Lossy rows: link rates, Mbit/s.")] = "50,100",
+    loss_percents: Annotated[str, typer.Option(help="Lossy rows: channel loss, %.")] = "10,17,25",
+    loss_rhos: Annotated[str, typer.Option(
+        help="Lossy rows: each loss's deadline, in serialisation times.")] = "1.3,1.4,1.5",
+    loss_kinds: Annotated[str, typer.Option(help="Lossy rows: bernoulli, ge (bursty).")] = "bernoulli,ge",
+    loss_seeds: Annotated[int, typer.Option(min=1, help="Lossy rows: seeds per cell.")] = 3,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where rate_control.json and .md go.")] = DOCS_BENCH,
 ) -> None:
-    """Fixed pacing at a told rate against link.rate_control = path, told 0.25-4x the link's rate (real
-    daemons through the relay emulator)."""
+    """Fixed pacing at a told rate against link.rate_control = path, told 0.25-4x the link's rate; then
+    10-25% channel loss, told the truth (real daemons through the relay emulator)."""
+    from pfec.lab.pathbench.lossy_links import LossyRows  # deferred
     from pfec.lab.pathbench.rate_control import run_rate_control_bench, write_rate_control_bench  # deferred
 
     try:
-        result = run_rate_control_bench([float(x) for x in links.split(",")],
-                                        [float(x) for x in factors.split(",")], seeds, tokens, deadline_ms,
-                                        rtt_ms, progress=progress_line("bench rate-control"))
+        chosen = {name.strip() for name in sections.split(",") if name.strip()}
+        if not chosen or not chosen <= {"told", "lossy"}:
+            raise ValueError(f"--sections: told and/or lossy, got {sections!r}")
+        lossy = None
+        if "lossy" in chosen:
+            lossy = LossyRows(_floats(loss_links), _floats(loss_percents), _floats(loss_rhos),
+                              tuple(k.strip() for k in loss_kinds.split(",") if k.strip()), loss_seeds)
+        result = run_rate_control_bench(_floats(links), _floats(factors), seeds, tokens, deadline_ms, rtt_ms,
+                                        progress=progress_line("bench rate-control"), lossy=lossy,
+                                        told_rows="told" in chosen)
     except ValueError as exc:
         raise fail(str(exc)) from None
     _write_bench(result, write_rate_control_bench, out_dir, "rate_control.md", as_json)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers (ValueError naming the bad one)."""
+    out = []
+    for item in text.split(","):
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise ValueError(f"not a number: {item.strip()!r} in {text!r}") from None
+    return tuple(out)
 
 
 def bench_traces_cmd(

@@ -50,7 +50,7 @@ def _real(nodes: PathBenchNodes, trace: RateTrace, told_mbps: float, control: st
         DirectionSpec(REVERSE_MBPS * 1e6, owd),
         seed=seed,
     )
-    report, forward = nodes.handoff(link, told_mbps, control, tokens, deadline_ms)
+    report, forward, _ = nodes.handoff(link, told_mbps, control, tokens, deadline_ms)
     return {**handoff_row(report, forward), "queue_delay_ms_p50": forward["queue_delay_ms_p50"]}
 
 
