@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -39,6 +40,7 @@ from pfec.common.plan.prefix_store import MAX_SALT_CHARS
 from pfec.common.plan.utility import ProfileError, check_profile_name
 from pfec.common.sched.policies import SCHEMES
 from pfec.sender.daemon import SenderDaemon
+from pfec.sender.fanout import MAX_FANOUT, check_receivers
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput, Prefilled
 
@@ -85,7 +87,14 @@ class HandoffRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    receiver: str = Field(max_length=300, description="Receiver data address HOST:PORT.")
+    receiver: str | None = Field(default=None, max_length=300, description="Receiver data address HOST:PORT.")
+    receivers: list[str] | None = Field(
+        default=None, min_length=1, max_length=MAX_FANOUT,
+        description="Fan-out: 1 to 8 receiver data addresses HOST:PORT, distinct, sent one preparation "
+        "(instead of receiver).")
+    fanout: Literal["unicast", "multicast"] = Field(
+        default="unicast", description="How a fan-out is carried: unicast (a session per receiver sharing "
+        "the preparation, the symbols and the uplink's pacing) or multicast.")
     context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, description="Shared context (text).")
     messages: list[ChatMessage] | None = Field(
         default=None, max_length=MAX_MESSAGES,
@@ -131,9 +140,16 @@ class HandoffRequest(BaseModel):
 
     @field_validator("receiver")
     @classmethod
-    def _receiver(cls, v: str) -> str:
+    def _receiver(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         parse_host_port(v)
         return v.strip()
+
+    @field_validator("receivers")
+    @classmethod
+    def _receivers(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else check_receivers(v)
 
     @field_validator("profile")
     @classmethod
@@ -175,6 +191,8 @@ class HandoffRequest(BaseModel):
             raise ValueError("question is required with context or messages")
         if self.deadline_ms is not None and self.rho is not None:
             raise ValueError("give deadline_ms or rho, not both")
+        if (self.receiver is None) == (self.receivers is None):
+            raise ValueError("give exactly one of receiver and receivers")
         return self
 
     def limit_errors(self, limits: SenderLimitsConfig) -> list[dict[str, str]]:
@@ -218,7 +236,9 @@ class HandoffRequest(BaseModel):
             rho = DEFAULT_RHO
         return HandoffSpec(
             inputs=inputs,
-            receiver=parse_host_port(self.receiver),
+            receiver=parse_host_port(self.receivers[0] if self.receivers else self.receiver or ""),
+            receivers=() if self.receivers is None else tuple(parse_host_port(r) for r in self.receivers),
+            fanout=self.fanout,
             deadline_ms=self.deadline_ms,
             rho=rho,
             scheme=self.scheme,
@@ -307,10 +327,21 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
                 await daemon.profiles.resolve(parsed.profile, daemon.identity.geometry.n_layers)
             except ProfileError as exc:
                 return _field_error(422, "profile", str(exc))
+        if parsed.receivers is not None:
+            if parsed.fanout == "multicast":
+                return _field_error(422, "fanout", "multicast fan-out is not served by this daemon yet "
+                                    "(the group stream's transport is sans-IO only); use unicast")
+            if parsed.conversation is not None:
+                return _field_error(422, "receivers", "a conversation goes to one receiver (a chain hop)")
+            for i, receiver in enumerate(parsed.receivers):
+                try:
+                    await daemon.destination(replace(parsed.spec(), receiver=parse_host_port(receiver)))
+                except DestinationRefused as exc:
+                    return _field_error(422, f"receivers.{i}", str(exc))
         try:
             destination = await daemon.destination(parsed.spec())
         except DestinationRefused as exc:
-            return _field_error(422, "receiver", str(exc))
+            return _field_error(422, "receiver" if parsed.receivers is None else "receivers.0", str(exc))
         prefilled = None
         if parsed.conversation is not None:
             found = await _conversation(daemon, parsed.conversation)

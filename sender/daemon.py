@@ -36,6 +36,7 @@ from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme, get_scheme
 from pfec.common.wire.messages import MsgType, split_app
+from pfec.sender.fanout import run_unicast_fanout
 from pfec.sender.handoffs import (
     Handoff,
     HandoffSpec,
@@ -46,7 +47,7 @@ from pfec.sender.handoffs import (
 )
 from pfec.sender.kv import PrecisionRequest, Prepared, full_kv_answer, prepare_model, prepare_synthetic
 from pfec.sender.metrics import SenderMetrics
-from pfec.sender.pacer import LINGER_S, PacedTransfer, clock
+from pfec.sender.pacer import LINGER_S, LinkClock, PacedTransfer, clock
 from pfec.sender.paths import PathLinks, PathLossPriors, path_rate_report
 from pfec.sender.peers import PeerMemory, PeerNumbers, front_slowdown
 from pfec.sender.speed_ask import ask_speed
@@ -245,6 +246,8 @@ class SenderDaemon:
         scheme = get_scheme(spec.scheme or self.scheme)
         profile = spec.profile or self.default_profile
         self._check_bounds(spec)
+        if spec.receivers:  # one preparation, a stream per receiver (sender/fanout.py)
+            return await run_unicast_fanout(self, handoff, scheme, profile)
         destination = await self.destination(spec)
         prepared = await self._prepare(handoff, scheme, profile, destination)
         handoff.prepared = prepared
@@ -398,7 +401,7 @@ class SenderDaemon:
             closing.add_done_callback(self._closing.discard)
 
     def _make_transfer(self, handoff: Handoff, prepared: Prepared, scheme: Scheme, profile: str,
-                       destination: Destination) -> PacedTransfer:
+                       destination: Destination, link: LinkClock | None = None) -> PacedTransfer:
         spec = handoff.spec
         plan = prepared.plan
         rate_bps = (spec.rate_mbps or self.rate_mbps) * 1e6
@@ -433,7 +436,8 @@ class SenderDaemon:
         send = SendQueue(plan, prepared.queue, prepared.symbols, prepared.block_utility,
                          None if stream is None else stream.block_of_symbol,
                          None if split is None or split.meeting_token >= plan.n_tokens else split.token_ends)
-        link = self.links.link_for(destination.address, budget, setup.loss_prior)
+        if link is None:  # a fan-out's sessions share the uplink's clock (and controller) it passes
+            link = self.links.link_for(destination.address, budget, setup.loss_prior)
         session = assemble_sender(sid, send, budget, setup, CpuMeter(time.perf_counter_ns), link.controller)
         handoff.report.update(plan_report(spec, prepared, budget, scheme.name, sid, profile, destination))
         prefilled = spec.inputs.prefilled

@@ -42,6 +42,8 @@ class HandoffSpec:
     destination: Destination | None = None  # ``receiver`` resolved and checked (else the daemon does it)
     precision: str = AUTO  # auto (the planner's mix; native for synthetic KV) or a mix of stream.MIXES
     handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (mode_choice.HANDOFF_MODES)
+    receivers: tuple[tuple[str, int], ...] = ()  # a fan-out's receivers (``receiver`` is the first); () none
+    fanout: str = "unicast"  # how a fan-out is carried (sender/fanout.py)
 
 
 @dataclass
