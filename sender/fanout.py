@@ -16,17 +16,33 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.stream import AUTO
 from pfec.common.sched.policies import Scheme
-from pfec.sender.handoffs import Handoff
+from pfec.sender.handoffs import Handoff, HandoffSpec
+from pfec.sender.kv import Prepared
+from pfec.sender.paths import PathLinks, PathLossPriors
 from pfec.sender.transport.fanout.group import MAX_MEMBERS
 from pfec.sender.transport.transfer import LinkBudget
 
-if TYPE_CHECKING:
-    from pfec.sender.daemon import SenderDaemon
+
+class FanoutHost(Protocol):
+    """What the fan-out uses of the sender daemon (sender/daemon.py; no import: the daemon imports this)."""
+
+    rate_mbps: float
+    owd_s: float
+    links: PathLinks
+    path_loss: PathLossPriors
+
+    async def destination(self, spec: HandoffSpec) -> Any: ...
+    async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str,
+                       destination: Any) -> Prepared: ...
+    def _make_transfer(self, handoff: Handoff, prepared: Prepared, scheme: Scheme, profile: str,
+                       destination: Any, link: Any = None) -> Any: ...
+    async def _stream(self, handoff: Handoff, transfer: Any, destination: Any) -> None: ...
+    def _report_transfer(self, handoff: Handoff, transfer: Any, prepared: Prepared) -> float | None: ...
 
 __all__ = ["MAX_FANOUT", "check_receivers", "run_unicast_fanout"]
 
@@ -70,7 +86,7 @@ def _entry(child: Handoff, outcome: str) -> dict[str, Any]:
     }
 
 
-async def run_unicast_fanout(daemon: SenderDaemon, handoff: Handoff, scheme: Scheme,
+async def run_unicast_fanout(daemon: FanoutHost, handoff: Handoff, scheme: Scheme,
                              profile: str) -> tuple[str, float | None]:
     """Prepare once, stream to every receiver at once on one uplink clock, and report per receiver.
     Returns (the outcome: done when every receiver's handoff is, the mean recovered utility)."""
