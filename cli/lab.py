@@ -12,10 +12,11 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
+from pfec.cli.fanout.commands import SIM_DEFAULT_SCHEME, per_receiver, sim_fanout
 from pfec.cli.link_options import (
     RATE_CONTROL_HELP,
     TOLD_HELP,
@@ -49,7 +50,7 @@ from pfec.lab.reporting.progress import progress_line
 from pfec.lab.reporting.text import format_sim_table
 from pfec.lab.sim.channel import parse_loss_spec
 
-T = TypeVar("T")
+SIM_SCHEMES = "udp,priority,uniform-fec,priority-fixed,heuristic"
 MAIN_LOSS = "ge:0.001,0.5,0.02,0.1"  # the paper's main Gilbert-Elliott config
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ResultJsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
@@ -68,12 +69,14 @@ ModeOpt = Annotated[str, typer.Option(
 
 
 def sim_cmd(
-    scheme: Annotated[str, typer.Option(help="Comma-separated schemes, e.g. udp,priority,heuristic.")] = (
-        "udp,priority,uniform-fec,priority-fixed,heuristic"
-    ),
+    scheme: Annotated[str, typer.Option(
+        help="Comma-separated schemes, e.g. udp,priority,heuristic (fan-out: the first; default "
+        "heuristic).")] = SIM_SCHEMES,
     rho: Annotated[float | None, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = None,
     deadline_ms: Annotated[float | None, typer.Option(help="Deadline D in ms (instead of --rho).")] = None,
-    loss: Annotated[str, typer.Option(help="ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH")] = MAIN_LOSS,
+    loss: Annotated[list[str] | None, typer.Option(
+        help=f"ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH [default: {MAIN_LOSS}]; with --receivers, once "
+        "for all or once per receiver.")] = None,
     rate_mbps: Annotated[float, typer.Option(help="Bottleneck link rate.")] = DEFAULT_RATE_MBPS,
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
     tokens: TokensOpt = 1536,
@@ -111,6 +114,10 @@ def sim_cmd(
     queue_bytes: QueueBytesOpt = None,
     told_rate_mbps: Annotated[float | None, typer.Option(help=TOLD_HELP)] = None,
     rate_control: Annotated[str, typer.Option(help=RATE_CONTROL_HELP)] = "fixed",
+    receivers: Annotated[int, typer.Option(help="Fan-out: receivers behind one uplink (1-8).")] = 1,
+    fanout: Annotated[str | None, typer.Option(
+        help="Fan-out: coded (one group stream) and/or unicast (N sessions), comma-separated; each beside "
+        "every receiver's solo handoff and oracle [default with --receivers > 1: coded,unicast].")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
@@ -139,6 +146,10 @@ def sim_cmd(
         raise fail(f"--precision/--mode: {exc}") from None
 
     profile_path = str(SHIPPED_PROFILE) if profile == "shipped" else profile
+    losses = loss or [MAIN_LOSS]
+    fan = receivers != 1 or fanout is not None
+    if len(losses) > 1 and not fan:
+        raise fail("--loss is given once per receiver only with --receivers")
     names = [s.strip() for s in scheme.split(",") if s.strip()]
     if not names:
         raise fail("--scheme is empty; give at least one scheme name")
@@ -152,7 +163,7 @@ def sim_cmd(
         queued = rate_control == "path" or told_rate_mbps not in (None, rate_mbps)
         trace, depth = sim_link(rate_trace, rate_scale, queue_ms, queue_bytes, rate_mbps, queued)
         config = SimConfig(
-            loss=parse_loss_spec(loss),
+            loss=parse_loss_spec(losses[0]),
             rate_mbps=rate_mbps,
             rtt_ms=rtt_ms,
             rho=rho if deadline_ms is None else None,
@@ -172,10 +183,15 @@ def sim_cmd(
             told_rate_mbps=told_rate_mbps,
             rate_control=rate_control,
         )
-        result = simulate(config, names, realizations, progress=progress_line("sim"))
+        if not fan:
+            result = simulate(config, names, realizations, progress=progress_line("sim"))
     except ValueError as exc:
         raise fail(str(exc)) from None
-    result["inputs"]["loss"] = loss  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
+    if fan:
+        one = names[0] if scheme != SIM_SCHEMES else SIM_DEFAULT_SCHEME
+        sim_fanout(config, losses, receivers, fanout or "coded,unicast", one, realizations, as_json)
+        return
+    result["inputs"]["loss"] = losses[0]  # the spec as given, e.g. ge:0.001,0.5,0.02,0.1
     result["inputs"]["profile_path"] = None if profile == "synthetic" else profile_path
     if planner is not None:
         result["inputs"]["planner"] = planner
@@ -282,10 +298,10 @@ def emulate_cmd(
         if len(targets) > MAX_RECEIVERS:
             raise ValueError(f"--forward-to: at most {MAX_RECEIVERS} receivers, got {len(targets)}")
         n = len(targets)
-        owds = _per_receiver("--owd-ms", owd_ms, n) if owd_ms else [
-            r / 2.0 for r in _per_receiver("--rtt-ms", rtt_ms or [20.0], n)]
-        losses = [parse_loss(s) for s in _per_receiver("--loss", loss or ["none"], n)]
-        rev_losses = [parse_loss(s) for s in _per_receiver("--reverse-loss", reverse_loss or ["none"], n)]
+        owds = per_receiver("--owd-ms", owd_ms, n) if owd_ms else [
+            r / 2.0 for r in per_receiver("--rtt-ms", rtt_ms or [20.0], n)]
+        losses = [parse_loss(s) for s in per_receiver("--loss", loss or ["none"], n)]
+        rev_losses = [parse_loss(s) for s in per_receiver("--reverse-loss", reverse_loss or ["none"], n)]
         rev_rate = rate_mbps if reverse_rate_mbps is None else reverse_rate_mbps
         trace, depth = trace_link(rate_trace, rate_scale, queue_ms, queue_bytes)
         listen_hp = parse_host_port(listen, allow_port_zero=True) if mode == "relay" else ("", 0)
@@ -321,16 +337,6 @@ def emulate_cmd(
         for name in ("forward", "reverse"):
             typer.echo(f"{label}{name}: " + ", ".join(f"{k} {v}" for k, v in part[name].items()), err=True)
     typer.echo(f"cpu {stats['cpu_s']} s over {stats['elapsed_s']} s", err=True)
-
-
-def _per_receiver(option: str, values: list[T], n: int) -> list[T]:
-    """One value for every receiver, or one per receiver (``n`` of them, in --forward-to's order)."""
-    if len(values) == 1:
-        return values * n
-    if len(values) != n:
-        raise ValueError(f"{option}: give it once for all receivers or once per --forward-to ({n}), "
-                         f"got {len(values)}")
-    return list(values)
 
 
 # --------------------------------------------------------------------------- learning and tuning

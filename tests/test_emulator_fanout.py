@@ -178,7 +178,7 @@ def test_emulate_cmd_fans_out_and_reports_per_receiver() -> None:
     assert [r["address"] for r in stats["receivers"]] == ["127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:11"]
     assert [r["owd_ms"] for r in stats["receivers"]] == [5.0, 10.0, 20.0]
     res = runner.invoke(app, [*base, "--loss", "none", "--loss", "none"])
-    assert res.exit_code == 2 and "--loss: give it once for all receivers or once per --forward-to (3)" in (
+    assert res.exit_code == 2 and "--loss: give it once for all receivers or once per receiver (3)" in (
         res.output)
     res = runner.invoke(app, [*base, "--mode", "netns"])
     assert res.exit_code == 2 and "use --mode relay" in res.output
