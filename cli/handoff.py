@@ -23,7 +23,9 @@ DEFAULT_SOCKET = Path("/run/pfec/sender.sock")
 
 
 def handoff_cmd(
-    receiver: Annotated[str, typer.Option(help="Receiver data address HOST:PORT.")],
+    receiver: Annotated[list[str], typer.Option(
+        help="Receiver data address HOST:PORT. Give it up to 8 times for a fan-out: one preparation, "
+        "one stream per --fanout.")],
     question: Annotated[str | None, typer.Option(help="The question the receiver answers.")] = None,
     context: Annotated[str | None, typer.Option(help="Context text.")] = None,
     context_file: Annotated[Path | None, typer.Option(help="Read the context from this file.")] = None,
@@ -55,6 +57,9 @@ def handoff_cmd(
     cache_salt: Annotated[str | None, typer.Option(
         help="The cache salt the receiver keeps the context's cache under for later OpenAI API requests "
         "(default: the shared namespace).")] = None,
+    fanout: Annotated[str | None, typer.Option(
+        help="How a fan-out (several --receiver) is carried: unicast (a session per receiver on one "
+        "uplink clock, the default) | multicast (one coded stream to a group, sealed once).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -65,9 +70,20 @@ def handoff_cmd(
             context = context_file.read_text()
         except OSError as exc:
             raise fail(f"--context-file {str(context_file)!r}: {exc.strerror}") from None
-    body: dict[str, Any] = {"receiver": receiver, "reconstruction": reconstruction,
-                            "full_kv_answer": full_kv_answer, "precision": precision,
-                            "handoff_mode": mode}
+    if not receiver:
+        raise fail("give --receiver HOST:PORT (up to 8 times for a fan-out)")
+    if fanout is not None and len(receiver) == 1:
+        raise fail("--fanout is for a fan-out: give --receiver more than once")
+    if fanout is not None and fanout not in ("unicast", "multicast"):
+        raise fail(f"--fanout: {fanout!r} is not unicast or multicast")
+    body: dict[str, Any] = {"reconstruction": reconstruction, "full_kv_answer": full_kv_answer,
+                            "precision": precision, "handoff_mode": mode}
+    if len(receiver) == 1:
+        body["receiver"] = receiver[0]
+    else:  # a fan-out (sender/fanout.py): the daemon checks each address, duplicates and the bound
+        body["receivers"] = list(receiver)
+        if fanout is not None:
+            body["fanout"] = fanout
     if conversation is not None:
         if context is not None or question is not None or synthetic_tokens is not None or full_kv_answer:
             raise fail("--conversation hands over a conversation: no --context, --question, "

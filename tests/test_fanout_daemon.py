@@ -4,11 +4,16 @@ preparation, a session per receiver on one uplink clock), and the control API's 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+from typer.testing import CliRunner
 
+from pfec.cli.app import app
 from pfec.common.codec import fec
 from pfec.common.node.control import ControlClient, ControlServer
 from pfec.common.node.eventloop import run_event_loop
@@ -117,3 +122,63 @@ async def _receiver(identity: Any) -> ReceiverDaemon:
     rx = ReceiverDaemon(identity, PSK)
     await rx.start("127.0.0.1", 0)
     return rx
+
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """An event loop in a background thread (the CLI under test runs its own asyncio.run)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_cli_repeated_receiver_is_a_fanout(tmp_path: Path) -> None:
+    """`pfec handoff --receiver A --receiver B` posts receivers (a fan-out), one --receiver stays receiver;
+    --fanout goes with it, and is refused for one receiver."""
+    identity = synthetic_identity(SMALL)
+    lt = _LoopThread()
+    sock = tmp_path / "s.sock"
+
+    async def start() -> tuple[SenderDaemon, list[ReceiverDaemon], ControlServer]:
+        rxs = [await _receiver(identity) for _ in range(2)]
+        tx = SenderDaemon(identity, PSK, rate_mbps=30, owd_ms=1, result_wait_s=1, rate_control="fixed")
+        server = ControlServer(sender_routes(tx))
+        await server.start(sock, None, None)
+        return tx, rxs, server
+
+    tx, rxs, server = lt.call(start())
+    try:
+        a, b = (f"{rx.address[0]}:{rx.address[1]}" for rx in rxs)
+        res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--receiver", b, "--synthetic-tokens",
+                                       "64", "--rho", "4", "--fanout", "unicast", "--socket", str(sock),
+                                       "--json"])
+        assert res.exit_code == 0, res.output
+        printed = json.loads(res.stdout)
+        assert printed["fanout"] == "unicast" and [e["receiver"] for e in printed["receivers"]] == [a, b]
+        res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--synthetic-tokens", "64", "--rho", "4",
+                                       "--socket", str(sock), "--json"])
+        assert res.exit_code == 0, res.output
+        assert "receivers" not in json.loads(res.stdout)  # one receiver: a plain handoff
+        res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--fanout", "unicast",
+                                       "--synthetic-tokens", "64", "--socket", str(sock)])
+        assert res.exit_code == 2 and "--fanout" in res.output, res.output
+        res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--receiver", a, "--synthetic-tokens",
+                                       "64", "--socket", str(sock)])
+        assert res.exit_code == 2 and "receivers.1" in res.output, res.output  # the daemon's 422
+    finally:
+        lt.call(server.close())
+        lt.call(tx.close())
+        for rx in rxs:
+            lt.call(rx.close())
+        lt.stop()
