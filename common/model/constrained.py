@@ -99,12 +99,14 @@ class TokenMask:
         self._bytes = self.bitmask.numpy().reshape(-1).view(np.uint8)
         self._blocked = torch.empty(words * 32, dtype=torch.bool)
         self._blocked8 = self._blocked.numpy().reshape(-1, 8)
+        self._vocab = self._blocked[:n_vocab]  # the view a row of the model's vocabulary takes
         self._on_device: torch.Tensor | None = None
 
     def apply(self, row: torch.Tensor) -> None:
         """``row``: one position's logits [vocab] (a view of the model's output), written in place."""
         np.take(_BLOCKED_BY_BYTE, self._bytes, axis=0, out=self._blocked8)
-        blocked = self._blocked[: row.shape[-1]]
+        n = row.shape[-1]
+        blocked = self._vocab if n == self._vocab.shape[0] else self._blocked[:n]
         if row.device.type != "cpu":  # one copy into a buffer on the logits' device
             if self._on_device is None or self._on_device.device != row.device:
                 self._on_device = torch.empty_like(blocked, device=row.device)

@@ -11,6 +11,8 @@ node: the tokens it prefilled against its new turn's. Writes docs/benchmarks/ser
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -416,8 +418,6 @@ class _XGrammar:
     unpacking and in-place masking as llguidance's path: only the library's work differs)."""
 
     def __init__(self, runtime: Any, schema: str) -> None:
-        import importlib.metadata
-
         import xgrammar  # deferred: optional, measured only where installed
 
         from pfec.common.model import constrained, decode  # deferred: torch
@@ -496,8 +496,6 @@ def _overhead(runtime: Any, n_prompts: int, max_tokens: int) -> dict[str, Any]:
     with their strict schema: medians over every step, and the paired ratio (mask + consume) / (forward +
     pick). llguidance runs the product's path (``constrained.compile_grammar``); xgrammar, where
     installed, the same loop with its matcher."""
-    import importlib.util
-
     from pfec.common.model import constrained, serving  # deferred: torch
 
     schema = json.dumps(PERSON_SCHEMA)
