@@ -331,8 +331,6 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
             if parsed.fanout == "multicast":
                 return _field_error(422, "fanout", "multicast fan-out is not served by this daemon yet "
                                     "(the group stream's transport is sans-IO only); use unicast")
-            if parsed.conversation is not None:
-                return _field_error(422, "receivers", "a conversation goes to one receiver (a chain hop)")
             for i, receiver in enumerate(parsed.receivers):
                 try:
                     await daemon.destination(replace(parsed.spec(), receiver=parse_host_port(receiver)))
