@@ -11,6 +11,7 @@ import typer
 
 from pfec.cli import bench_chain, bench_gpu, bench_path, bench_serving, kv, lab, node, plan, transports
 from pfec.cli import eval as eval_commands
+from pfec.cli.fanout import commands as fanout_commands
 from pfec.cli.handoff import handoff_cmd
 
 app = typer.Typer(
@@ -68,6 +69,7 @@ bench_app.command("chain")(bench_chain.bench_chain_cmd)
 bench_app.command("quic")(transports.bench_quic_cmd)
 bench_app.command("fairness")(bench_path.bench_fairness_cmd)
 bench_app.command("gpu")(bench_gpu.bench_gpu_cmd)
+bench_app.command("fanout")(fanout_commands.bench_fanout_cmd)
 app.add_typer(tune_app, name="tune")
 tune_app.command("flec-rt")(lab.tune_flec_rt_cmd)
 app.add_typer(sender_app, name="sender")
