@@ -75,7 +75,7 @@ def sim_cmd(
     rho: Annotated[float | None, typer.Option(help="Deadline as (D - T_ow) / T_ser.")] = None,
     deadline_ms: Annotated[float | None, typer.Option(help="Deadline D in ms (instead of --rho).")] = None,
     loss: Annotated[list[str] | None, typer.Option(
-        help=f"ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH [default: {MAIN_LOSS}]; with --receivers, once "
+        help=f"ge:EG,EB,PGB,PBG | bernoulli:P | trace:PATH (default: {MAIN_LOSS}); with --receivers, once "
         "for all or once per receiver.")] = None,
     rate_mbps: Annotated[float, typer.Option(help="Bottleneck link rate.")] = DEFAULT_RATE_MBPS,
     rtt_ms: RttOpt = DEFAULT_RTT_MS,
@@ -117,7 +117,7 @@ def sim_cmd(
     receivers: Annotated[int, typer.Option(help="Fan-out: receivers behind one uplink (1-8).")] = 1,
     fanout: Annotated[str | None, typer.Option(
         help="Fan-out: coded (one group stream) and/or unicast (N sessions), comma-separated; each beside "
-        "every receiver's solo handoff and oracle [default with --receivers > 1: coded,unicast].")] = None,
+        "every receiver's solo handoff and oracle (default with --receivers > 1: coded,unicast).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate handoffs with the real codec and sessions over a paced lossy link (no sleeping)."""
@@ -244,22 +244,22 @@ def emulate_cmd(
         help="relay: with a multicast --listen, join the group on the interface with this IPv4 address.",
     )] = None,
     forward_to: Annotated[list[str] | None, typer.Option(
-        help="relay: the receiver's HOST:PORT [default: 127.0.0.1:7400]. Give it up to 8 times to fan out: "
+        help="relay: the receiver's HOST:PORT (default: 127.0.0.1:7400). Give it up to 8 times to fan out: "
         "one uplink (rate, queue, trace), then per receiver its own delay and loss.")] = None,
     rate_mbps: Annotated[float, typer.Option(help="Link rate, Mbit/s (0 = unlimited).")] = 100.0,
     reverse_rate_mbps: Annotated[
         float | None, typer.Option(help="Reverse link rate, Mbit/s (default: --rate-mbps).")
     ] = None,
     rtt_ms: Annotated[list[float] | None, typer.Option(
-        help="Round-trip time; each direction delays RTT/2 [default: 20]. Fan-out: once for all receivers "
+        help="Round-trip time; each direction delays RTT/2 (default: 20). Fan-out: once for all receivers "
         "or once per receiver, in --forward-to's order.")] = None,
     owd_ms: Annotated[list[float] | None, typer.Option(
         help="One-way delay per direction (overrides --rtt-ms); fan-out: once or once per receiver.")] = None,
     loss: Annotated[list[str] | None, typer.Option(
-        help="Forward loss: none | bernoulli:P | ge:EG,EB,PGB,PBG | trace:PATH [default: none]. Fan-out: "
+        help="Forward loss: none | bernoulli:P | ge:EG,EB,PGB,PBG | trace:PATH (default: none). Fan-out: "
         "once for all receivers or once per receiver, in order.")] = None,
     reverse_loss: Annotated[list[str] | None, typer.Option(
-        help="Reverse (ACK path) loss, same forms [default: none]; fan-out: once or once per receiver.",
+        help="Reverse (ACK path) loss, same forms (default: none); fan-out: once or once per receiver.",
     )] = None,
     seed: Annotated[int, typer.Option(help="Seed of the loss realizations (streams forward/reverse).")] = 1,
     realization: Annotated[int, typer.Option(help="Realization index (pairs runs with `pfec sim`).")] = 0,
