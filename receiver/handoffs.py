@@ -315,9 +315,16 @@ class Handoffs:
             return
         from pfec.common.model.kvcache import LiveRebuild  # deferred: torch (a model is loaded here)
 
-        info.live = LiveRebuild(self.runtime, stream.plan)
-        if info.front is not None:  # the worker is the front's: it places between its chunks
-            info.front.between = info.live.drain
+        live = info.live = LiveRebuild(self.runtime, stream.plan)
+        front = info.front
+        if front is not None:  # the worker is the front's: between its chunks it places what arrived and
+            # what it computed
+
+            def between() -> None:
+                live.drain()
+                live.place_computed(front.cache, front.tokens)
+
+            front.between = between
         asyncio.get_running_loop().call_later(LIVE_EVERY_S, self._live_tick, info.session_id)
 
     def _live_tick(self, sid: int) -> None:

@@ -291,13 +291,16 @@ def _reconstruct_stream(runtime: ModelRuntime | None, identity: ModelIdentity, a
     from pfec.common.model import llm  # deferred: torch
 
     started = time.perf_counter()
+    copied = 0
     if live is not None and live.failed is None:  # built as the stream arrived: what is left, the masks
         kv = live.finish(filed, rebuild_levels, score.bases, app.mode)
-        done.live = {"blocks_placed_before": live.placed_before, "place_s": round(live.place_s, 6)}
+        copied = live.computed
+        done.live = {"blocks_placed_before": live.placed_before, "place_s": round(live.place_s, 6),
+                     "computed_rows_before": copied}
     else:
         kv = llm.rebuild_from_stream(runtime, plan, filed, rebuild_levels, score.bases, app.mode)
     if front is not None and front.cache is not None:
-        kv = llm.join_prefix(kv, front.cache, front.tokens)
+        kv = llm.join_prefix(kv, front.cache, front.tokens, copied)
     kv.rebuild_s = time.perf_counter() - started
     if not _keep(done, kv, app):
         done.rebuilt = _generate(runtime, kv, app)

@@ -133,3 +133,32 @@ def test_answers_from_the_live_cache_equal_the_one_shot_cache_s(tiny: llm.ModelR
     question = [5, 6, 7, 8]
     assert llm.generate(tiny, live.finish(store, levels, bases), question, 6).token_ids == llm.generate(
         tiny, expected, question, 6).token_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_split_s_computed_rows_placed_as_computed_equal_the_one_shot_join(tiny: llm.ModelRuntime,
+                                                                            seed: int) -> None:
+    """A split: the front's rows are copied in as its chunks are computed (whole blocks), the stream's
+    blocks placed as they arrive (the front's too: the stream carries it after the back), and at the
+    deadline the cache is the one-shot rebuild with the computed blocks dropped, joined with the front."""
+    plan, symbols = _stream(tiny)
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, 96, size=N_TOKENS)]  # _stream's context
+    rng = np.random.default_rng(seed)
+    front_tokens = 40  # two whole blocks and half of the third
+    front, _ = llm.prefill(tiny, ids[:front_tokens])
+    live = LiveRebuild(tiny, plan)
+    got = rng.random(plan.n_symbols) < 0.9
+    batches = np.array_split(rng.permutation(np.flatnonzero(got)), 4)
+    for step, batch in enumerate(batches):
+        live.offer(symbols[batch].copy())
+        live.drain()
+        live.place_computed(front, (16, 24, 40, 40)[step])  # the front's chunks as they end
+    assert live.computed == 32  # whole blocks only
+    layout = plan.layout
+    ends = np.minimum((np.arange(layout.n_blocks) % layout.n_token_blocks + 1) * layout.block_tokens,
+                      layout.n_tokens)
+    computed = ends <= front_tokens
+    expected, store, levels, bases = _one_shot(tiny, plan, symbols, got, computed)
+    expected = llm.join_prefix(expected, front, front_tokens)
+    kv = llm.join_prefix(live.finish(store, levels, bases), front, front_tokens, live.computed)
+    _same(kv, expected)

@@ -143,18 +143,20 @@ def _cut_back(cache: DynamicCache, n_tokens: int) -> None:
             layer.values = values[..., :n_tokens, :]
 
 
-def join_prefix(kv: PartialKV, prefix: DynamicCache, n_prefix: int) -> PartialKV:
+def join_prefix(kv: PartialKV, prefix: DynamicCache, n_prefix: int, copied: int = 0) -> PartialKV:
     """Replace context tokens [0, n_prefix) of a rebuilt cache with a locally computed ``prefix`` (exact),
-    marking them available; the received rows after it stay as rebuilt (missing ones masked as before)."""
+    marking them available; the received rows after it stay as rebuilt (missing ones masked as before).
+    ``copied``: rows [0, copied) already hold the prefix's (``LiveRebuild.place_computed``)."""
     layers = cache_layers(prefix)
     have = int(layers[0][0].shape[2])
     if not 0 <= n_prefix <= min(have, kv.n_context):
         raise ValueError(f"prefix of {n_prefix} tokens: {have} computed, {kv.n_context} in the context")
     if n_prefix == 0:
         return kv
+    start = min(max(0, copied), n_prefix)
     for i, (k, v) in enumerate(layers):
-        kv.keys[i][:, :, :n_prefix] = k[:, :, :n_prefix].to(kv.keys[i].dtype)
-        kv.values[i][:, :, :n_prefix] = v[:, :, :n_prefix].to(kv.values[i].dtype)
+        kv.keys[i][:, :, start:n_prefix] = k[:, :, start:n_prefix].to(kv.keys[i].dtype)
+        kv.values[i][:, :, start:n_prefix] = v[:, :, start:n_prefix].to(kv.values[i].dtype)
     if kv.row_masks is not None:
         masks = kv.row_masks
         for i, mask in enumerate(masks):
@@ -345,6 +347,7 @@ class LiveRebuild:
         self.placed = 0  # block placements so far (a refined block counts again)
         self.placed_before = 0  # of them, before ``finish``
         self.failed: str | None = None  # a drain refused a block (the deadline's rebuild then runs whole)
+        self.computed = 0  # a split's front rows [0, computed) copied in (whole blocks; ``place_computed``)
         self.place_s = 0.0  # worker seconds spent placing before the deadline
 
     def offer(self, rows: npt.NDArray[np.uint8]) -> None:
@@ -363,6 +366,8 @@ class LiveRebuild:
 
     def _place(self, store: npt.NDArray[np.uint8], levels: npt.ArrayLike, bases: npt.ArrayLike) -> int:
         lv, bs = checked_levels(self.plan.layout, levels, bases)
+        exact = self._computed_blocks()  # rows computed here: no stream block replaces them
+        lv, bs = np.where(exact, 0, lv), np.where(exact, 0, bs)
         changed = (lv != self.levels) | ((bs != self.bases) & (lv > 0))
         if not changed.any():
             return 0
@@ -372,6 +377,31 @@ class LiveRebuild:
         self.levels, self.bases = lv, bs
         self.placed += int(changed.sum())
         return int(changed.sum())
+
+    def _computed_blocks(self) -> npt.NDArray[np.bool_]:
+        """Blocks whose every token lies in the computed rows [0, ``computed``)."""
+        layout = self.plan.layout
+        ends = np.minimum((np.arange(layout.n_blocks) % layout.n_token_blocks + 1) * layout.block_tokens,
+                          layout.n_tokens)
+        return np.asarray(ends <= self.computed)
+
+    def place_computed(self, cache: DynamicCache | None, tokens: int) -> int:
+        """Worker: a split's front computed here up to ``tokens``: its rows of whole blocks not copied yet
+        into the cache (exact; a stream block there is no longer placed). Returns the tokens copied."""
+        if cache is None or self.failed is not None:
+            return 0
+        upto = min(tokens, self.plan.layout.n_tokens) // self.plan.layout.block_tokens
+        upto *= self.plan.layout.block_tokens
+        if upto <= self.computed:
+            return 0
+        keys, values = self._tensors()
+        for i, (k, v) in enumerate(cache_layers(cache)):
+            keys[i, :, self.computed : upto] = k[0, :, self.computed : upto].to(keys.dtype)
+            values[i, :, self.computed : upto] = v[0, :, self.computed : upto].to(values.dtype)
+        copied, self.computed = upto - self.computed, upto
+        exact = self._computed_blocks()
+        self.levels[exact], self.bases[exact] = 0, 0  # the front's rows, masked until the join
+        return copied
 
     def drain(self) -> int:
         """Worker: file what the loop handed over and place every block whose usable level rose; returns
@@ -403,7 +433,8 @@ class LiveRebuild:
                mode: ReconstructionMode = "mask") -> PartialKV:
         """Worker, at the deadline: the cache at the session's ``levels`` (from its whole ``store``, filed
         by stream index): the blocks not yet placed at their level placed now, those placed but now at
-        NONE (a split's computed front, a chain's lost blocks) zeroed; the rows' masks."""
+        NONE (a split's computed front, a chain's lost blocks) zeroed, except the front's rows copied in
+        (``place_computed``: ``join_prefix(..., copied=computed)`` completes them); the rows' masks."""
         if mode not in ("mask", "zero"):
             raise ValueError(f"reconstruction mode {mode!r} is not one of mask, zero")
         started = time.perf_counter()
