@@ -32,7 +32,7 @@ import numpy as np
 
 from pfec.common.plan.kvlayout import DEFAULT_GEOMETRY, FRAGMENT_ID_SIZE, KVGeometry
 from pfec.common.plan.pieces import PieceLayout, mix_bytes_per_token
-from pfec.common.plan.prefill import PrefillCurve, finite_nonneg, front_chunk_end
+from pfec.common.plan.prefill import FRONT_CHUNK_TOKENS, PrefillCurve, finite_nonneg, front_chunk_end
 from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, OVERHEAD, SOURCE_ID_SIZE
 
 Mode = Literal["local", "handoff", "split"]
@@ -490,12 +490,19 @@ def split_at(m: int, n_tokens: int, geometry: KVGeometry, level: PrecisionLevel,
     front = link.owd_s + receiver.front_s(m)
     back = link.handshake_s + link.owd_s + link.serialisation_s(kv) if back_tokens else 0.0
     if back_tokens and _rebuilds_live(level, receiver):
-        # Placed as it arrives: between the front's chunks (lengthening it) for what arrives before the
-        # front ends, then in the idle worker until the back has landed; the rest after.
-        left = _left_at_ready(rebuild, back)
-        during = (rebuild - left) * min(1.0, front / back)
-        front += during
-        rebuild = left + max(0.0, rebuild - left - during - max(0.0, back - front))
+        # Placed as it arrives: between the front's chunks (lengthening the front), then in the idle worker
+        # until the back has landed. Left at ready: what landed during the front's last chunk, when the
+        # front ends last; else the last period's share, or the backlog.
+        whole = rebuild
+        if front >= back:
+            last = receiver.prefill.chunk_seconds(max(0, m - FRONT_CHUNK_TOKENS), m)
+            last_chunk = receiver.front_scale * last
+            rebuild = whole * min(1.0, max(LIVE_REBUILD_EVERY_S, last_chunk) / back)
+            front += whole - rebuild
+        else:
+            during = whole * front / back
+            front += during
+            rebuild = _left_at_ready(whole - during, max(0.0, back - front))
     parts = {"front_s": front, "back_s": back, "rebuild_s": rebuild, "join_s": receiver.join_s,
              "question_s": receiver.question_s(n_tokens),
              "decode_s": receiver.decode_at(n_tokens + receiver.question_tokens)}
