@@ -40,3 +40,19 @@ def test_an_agents_sdk_handoff_moves_the_conversation_and_the_writer_continues_f
     cached = re.search(r"(\d+) of (\d+) prompt tokens from the handed-off cache", run.stdout)
     assert handed and cached and "after the handoff, Writer (node B)" in run.stdout, run.stdout
     assert int(cached.group(1)) == int(handed.group(1)) > 0 and int(cached.group(2)) > int(cached.group(1))
+
+
+def test_an_agent_graph_fans_the_planner_out_and_chains_worker_b_to_worker_c() -> None:
+    """Three nodes: the planner's conversation on A fanned out to B and C in one handoff (each worker's
+    first request cached the whole of it), then B's grown conversation handed on to C (a chain: C's next
+    request cached the whole grown conversation); every step through the openai client."""
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "agents_graph.py")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"A -> B and C, a fan-out \(unicast, one preparation\)", run.stdout), run.stdout
+    fanout = re.search(r"fan-out A -> B, C: (\d+) tokens; B cached (\d+), C cached (\d+)", run.stdout)
+    chain = re.search(r"chain B -> C: (\d+) tokens; C cached (\d+) of (\d+)", run.stdout)
+    assert fanout and chain, run.stdout
+    assert int(fanout.group(1)) == int(fanout.group(2)) == int(fanout.group(3)) > 0, run.stdout
+    assert int(chain.group(1)) == int(chain.group(2)) > int(fanout.group(1)), run.stdout  # grown on B
+    assert int(chain.group(3)) > int(chain.group(2)), run.stdout

@@ -158,7 +158,8 @@ def _held_levels(chain: Chain, node: int, salt: str, messages: list[dict[str, st
         return None if held is None else list(held.levels)
 
     async def in_worker() -> list[int] | None:
-        return await chain.nodes[node].worker.submit(look)
+        levels: list[int] | None = await chain.nodes[node].worker.submit(look)
+        return levels
 
     return chain.call(in_worker())
 
