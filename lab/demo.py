@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput
 
-__all__ = ["DemoConfig", "format_demo", "run_demo", "start_receiver"]
+__all__ = ["DemoConfig", "format_demo", "run_demo", "start_receiver", "summarise_runs"]
 
 
 def _log(message: str) -> None:
@@ -358,3 +359,39 @@ def format_demo(result: dict[str, Any]) -> str:
         lines.append(f"warning: {warning}; compare with `pfec sim` on an idle machine or a lower --rate-mbps")
     lines.append(f"demo wall time {result['wall_s']:.1f} s")
     return "\n".join(lines)
+
+
+def summarise_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 39's figures over demo runs (their ``--json`` results), grouped by the receiver's CPU quota:
+    the median TTFT over local prefill, predicted TTFT over measured, each part's measured over predicted
+    (``predicted_vs_measured``), whether every answer equalled the full-KV answer, and the planner's
+    view of the receiver (what it measured, what was defaulted) per run."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        quota = result.get("receiver_cpu_quota")
+        groups.setdefault("none" if quota is None else f"{quota:g}", []).append(result)
+    out: dict[str, Any] = {}
+    for quota, runs in groups.items():
+        parts: dict[str, list[float]] = {}
+        for run in runs:
+            for name, row in (run.get("predicted_vs_measured") or {}).items():
+                if isinstance(row.get("measured_over_predicted"), int | float):
+                    parts.setdefault(name, []).append(float(row["measured_over_predicted"]))
+        ratios = [r["ttft_vs_local"] for r in runs if isinstance(r.get("ttft_vs_local"), int | float)]
+        out[quota] = {
+            "runs": len(runs),
+            "ttft_vs_local_median": _median(ratios), "ttft_vs_local": ratios,
+            "measured_over_predicted_median": {name: _median(v) for name, v in parts.items()},
+            "answers_equal_full_kv": [r.get("answer") == r.get("full_kv_answer") for r in runs],
+            "modes": [f"{r.get('mode')}:{r.get('precision')}" for r in runs],
+            "local_prefill_ttft_s": [r.get("local_prefill_ttft_s") for r in runs],
+            "receiver_measured": [((r.get("report") or {}).get("planner") or {}).get("receiver_measured")
+                                  for r in runs],
+            "receiver_defaulted": [r.get("receiver_defaulted") for r in runs],
+            "load_average_1m": [r.get("load_average_1m") for r in runs],
+        }
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return round(float(statistics.median(values)), 4) if values else None

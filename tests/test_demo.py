@@ -135,3 +135,22 @@ def test_the_demo_warns_of_a_starved_sender_only_when_its_receiver_waited_for_th
     assert _diagnostics(cfg, report)["warnings"] == []
     warnings = _diagnostics(cfg, {**report, "start": "deadline"})["warnings"]
     assert len(warnings) == 2 and "short of CPU" in warnings[0] and "300 datagrams" in warnings[1]
+
+
+def test_demo_runs_are_summarised_per_receiver_quota() -> None:
+    """``summarise_runs`` (scripts/demo-figures.sh): medians per quota of TTFT over local prefill and of
+    each part's measured over predicted, and whether the answers equalled the full-KV answer."""
+    from pfec.lab.demo import summarise_runs
+
+    def run(quota: float | None, ratio: float, rebuild: float, same: bool) -> dict[str, Any]:
+        return {"receiver_cpu_quota": quota, "ttft_vs_local": ratio, "answer": "a",
+                "full_kv_answer": "a" if same else "b", "mode": "split", "precision": "int8",
+                "predicted_vs_measured": {"rebuild_s": {"predicted": 0.1, "measured": 0.1 * rebuild,
+                                                        "measured_over_predicted": rebuild}}}
+
+    out = summarise_runs([run(None, 0.3, 1.0, True), run(None, 0.5, 3.0, True), run(None, 0.4, 2.0, True),
+                          run(0.5, 0.6, 1.2, False)])
+    assert out["none"]["runs"] == 3 and out["none"]["ttft_vs_local_median"] == 0.4
+    assert out["none"]["measured_over_predicted_median"] == {"rebuild_s": 2.0}
+    assert out["none"]["answers_equal_full_kv"] == [True, True, True]
+    assert out["0.5"]["answers_equal_full_kv"] == [False] and out["0.5"]["ttft_vs_local_median"] == 0.6
