@@ -75,6 +75,8 @@ class NodeDaemon:
             loss_prior=config.fec.loss_prior, rate_control=config.link.rate_control,
             max_rate_mbps=config.link.max_rate_mbps, sndbuf=config.udp.sndbuf_bytes,
             metrics=self.sender_metrics, limits=limits, profiles=profiles, worker=self.worker, face=self.face,
+            multicast_groups=config.udp.multicast_group, multicast_interface=config.udp.multicast_interface,
+            multicast_ttl=config.udp.multicast_ttl,
         )
         self.fingerprint = self.receiver.fingerprint
 
@@ -91,7 +93,8 @@ class NodeDaemon:
     async def start(self) -> None:
         """Open the receiving UDP socket (``[udp]``)."""
         udp = self.config.udp
-        await self.receiver.start(udp.host, udp.port, udp.rcvbuf_bytes, udp.sndbuf_bytes)
+        await self.receiver.start(udp.host, udp.port, udp.rcvbuf_bytes, udp.sndbuf_bytes, udp.multicast_group,
+                                  udp.multicast_interface)
 
     async def close(self) -> None:
         """Cancel the handoffs in flight (each receiver gets a CLOSE), let running rebuilds finish, then stop

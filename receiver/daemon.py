@@ -14,6 +14,9 @@ generation at each deadline run in a worker thread (``receiver/rebuild.py``).
   in the model worker at the deadline, or an error RESULT from the reaper, swept every ``REAP_EVERY_S``).
 - Bounds before allocation: an OFFER's budget and size are checked in the endpoint's admission
   (``admission.admit``), before its session allocates a decoder.
+- A multicast fan-out (issue 37 item 3): a session whose OFFER carries a group ticket joins the group
+  in the endpoint (its datagrams come on the group stream, to this socket from a relay, or to a socket
+  joined to each ``[udp] multicast_group``: ``start(groups=...)``); its ACKs and RESULT go back unicast.
 - Model work (front prefill, rebuild, generation) runs on a ``ModelWorker`` with a bounded queue;
   ``readiness`` (the control API's ``/readyz``) turns red when a job runs past ``limits.worker_stuck_s``.
 
@@ -39,6 +42,7 @@ from pfec.common.events import CpuMeter
 from pfec.common.model.runtime import usable_cpus
 from pfec.common.node.config import LimitsConfig
 from pfec.common.node.metrics import MSG_TYPE_LABELS, TYPE_BYTE_LABELS, DropExporter
+from pfec.common.node.multicast import is_multicast, join_socket
 from pfec.common.node.openai.http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import UDP_GRO, PeerAddress, enable_gro, open_udp_socket
@@ -53,7 +57,7 @@ from pfec.receiver.handoffs import Handoffs, SessionInfo
 from pfec.receiver.metrics import ReceiverMetrics
 from pfec.receiver.node_speed import receive_path_s
 from pfec.receiver.rebuild import Reconstructed
-from pfec.receiver.session import ReceiverConfig
+from pfec.receiver.session import OfferReceived, ReceiverConfig
 from pfec.receiver.session import warm_up as session_warm_up
 
 if TYPE_CHECKING:
@@ -130,6 +134,7 @@ class ReceiverDaemon:
         self.stats = ReceiverStatsSnapshot()
         self._peers: dict[int, PeerAddress] = {}  # session id -> reply address (also pending refusals)
         self._sock: socket.socket | None = None
+        self._group_socks: list[socket.socket] = []  # joined to the configured multicast groups
         self._gro = False
         self._rx_count = [0] * 257  # datagrams and bytes per wire type (+ junk), not yet exported
         self._rx_bytes = [0] * 257
@@ -161,12 +166,25 @@ class ReceiverDaemon:
         self._live_seen: tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20) -> None:
+    async def start(self, host: str, port: int, rcvbuf: int = 8 << 20, sndbuf: int = 8 << 20,
+                    groups: Sequence[str] = (), interface: str | None = None) -> None:
+        """Bind the data socket; join each IPv4 multicast group of ``groups`` (``[udp] multicast_group``;
+        a unicast entry is a relay's address: its copies come to the data socket) on ``interface``."""
         self._loop = asyncio.get_running_loop()
         sock = open_udp_socket(host, port, rcvbuf, sndbuf)
         self._gro = enable_gro(sock)  # not Linux >= 5.0: one datagram per recvmsg
         self._sock = sock
         self._loop.add_reader(sock.fileno(), self._on_readable)
+        try:
+            for group in groups:
+                if is_multicast(group):
+                    joined = join_socket(group, interface, rcvbuf)
+                    self._group_socks.append(joined)
+                    self._loop.add_reader(joined.fileno(), self._on_readable, joined)
+        except OSError as exc:
+            await self.close()
+            raise OSError(exc.errno, f"cannot join multicast group {group} on {interface or 'any'}: "
+                          f"{exc.strerror}") from exc
         self._reaper = self._loop.call_later(REAP_EVERY_S, self._reap)
 
     @property
@@ -181,6 +199,11 @@ class ReceiverDaemon:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
+        for joined in self._group_socks:
+            if self._loop is not None:
+                self._loop.remove_reader(joined.fileno())
+            joined.close()
+        self._group_socks.clear()
         if self._sock is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._sock.fileno())
@@ -191,8 +214,8 @@ class ReceiverDaemon:
             self.worker.shutdown()
 
     # ------------------------------------------------------------------ receive path
-    def _on_readable(self) -> None:
-        sock = self._sock
+    def _on_readable(self, group_sock: socket.socket | None = None) -> None:
+        sock = self._sock if group_sock is None else group_sock
         if sock is None:
             return
         for _ in range(READ_BATCH):
@@ -264,6 +287,8 @@ class ReceiverDaemon:
         endpoint = self.endpoint
         while (event := endpoint.next_event()) is not None:
             self.handoffs.on_event(event, now)
+            if isinstance(event, OfferReceived):
+                self._join_group(event.session_id)
         self._flush()
         self._drops.export(self.endpoint.drops)
         self._export_live()
@@ -298,6 +323,17 @@ class ReceiverDaemon:
         if len(self._peers) > len(endpoint.sessions):  # keep the reply addresses of pending handshakes too
             for sid in [s for s in self._peers if not endpoint.knows(s)]:
                 del self._peers[sid]
+
+    def _join_group(self, sid: int) -> None:
+        """A session whose OFFER carried a group ticket joins the group stream (else it is refused)."""
+        info = self.handoffs.sessions.get(sid)
+        session = self.endpoint.sessions.get(sid)
+        if info is None or info.app is None or info.app.group is None or session is None:
+            return
+        why = self.endpoint.join_group(sid, info.app.group)
+        if why is not None:
+            info.state = "refused"
+            session.refuse(RefuseCode.BAD_PARAMETERS, f"OFFER group: {why}")
 
     # ------------------------------------------------------------------ timers
     def _arm_timer(self) -> None:

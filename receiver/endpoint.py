@@ -36,6 +36,10 @@
   OFFER part of another attempt), ``amplification_limit`` (a handshake reply not sent),
   ``handshake_expired`` and ``handshake_evicted`` (pending handshakes given up), and the sessions' own
   (``unexpected_type``, ``fec_*``).
+- Fan-out groups (:mod:`pfec.receiver.fanout.member`): a session whose OFFER carried a group ticket
+  joins the group (``join_group``): datagrams naming the group's session id open only under that
+  stream's key and feed that session (counted ``group_*`` by reason when they do not). At most one group
+  per session, and a group id that is a live session id is refused; the group goes with its session.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dataclasses import replace
 from pfec.common.events import CpuMeter, DatagramDropped
 from pfec.common.plan.receiver_speed import Statement
 from pfec.common.wire.frames import peek_header
+from pfec.common.wire.group import GroupTicket
 from pfec.common.wire.messages import (
     MAX_TEXT,
     NONCE_SIZE,
@@ -75,6 +80,7 @@ from pfec.common.wire.seal import (
     open_handshake,
     seal_handshake,
 )
+from pfec.receiver.fanout.member import GroupMembership
 from pfec.receiver.handshake import (
     AMPLIFICATION_FACTOR,
     MAX_HELD_REPEATS,
@@ -128,6 +134,7 @@ class ReceiverEndpoint:
         self.cpu = cpu
         self.random_bytes = random_bytes
         self.sessions: dict[int, ReceiverSession] = {}
+        self.groups: dict[int, GroupMembership] = {}  # by the group stream's session id
         self.drops: dict[str, int] = {}
         self.bytes_received = 0  # every datagram given to receive_datagram
         # This node's speed as its ACCEPTs state it (``receiver_speed.Statement``, the ACCEPT's units; all
@@ -152,6 +159,8 @@ class ReceiverEndpoint:
             self._drop(drop_reason(exc))
             return None
         sid = header.session_id
+        if self.groups and (member := self.groups.get(sid)) is not None:
+            return header if self._deliver_group(member, data, now) else None
         session = self.sessions.get(sid)
         if header.phase is _HANDSHAKE:
             return self._on_handshake(header, data, session, now)
@@ -249,6 +258,28 @@ class ReceiverEndpoint:
             return False
         session.handle_message(header.packet_number, message, now)
         return True
+
+    def _deliver_group(self, member: GroupMembership, data: bytes, now: float) -> bool:
+        if member.receive(data, now):
+            return True
+        self._drop(f"group_{member.last_drop}")
+        return False
+
+    def join_group(self, session_id: int, ticket: GroupTicket) -> str | None:
+        """Session ``session_id`` (established, its OFFER carried ``ticket``) takes the group stream's
+        datagrams from now on. None when joined; else why not (nothing changes then)."""
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            return "no such session"
+        gid = ticket.session_id
+        if gid in self.sessions or gid in self._handshakes or gid in self._closed:
+            return "the group's session id is another session's"
+        if gid in self.groups:
+            return "this group is another session's"
+        if any(m.session is session for m in self.groups.values()):
+            return "the session is in a group already"
+        self.groups[gid] = GroupMembership(ticket, session)
+        return None
 
     # ------------------------------------------------------------------ handshake
     def _on_handshake(self, header: Header, data: bytes, session: ReceiverSession | None,
@@ -456,6 +487,9 @@ class ReceiverEndpoint:
         for sid in [sid for sid, s in self.sessions.items() if s.closed]:
             del self.sessions[sid]
             self._remember_closed(sid)
+        for gid in [gid for gid, m in self.groups.items() if m.session.closed]:
+            del self.groups[gid]  # the group's later datagrams: no_session
+            self._remember_closed(gid)
 
     def _remember_closed(self, sid: int) -> None:
         self._closed[sid] = None

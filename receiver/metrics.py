@@ -70,6 +70,14 @@ RECEIVER_DROP_REASONS: Final = (
     "early_evicted",  # early data of an unknown session evicted by newer ones
     "early_overflow",  # too much early data for one unknown session
     "send_failed",  # sendto raised
+    # A fan-out group's stream (receiver/fanout): a datagram naming the group that did not open under its
+    # key (another stream's, forged, a type the group never carries), or a replay of one that did.
+    "group_junk_header",
+    "group_junk_auth",
+    "group_bad_version",
+    "group_replay",
+    "group_too_old",
+    "group_malformed",
     "other",
 )
 DEADLINE_OVERRUN_THRESHOLD_S: Final = 0.005

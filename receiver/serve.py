@@ -32,7 +32,8 @@ async def serve(config: ReceiverDaemonConfig, psk: bytes, token: str | None = No
         metrics=ReceiverMetrics(), default_mode=config.reconstruction, limits=limits,
         profiles=ProfileStore(config.profiles.directory, config.profiles.max_bytes),
     )
-    await daemon.start(config.udp.host, config.udp.port, config.udp.rcvbuf_bytes, config.udp.sndbuf_bytes)
+    await daemon.start(config.udp.host, config.udp.port, config.udp.rcvbuf_bytes, config.udp.sndbuf_bytes,
+                       config.udp.multicast_group, config.udp.multicast_interface)
 
     def announce(daemon: ReceiverDaemon) -> None:
         log.info("receiver ready: model %s, fingerprint %s, UDP %s:%d", identity.model_id,

@@ -94,7 +94,11 @@ class HandoffRequest(BaseModel):
         "(instead of receiver).")
     fanout: Literal["unicast", "multicast"] = Field(
         default="unicast", description="How a fan-out is carried: unicast (a session per receiver sharing "
-        "the preparation, the symbols and the uplink's pacing) or multicast.")
+        "the preparation, the symbols and the uplink's pacing) or multicast (one stream sealed once, to "
+        "the group destination).")
+    group: str | None = Field(
+        default=None, max_length=64, description="Multicast fan-out: the group destination IP:PORT, one of "
+        "the sender's [udp] multicast_group (default: the first).")
     context: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, description="Shared context (text).")
     messages: list[ChatMessage] | None = Field(
         default=None, max_length=MAX_MESSAGES,
@@ -193,6 +197,9 @@ class HandoffRequest(BaseModel):
             raise ValueError("give deadline_ms or rho, not both")
         if (self.receiver is None) == (self.receivers is None):
             raise ValueError("give exactly one of receiver and receivers")
+        if self.group is not None and (self.receivers is None or self.fanout != "multicast"):
+            raise ValueError("group names a multicast fan-out's destination: give receivers and "
+                             "fanout: multicast with it")
         return self
 
     def limit_errors(self, limits: SenderLimitsConfig) -> list[dict[str, str]]:
@@ -239,6 +246,7 @@ class HandoffRequest(BaseModel):
             receiver=parse_host_port(self.receivers[0] if self.receivers else self.receiver or ""),
             receivers=() if self.receivers is None else tuple(parse_host_port(r) for r in self.receivers),
             fanout=self.fanout,
+            group=self.group,
             deadline_ms=self.deadline_ms,
             rho=rho,
             scheme=self.scheme,
@@ -329,8 +337,11 @@ def sender_routes(daemon: SenderDaemon) -> list[web.RouteDef]:
                 return _field_error(422, "profile", str(exc))
         if parsed.receivers is not None:
             if parsed.fanout == "multicast":
-                return _field_error(422, "fanout", "multicast fan-out is not served by this daemon yet "
-                                    "(the group stream's transport is sans-IO only); use unicast")
+                try:  # the request's group (one configured), or the first configured
+                    group = daemon.multicast_group(parsed.group)
+                except ValueError as exc:
+                    return _field_error(422, "group" if parsed.group is not None else "fanout", str(exc))
+                parsed.group = group
             for i, receiver in enumerate(parsed.receivers):
                 try:
                     await daemon.destination(replace(parsed.spec(), receiver=parse_host_port(receiver)))

@@ -15,11 +15,13 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pfec.common.events import CpuMeter
 from pfec.common.node.config import SenderLimitsConfig
+from pfec.common.node.multicast import check_groups, group_key
 from pfec.common.node.openai.http import OpenAIFace
 from pfec.common.node.profiles import ProfileStore
 from pfec.common.node.udp import Destination, DestinationRefused, parse_networks, resolve_destination
@@ -35,8 +37,9 @@ from pfec.common.plan.stream import AUTO
 from pfec.common.plan.utility import DEFAULT_PROFILE_DIR, ProfileError
 from pfec.common.sched.open_loop_tail import DEFAULT_LOSS_PRIOR
 from pfec.common.sched.policies import Scheme, get_scheme
+from pfec.common.wire.group import GroupTicket
 from pfec.common.wire.messages import MsgType, split_app
-from pfec.sender.fanout import run_unicast_fanout
+from pfec.sender.fanout import run_fanout
 from pfec.sender.handoffs import (
     Handoff,
     HandoffSpec,
@@ -114,6 +117,9 @@ class SenderDaemon:
         max_rate_mbps: float | None = None,
         worker: ModelWorker | None = None,
         face: OpenAIFace | None = None,
+        multicast_groups: Sequence[str] = (),
+        multicast_interface: str | None = None,
+        multicast_ttl: int = 1,
     ) -> None:
         get_scheme(scheme)
         planner_warm_up()  # codec and planner kernels compiled before any datagram, not mid-handoff
@@ -139,6 +145,11 @@ class SenderDaemon:
         self.default_profile = default_profile_name(identity)
         self.limits = limits or SenderLimitsConfig()
         self.allow = parse_networks(self.limits.allow_destinations)
+        # A multicast fan-out goes only to these group destinations (``[udp] multicast_group``; the first is
+        # the default), through this interface, with this TTL (sender/multicast.py).
+        self.multicast_groups = tuple(check_groups(multicast_groups))
+        self.multicast_interface = multicast_interface
+        self.multicast_ttl = multicast_ttl
         self.profiles = profiles or ProfileStore(DEFAULT_PROFILE_DIR)
         # Prefill and the full-KV answer: one thread, a bounded queue (POST /handoffs answers 503 when full).
         # A node with both roles (pfec.node) passes the worker and face they share; close() shuts down only
@@ -209,6 +220,21 @@ class SenderDaemon:
         """Readiness (``/readyz``): red while the model worker runs a job past ``limits.worker_stuck_s``."""
         return self.worker.readiness("sender")
 
+    def multicast_group(self, requested: str | None) -> str:
+        """The group destination of a multicast fan-out: the request's (one of the configured groups) or
+        the first configured; ValueError says why not (the control API answers 422 naming ``group``)."""
+        if not self.multicast_groups:
+            raise ValueError("this sender has no multicast group configured ([udp] multicast_group): a "
+                             "multicast fan-out needs one")
+        if requested is None:
+            return self.multicast_groups[0]
+        key = group_key(requested)
+        for group in self.multicast_groups:
+            if group_key(group) == key:
+                return group
+        raise ValueError(f"{requested.strip()!r} is not one of this sender's multicast groups "
+                         f"({', '.join(self.multicast_groups)}; [udp] multicast_group)")
+
     async def destination(self, spec: HandoffSpec) -> Destination:
         """The spec's receiver resolved once (off the loop) and checked; DestinationRefused otherwise."""
         if spec.destination is not None:
@@ -246,8 +272,8 @@ class SenderDaemon:
         scheme = get_scheme(spec.scheme or self.scheme)
         profile = spec.profile or self.default_profile
         self._check_bounds(spec)
-        if spec.receivers:  # one preparation, a stream per receiver (sender/fanout.py)
-            return await run_unicast_fanout(self, handoff, scheme, profile)
+        if spec.receivers:  # one preparation; a stream per receiver, or one to the group (sender/fanout.py)
+            return await run_fanout(self, handoff, scheme, profile)
         destination = await self.destination(spec)
         prepared = await self._prepare(handoff, scheme, profile, destination)
         handoff.prepared = prepared
@@ -412,15 +438,9 @@ class SenderDaemon:
                 f"limits.max_budget_ms ({self.limits.max_budget_ms:g} ms); lower rho or deadline_ms, or "
                 "raise rate_mbps"
             )
-        generate = spec.generate and self.runtime is not None
         stream = prepared.stream
         split = prepared.split
-        app = OfferApp(plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
-                       spec.max_new_tokens, self.identity.model_id, generate,
-                       None if stream is None else stream.offer,
-                       None if split is None else SplitOffer(split.meeting_token, split.context_ids),
-                       prepared.prefix, prepared.held)
-        app, blob = offer_blob(app, prefix_optional=spec.inputs.prefilled is None)
+        app, blob = self._offer_blob(spec, prepared, scheme, profile)
         setup = SenderSetup(
             scheme=scheme,
             repair_budget=(self.repair_budget if spec.repair_budget is None
@@ -453,6 +473,19 @@ class SenderDaemon:
         fraction = setup.repair_budget
         handoff.report["repair_budget"] = WHOLE_DEADLINE if fraction is None else fraction
         return PacedTransfer(handoff, session, link, self.metrics)
+
+    def _offer_blob(self, spec: HandoffSpec, prepared: Prepared, scheme: Scheme, profile: str,
+                    group: GroupTicket | None = None) -> tuple[OfferApp, bytes]:
+        """The OFFER's application data for ``prepared`` (with a multicast fan-out's group ticket)."""
+        stream = prepared.stream
+        split = prepared.split
+        generate = spec.generate and self.runtime is not None
+        app = OfferApp(prepared.plan.n_tokens, prepared.question_ids, spec.mode, profile, scheme.order,
+                       spec.max_new_tokens, self.identity.model_id, generate,
+                       None if stream is None else stream.offer,
+                       None if split is None else SplitOffer(split.meeting_token, split.context_ids),
+                       prepared.prefix, prepared.held, group)
+        return offer_blob(app, prefix_optional=spec.inputs.prefilled is None)
 
     def _report_transfer(self, handoff: Handoff, transfer: PacedTransfer, prepared: Prepared) -> float | None:
         session = transfer.session

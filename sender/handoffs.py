@@ -44,6 +44,7 @@ class HandoffSpec:
     handoff_mode: str = AUTO  # auto (the planner's), handoff, split or local (mode_choice.HANDOFF_MODES)
     receivers: tuple[tuple[str, int], ...] = ()  # a fan-out's receivers (``receiver`` is the first); () none
     fanout: str = "unicast"  # how a fan-out is carried (sender/fanout.py)
+    group: str | None = None  # a multicast fan-out's group destination IP:PORT (checked against the config)
 
 
 @dataclass

@@ -29,6 +29,8 @@ async def serve(config: SenderDaemonConfig, psk: bytes, token: str | None = None
         max_rate_mbps=config.link.max_rate_mbps,
         sndbuf=config.udp.sndbuf_bytes, metrics=SenderMetrics(), limits=config.limits,
         profiles=ProfileStore(config.profiles.directory, config.profiles.max_bytes),
+        multicast_groups=config.udp.multicast_group, multicast_interface=config.udp.multicast_interface,
+        multicast_ttl=config.udp.multicast_ttl,
     )
 
     def announce(daemon: SenderDaemon) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pfec.common.node.multicast import MAX_GROUPS, MAX_TTL, check_groups
 from pfec.common.plan.deadline import (
     AUTO_WINDOW,
     DEFAULT_RATE_MBPS,
@@ -121,11 +122,33 @@ class UdpConfig(_Section):
         le=1 << 30,
         description="SO_SNDBUF request (capped by net.core.wmem_max).",
     )
+    multicast_group: list[str] = Field(
+        default_factory=list, max_length=MAX_GROUPS,
+        description="Multicast fan-out's group destinations, IP:PORT (common/node/multicast.py). A receiver "
+        "joins each IPv4 multicast group; a sender streams a multicast fan-out only to these (the first is "
+        "its default). A unicast IP:PORT stands for a relay that replicates.",
+    )
+    multicast_interface: str | None = Field(
+        default=None, description="IPv4 address of the interface the groups are joined on and sent through "
+        "(default: the kernel's choice).")
+    multicast_ttl: int = Field(default=1, ge=1, le=MAX_TTL, description="Hops a group datagram may cross.")
 
     @field_validator("host")
     @classmethod
     def _host(cls, v: str) -> str:
         return _check_host(v)
+
+    @field_validator("multicast_group")
+    @classmethod
+    def _groups(cls, v: list[str]) -> list[str]:
+        return check_groups(v)
+
+    @field_validator("multicast_interface")
+    @classmethod
+    def _interface(cls, v: str | None) -> str | None:
+        if v is not None and not isinstance(ipaddress.ip_address(v), ipaddress.IPv4Address):
+            raise ValueError("expected an IPv4 address")
+        return v
 
 
 class ControlConfig(_Section):

@@ -35,7 +35,8 @@ from pfec.common.plan.utility import (
     check_profile_name,
     synthetic_profile,
 )
-from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, WIRE_VERSION
+from pfec.common.wire.group import GROUP_TICKET_SIZE, GroupTicket
+from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE, WIRE_VERSION, ParseError
 
 APP_VERSION = 1
 BLOCK_TOKENS = 16
@@ -260,6 +261,9 @@ class OfferApp:
     split: SplitOffer | None = None  # None: the whole cache streams (the blob is then as before)
     prefix: PrefixOffer | None = None  # the context's ids and salt: the receiver keeps it as a prefix cache
     held: HeldBlocks | None = None  # a context received before (a chain): each block's level, lost ones
+    # A multicast fan-out: the stream's group ticket (common/wire/group.py), inside this member's own
+    # authenticated OFFER; the data then comes on the group stream, not under this session's keys.
+    group: GroupTicket | None = None
 
     def encode(self) -> bytes:
         data = asdict(self)
@@ -274,6 +278,9 @@ class OfferApp:
             del data["held"]
         else:
             data["held"] = self.held.to_json()
+        del data["group"]
+        if self.group is not None:
+            data["group"] = base64.b64encode(self.group.pack()).decode("ascii")
         if self.prefix is None:
             del data["prefix"]
         else:
@@ -331,9 +338,24 @@ class OfferApp:
         held = None if held_data is None else HeldBlocks.from_json(held_data, n_tokens, BLOCK_TOKENS)
         if held is not None and split is not None:
             raise ValueError("OFFER held: a split's front is computed by the receiver (whole handoffs only)")
+        group = _group_ticket(data.get("group"))
+        if group is not None and split is not None:
+            raise ValueError("OFFER group: a fan-out is never split")
         return cls(n_tokens=n_tokens, question_ids=tuple(qids), mode=mode, profile=profile, order=order,
                    max_new_tokens=max_new, model_id=model_id, generate=generate, precision=offer,
-                   split=split, prefix=prefix, held=held)
+                   split=split, prefix=prefix, held=held, group=group)
+
+
+def _group_ticket(text: object) -> GroupTicket | None:
+    """The OFFER's ``group``: base64 of exactly one packed ticket (ValueError naming the field)."""
+    if text is None:
+        return None
+    if not isinstance(text, str) or len(text) != 4 * ((GROUP_TICKET_SIZE + 2) // 3):
+        raise ValueError(f"OFFER group: expected base64 of a {GROUP_TICKET_SIZE}-byte group ticket")
+    try:
+        return GroupTicket.parse(base64.b64decode(text, validate=True))
+    except (ValueError, ParseError) as exc:
+        raise ValueError(f"OFFER group: {exc}") from None
 
 
 def pack_bits(bits: npt.NDArray[np.bool_]) -> str:

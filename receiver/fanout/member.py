@@ -24,13 +24,14 @@ class GroupMembership:
     """One member's view of one stream: ``receive(datagram, now)`` for what arrives on the group
     destination. ``session``: the member's established unicast session (its OFFER gives the symbol size)."""
 
-    __slots__ = ("_opener", "drops", "opened", "session", "session_id")
+    __slots__ = ("_opener", "drops", "last_drop", "opened", "session", "session_id")
 
     def __init__(self, ticket: GroupTicket, session: ReceiverSession) -> None:
         self.session = session
         self.session_id = ticket.session_id
         self._opener = group_opener(ticket, session.offer.symbol_size)
         self.drops: dict[str, int] = {}
+        self.last_drop = ""  # the reason of the newest datagram counted in drops
         self.opened = 0
 
     def receive(self, datagram: ByteBuffer, now: float) -> bool:
@@ -40,6 +41,7 @@ class GroupMembership:
         except ParseError as exc:
             reason = drop_reason(exc)
             self.drops[reason] = self.drops.get(reason, 0) + 1
+            self.last_drop = reason
             return False
         self.opened += 1
         self.session.handle_message(header.packet_number, message, now)
