@@ -173,6 +173,7 @@ def _row(report: dict[str, Any], relay: dict[str, Any], receivers: Sequence[int]
         "branch_delivered": [r["forward"]["delivered"] for r in relay["receivers"]],
         "branch_lost": [r["forward"]["lost"] for r in relay["receivers"]],
         "receivers": {str(i): {"recovered_utility": e.get("recovered_utility"), "ttft_s": e.get("ttft_s"),
+                               "precision": e.get("precision") or e.get("received_precision"),
                                "outcome": e.get("outcome", report.get("outcome"))}
                       for i, e in zip(receivers, entries, strict=True)},
     }
