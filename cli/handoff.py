@@ -60,6 +60,9 @@ def handoff_cmd(
     fanout: Annotated[str | None, typer.Option(
         help="How a fan-out (several --receiver) is carried: unicast (a session per receiver on one "
         "uplink clock, the default) | multicast (one coded stream to a group, sealed once).")] = None,
+    group: Annotated[str | None, typer.Option(
+        help="Multicast fan-out: the group destination IP:PORT (a multicast group, or a relay that "
+        "replicates), one the sender allows ([udp] multicast_group; default: its first).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
@@ -72,8 +75,10 @@ def handoff_cmd(
             raise fail(f"--context-file {str(context_file)!r}: {exc.strerror}") from None
     if not receiver:
         raise fail("give --receiver HOST:PORT (up to 8 times for a fan-out)")
-    if fanout is not None and len(receiver) == 1:
-        raise fail("--fanout is for a fan-out: give --receiver more than once")
+    if (fanout is not None or group is not None) and len(receiver) == 1:
+        raise fail("--fanout and --group are for a fan-out: give --receiver more than once")
+    if group is not None and fanout == "unicast":
+        raise fail("--group names a multicast group: it goes with --fanout multicast")
     if fanout is not None and fanout not in ("unicast", "multicast"):
         raise fail(f"--fanout: {fanout!r} is not unicast or multicast")
     body: dict[str, Any] = {"reconstruction": reconstruction, "full_kv_answer": full_kv_answer,
@@ -84,6 +89,8 @@ def handoff_cmd(
         body["receivers"] = list(receiver)
         if fanout is not None:
             body["fanout"] = fanout
+        if group is not None:  # a group implies a multicast fan-out
+            body.update(fanout="multicast", group=group)
     if conversation is not None:
         if context is not None or question is not None or synthetic_tokens is not None or full_kv_answer:
             raise fail("--conversation hands over a conversation: no --context, --question, "

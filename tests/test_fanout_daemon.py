@@ -176,6 +176,9 @@ def test_cli_repeated_receiver_is_a_fanout(tmp_path: Path) -> None:
         res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--receiver", a, "--synthetic-tokens",
                                        "64", "--socket", str(sock)])
         assert res.exit_code == 2 and "receivers.1" in res.output, res.output  # the daemon's 422
+        res = CliRunner().invoke(app, ["handoff", "--receiver", a, "--receiver", b, "--group", "239.1.1.1:7",
+                                       "--synthetic-tokens", "64", "--socket", str(sock)])
+        assert res.exit_code == 2 and "group" in res.output, res.output  # posted; no group configured
     finally:
         lt.call(server.close())
         lt.call(tx.close())
