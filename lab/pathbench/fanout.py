@@ -13,8 +13,8 @@ Per seed, each on a fresh relay with the same seed (so receiver i meets the same
   uplink bytes of one handoff;
 - ``unicast``: ``POST /handoffs`` with ``receivers`` (the relay's receiver ports): one preparation, a
   session per receiver on one uplink clock;
-- ``multicast``: one group stream to the relay's group port, when the sender daemon serves it
-  (``sender/fanout.py``); until then the row says why it did not run.
+- ``multicast``: one group stream to the relay's group port (the sender's configured group), each
+  member's handshake, ACKs and RESULT through its own relay port.
 
 The uplink bytes are the relay's (``uplink.forward.bytes_in``: every datagram the sender put on the
 uplink, handshakes included). Beside them the simulator's figure (``lab/sim/fanout.py``): coded and
@@ -45,7 +45,6 @@ from pfec.lab.processes import LOOPBACK_PSK, Child, NodeCpus, node_cpu_sets, pin
 from pfec.lab.sim.channel import parse_loss_spec
 from pfec.lab.sim.fanout import FanoutConfig, simulate_fanout
 from pfec.lab.sim.handoff import SimConfig
-from pfec.sender import fanout as sender_fanout
 from pfec.sender.daemon import SenderDaemon
 from pfec.sender.handoffs import HandoffSpec
 from pfec.sender.kv import ContextInput
@@ -148,13 +147,16 @@ def _context(tokens: int) -> ContextInput:
 async def _handoff(cfg: FanoutBench, identity: Any, runtime: Any, inputs: ContextInput, relay: _Relay,
                    receivers: Sequence[int], fanout: str) -> dict[str, Any]:
     """One handoff from a fresh sender daemon (no path history carried between runs)."""
+    assert relay.group is not None
+    group = f"{relay.group[0]}:{relay.group[1]}"  # the relay's group port plays the site's multicast
     tx = SenderDaemon(identity, LOOPBACK_PSK, runtime=runtime, rate_mbps=cfg.rate_mbps,
-                      owd_ms=cfg.rtt_ms / 2, scheme=cfg.scheme, rate_control="fixed")
+                      owd_ms=cfg.rtt_ms / 2, scheme=cfg.scheme, rate_control="fixed",
+                      multicast_groups=[group] if fanout == "multicast" else ())
     try:
         ports = tuple(relay.ports[i] for i in receivers)
         spec = HandoffSpec(inputs, ports[0], rho=cfg.rho, scheme=cfg.scheme,
                            generate=cfg.model != SYNTHETIC_MODEL, receivers=ports if len(ports) > 1 else (),
-                           fanout=fanout)
+                           fanout=fanout, group=group if fanout == "multicast" else None)
         h = tx.submit(spec)
         await asyncio.wait_for(h.done.wait(), 600)
         return h.view()
@@ -184,6 +186,7 @@ def _run_seed(cfg: FanoutBench, seed: int, rx_addrs: Sequence[tuple[str, int]], 
     n = len(cfg.losses)
     runs: list[tuple[str, Sequence[int], str]] = [(f"solo.{i}", (i,), "unicast") for i in range(n)]
     runs.append(("unicast", tuple(range(n)), "unicast"))
+    runs.append(("multicast", tuple(range(n)), "multicast"))
     out: dict[str, Any] = {"seed": seed}
     for name, receivers, fanout in runs:
         relay = _Relay(cfg, rx_addrs, seed, cpus.pin("relay"))
@@ -193,11 +196,6 @@ def _run_seed(cfg: FanoutBench, seed: int, rx_addrs: Sequence[tuple[str, int]], 
             stats = relay.stop()
         out[name] = _row(report, stats, receivers)
         log(f"seed {seed} {name}: {out[name]['outcome']}, uplink {out[name]['uplink_bytes']} B")
-    served = hasattr(sender_fanout, "run_multicast_fanout")
-    out["multicast"] = {"outcome": "not run", "why": (
-        "this bench has no multicast row yet (the daemon's multicast API landed after it)" if served else
-        "the sender daemon answers multicast fan-out with 422 (sender/fanout.py carries unicast only; the "
-        "group session is sans-IO so far)")}
     return out
 
 
@@ -233,14 +231,18 @@ def _summary(cfg: FanoutBench, rows: Sequence[dict[str, Any]]) -> dict[str, Any]
         one = sum(solo_bytes) / len(solo_bytes)
         entry: dict[str, Any] = {"seed": row["seed"], "solo_uplink_bytes_mean": one,
                                  "unicast_uplink_vs_solo": _ratio(row["unicast"]["uplink_bytes"], one),
+                                 "multicast_uplink_vs_solo": _ratio(row["multicast"]["uplink_bytes"], one),
                                  "receivers": []}
         for i in range(len(cfg.losses)):
             solo = row[f"solo.{i}"]["receivers"][str(i)]
             uni = row["unicast"]["receivers"][str(i)]
+            multi = row["multicast"]["receivers"][str(i)]
             entry["receivers"].append({
                 "loss": cfg.losses[i], "solo_utility": solo["recovered_utility"],
                 "unicast_utility_vs_solo": _ratio(uni["recovered_utility"], solo["recovered_utility"]),
-                "unicast_ttft_vs_solo": _ratio(uni["ttft_s"], solo["ttft_s"])})
+                "unicast_ttft_vs_solo": _ratio(uni["ttft_s"], solo["ttft_s"]),
+                "multicast_utility_vs_solo": _ratio(multi["recovered_utility"], solo["recovered_utility"]),
+                "multicast_ttft_vs_solo": _ratio(multi["ttft_s"], solo["ttft_s"])})
         out.append(entry)
     return {"per_seed": out}
 
@@ -278,15 +280,14 @@ def write_fanout_bench(result: dict[str, Any], out_dir: Path) -> None:
         "|---|---|---|---|" + "---|---|" * len(inp["losses"]),
     ]
     for row, summ in zip(result["rows"], result["summary"]["per_seed"], strict=True):
-        cells = []
-        for i in range(len(inp["losses"])):
-            uni, solo = row["unicast"]["receivers"][str(i)], row[f"solo.{i}"]["receivers"][str(i)]
-            cells.append(f"{_fmt(uni['recovered_utility'])} ({_fmt(solo['recovered_utility'])}) | "
-                         f"{_fmt(uni['ttft_s'])} ({_fmt(solo['ttft_s'])})")
-        lines.append(f"| {row['seed']} | unicast | {row['unicast']['uplink_bytes']} | "
-                     f"{_fmt(summ['unicast_uplink_vs_solo'])} | " + " | ".join(cells) + " |")
-        multicast = row["multicast"]
-        lines.append(f"| {row['seed']} | multicast | {multicast['outcome']}: {multicast['why']} |")
+        for carriage in ("unicast", "multicast"):
+            cells = []
+            for i in range(len(inp["losses"])):
+                got, solo = row[carriage]["receivers"][str(i)], row[f"solo.{i}"]["receivers"][str(i)]
+                cells.append(f"{_fmt(got['recovered_utility'])} ({_fmt(solo['recovered_utility'])}) | "
+                             f"{_fmt(got['ttft_s'])} ({_fmt(solo['ttft_s'])})")
+            lines.append(f"| {row['seed']} | {carriage} | {row[carriage]['uplink_bytes']} | "
+                         f"{_fmt(summ[f'{carriage}_uplink_vs_solo'])} | " + " | ".join(cells) + " |")
     sim = result["sim"]
     lines += ["", f"Simulator ({sim['inputs']['realizations']} realizations, same link and losses): "
               "recovered utility per receiver.", "", "| scheme | uplink datagrams | " + " | ".join(
