@@ -113,7 +113,7 @@ def test_a_replay_after_restart_opens_nothing_and_does_not_amplify(captured: lis
     assert not rx.sessions, "a replay established a session"
     assert not [e for e in events if isinstance(e, (OfferReceived, DeadlineReached))], events
     assert sent <= AMPLIFICATION_FACTOR * received
-    assert sent <= 80 * 4, sent  # in fact a few ACCEPTs (80 B) at most: the replayed OFFER parts' answers
+    assert sent <= 116 * 4, sent  # in fact a few ACCEPTs (116 B) at most: the replayed OFFER parts' answers
     # The replayed session datagrams open under no key the restarted receiver holds (its R_r is new), or
     # meet no session at all (before the replayed OFFER, or once its handshake expired).
     assert rx.drops.get("junk_auth", 0) + rx.drops.get("no_session", 0) > 100, rx.drops
@@ -142,16 +142,16 @@ def small_offer() -> tuple[Keyring, bytes]:
 
 
 def test_the_budget_stops_replies_before_establishment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 3x check itself (an ACCEPT, 80 B, is below any OFFER, >= 106 B, so with the real factor it
+    """The 3x check itself (an ACCEPT, 116 B, is below 3x any OFFER, >= 108 B, so with the real factor it
     never binds: here the factor is cut to show that the budget, not the sizes, is what is enforced)."""
     kr, offer = small_offer()
-    monkeypatch.setattr(endpoint_module, "AMPLIFICATION_FACTOR", 0.5)
+    monkeypatch.setattr(endpoint_module, "AMPLIFICATION_FACTOR", 0.75)
     rx = ReceiverEndpoint(kr, FP, ReceiverConfig(), random_bytes=random.Random(9).randbytes)
     sent = []
     for copies in range(1, 4):
         rx.receive_datagram(offer, 0.0)
         sent += [len(d) for _sid, d in rx.datagrams_to_send()]
-        assert sum(sent) <= 0.5 * copies * len(offer)
+        assert sum(sent) <= 0.75 * copies * len(offer)
     assert rx.drops["amplification_limit"] == 1 and len(sent) == 2  # the first copy earned too little
 
 
