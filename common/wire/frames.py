@@ -10,7 +10,7 @@ big-endian (network order).
 
 Header (14 B, cleartext, authenticated)::
 
-    u8 version (= WIRE_VERSION = 5) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
+    u8 version (= WIRE_VERSION = 6) | u8 phase:2 | type:6 | u64 session_id | u32 packet_number
 
 The type byte's top two bits are the key phase (:class:`.messages.KeyPhase`): 0x00 SESSION (the session
 keys), 0x40 EARLY (the sender's early key, before the ACCEPT), 0x80 HANDSHAKE (the static handshake key of
