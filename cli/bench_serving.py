@@ -21,7 +21,7 @@ def bench_serving_cmd(
     constrained_prompts: Annotated[int, typer.Option(
         min=0, max=20, help="Prompts of each constrained row (tool_choice required, a strict json_schema) "
         "and of the decode-step overhead per grammar library; 0 skips them.")] = 20,
-    constrained_max_tokens: Annotated[int, typer.Option(min=8, help="max_tokens of those requests.")] = 64,
+    constrained_max_tokens: Annotated[int, typer.Option(min=8, help="max_tokens of those requests.")] = 128,
     as_json: ResultJsonOpt = False,
     out_dir: Annotated[Path, typer.Option(help="Where serving.json and .md go.")] = DOCS_BENCH,
 ) -> None:

@@ -180,7 +180,7 @@ def _turn(result: dict[str, Any]) -> dict[str, Any]:
 def run_serving_bench(runs: int = 3, context_tokens: int = 1500, max_tokens: int = 8,
                       rate_mbps: float = 100.0,
                       progress: Callable[[int, int], None] | None = None, constrained_prompts: int = 20,
-                      constrained_max_tokens: int = 64) -> dict[str, Any]:
+                      constrained_max_tokens: int = 128) -> dict[str, Any]:
     """``runs`` conversations (seeds 0..runs-1): every run's figures and the median TTFT ratio; then the
     constrained-decoding rows over ``constrained_prompts`` prompts of each kind (0: none)."""
     if runs < 1 or context_tokens < 64 or max_tokens < 1:
