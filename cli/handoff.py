@@ -62,7 +62,7 @@ def handoff_cmd(
         "uplink clock, the default) | multicast (one coded stream to a group, sealed once).")] = None,
     group: Annotated[str | None, typer.Option(
         help="Multicast fan-out: the group destination IP:PORT (a multicast group, or a relay that "
-        "replicates), one the sender allows ([udp] multicast_group; default: its first).")] = None,
+        "replicates), one the sender allows (its udp.multicast_group; default: the first).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Ask the sender daemon for a handoff, wait for it and print the report."""
