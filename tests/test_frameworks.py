@@ -328,20 +328,3 @@ def test_langgraph_react_agent_tool_turn_then_a_handoff_continued_on_the_receive
                       {"recursion_limit": 6})
     first_on_b = out["messages"][len(messages) + 1]
     assert usage_of(first_on_b)["input_token_details"]["cache_read"] == report["n_tokens"], report
-
-
-CUT_CLOSE = ("OpenAI face bug (common/node/openai/tools.py, not this file's to fix): a reply that max_tokens "
-             "cuts inside the closing tag stays text, where one cut before it parses")
-
-
-@pytest.mark.xfail(strict=True, reason=CUT_CLOSE)
-def test_a_call_cut_inside_its_closing_tag_is_still_a_call() -> None:
-    """Seen with the Agents SDK at max_tokens 24: the dictated transfer_to_writer call ended in ``</tool``
-    and the SDK got text, no handoff."""
-    from pfec.common.node.openai.tools import HermesParser, ParsedCall  # deferred: the parser alone
-
-    call = '<tool_call>\n{"name": "transfer_to_writer", "arguments": {}}\n'
-    for cut in (call, call + "</tool"):
-        parser = HermesParser(frozenset({"transfer_to_writer"}))
-        events = parser.feed(cut) + parser.finish()
-        assert [e.name for e in events if isinstance(e, ParsedCall)] == ["transfer_to_writer"], (cut, events)

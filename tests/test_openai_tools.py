@@ -100,6 +100,18 @@ def test_a_forced_reply_is_calls_only() -> None:
         assert any("content" in d for d in deltas) is (not forced), deltas
 
 
+def test_a_call_the_token_limit_cut_inside_its_closing_tag_is_still_a_call() -> None:
+    """Seen with the Agents SDK at max_tokens 24: its transfer call ended in ``</tool`` and came back as
+    text, so no handoff ran. Cut anywhere in the closing tag, or before it, the complete call parses."""
+    call = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n'
+    for cut in range(len(CLOSE)):
+        for pieces in ([call + CLOSE[:cut]], [call, CLOSE[:cut]]):
+            events = _events(HermesParser(frozenset({"get_weather"})), pieces)
+            assert [e.name for e in events if isinstance(e, ParsedCall)] == ["get_weather"], (cut, events)
+    # What the tag's first characters end is still text when no call is open.
+    assert _strip_ids(_events(HermesParser(frozenset({"get_weather"})), ["so </tool"])) == ["so </tool"]
+
+
 def test_hermes_parser_leaves_what_is_not_a_declared_call_as_text() -> None:
     names = frozenset({"get_weather"})
     for block in (f'{OPEN}{{"name": "rm_rf", "arguments": {{}}}}{CLOSE}',  # not declared

@@ -341,7 +341,7 @@ class HermesParser:
                 continue
             start = self._buf.find(OPEN)
             if start < 0:
-                cut = len(self._buf) - _partial_tag(self._buf)
+                cut = len(self._buf) - _partial_tag(self._buf, OPEN)
                 self._text(self._buf[:cut], out)
                 self._buf = self._buf[cut:]
                 return out
@@ -349,10 +349,12 @@ class HermesParser:
             self._buf, self._inside = self._buf[start:], True
 
     def finish(self) -> list[Event]:
-        """The events the end of the reply releases (an unclosed last block is tried as a call)."""
+        """The events the end of the reply releases (an unclosed last block is tried as a call, less a
+        closing tag the token limit cut short)."""
         out: list[Event] = []
         if self._inside:
-            self._block(self._buf, self._buf[len(OPEN):], out)
+            body = self._buf[len(OPEN):]
+            self._block(self._buf, body[: len(body) - _partial_tag(body, CLOSE)], out)
         else:
             self._text(self._buf, out)
         self._buf, self._inside = "", False
@@ -392,10 +394,10 @@ class HermesParser:
                                                                                    ensure_ascii=False))
 
 
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of ``text`` may start ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may start ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0
 
