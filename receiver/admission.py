@@ -109,6 +109,9 @@ def check_stream(identity: ModelIdentity, app: OfferApp, profile: UtilityProfile
     layout = PieceLayout(g, app.n_tokens, BLOCK_TOKENS)
     utilities = profile.block_utilities(identity.plan(app.n_tokens))
     first_block = 0 if app.split is None else app.split.meeting_token // BLOCK_TOKENS
+    # a chain: the blocks its sender lost upstream carry no pieces (the OFFER's held map says which)
+    absent = None if app.held is None else app.held.block_levels(identity.plan(app.n_tokens)) == Level.NONE
     plan = check_offer(offer, layout, utilities, fidelity, symbol_size - FRAGMENT_ID_SIZE,
-                       n_source, app.order, identity.quant_scheme, first_block, front_after=first_block > 0)
+                       n_source, app.order, identity.quant_scheme, first_block, front_after=first_block > 0,
+                       absent=absent)
     return StreamPlan(offer.mix, plan, fidelity)

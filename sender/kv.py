@@ -197,10 +197,11 @@ def _order(plan: BlockPlan, utilities: npt.NDArray[np.float64], order: str) -> n
 
 
 def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt.NDArray[np.float64],
-                order: str, first_block: int = 0) -> Stream:
+                order: str, first_block: int = 0, absent: npt.NDArray[np.bool_] | None = None) -> Stream:
     """The piece plan of a quantised ``mix`` for this handoff, with the OFFER's description of it. A split
     (``first_block`` > 0) streams the back, then the front after it (``stream_plan``'s ``front_after``):
-    what the receiver's prefill does not reach in time still arrives if the link has time for it."""
+    what the receiver's prefill does not reach in time still arrives if the link has time for it.
+    ``absent``: a chain's blocks lost upstream, streamed as lost (no pieces; the receiver plans the same)."""
     native = identity.plan(n_tokens)
     n_layers = identity.geometry.n_layers
     digest = identity.details.get("model_digest")
@@ -208,7 +209,7 @@ def plan_stream(identity: ModelIdentity, n_tokens: int, mix: str, utilities: npt
     fidelity: FidelityTable = fidelity_named(fidelity_name, n_layers, digest)
     layout = PieceLayout(identity.geometry, n_tokens, BLOCK_TOKENS)
     plan = stream_plan(layout, mix, utilities, fidelity, native.symbol_size - FRAGMENT_ID_SIZE, order,
-                       first_block, front_after=first_block > 0)
+                       first_block, front_after=first_block > 0, absent=absent)
     offer = PrecisionOffer(QUANT_SCHEME, mix, layout.block_tokens, layout.value_group, fidelity_name,
                            plan_digest(plan, mix, fidelity_name))
     first_piece, _ = plan.symbol_piece_spans()
@@ -289,7 +290,9 @@ def prepare_model(
         mix, planner = choice.mix, choice.view
     else:
         mix, planner = _mix_for(identity, plan.n_tokens, request, len(question_ids))
-    stream = None if mix == NATIVE else plan_stream(identity, plan.n_tokens, mix, utilities, order)
+    absent = None if held is None else held.block_levels(plan) == Level.NONE  # lost upstream: not sent
+    stream = None if mix == NATIVE else plan_stream(identity, plan.n_tokens, mix, utilities, order,
+                                                    absent=absent)
     if held is not None and stream is not None and _below_held(stream, held.block_levels(plan)):
         stream = _raised(identity, plan, mix, utilities, order, held)
         planner = {**(planner or {}), "raised_from": mix,  # a block that arrived quantised bounds the mix
@@ -324,7 +327,7 @@ def _raised(identity: ModelIdentity, plan: BlockPlan, mix: str, utilities: npt.N
     native, which is below nothing)."""
     levels = held.block_levels(plan)
     for above in reversed(MIXES[1:MIXES.index(mix)]):
-        stream = plan_stream(identity, plan.n_tokens, above, utilities, order)
+        stream = plan_stream(identity, plan.n_tokens, above, utilities, order, absent=levels == Level.NONE)
         if not _below_held(stream, levels):
             return stream
     return None

@@ -147,7 +147,7 @@ def block_tops(mix: str, block_utility: npt.ArrayLike) -> npt.NDArray[np.int64]:
 
 def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fidelity: FidelityTable,
                 payload_size: int, order: str = "utility", first_block: int = 0,
-                front_after: bool = False) -> PiecePlan:
+                front_after: bool = False, absent: npt.ArrayLike | None = None) -> PiecePlan:
     """The piece plan of a quantised ``mix``: pieces packed into ``payload_size``-byte symbol payloads.
 
     ``order`` ``utility`` sends pieces by marginal value per byte (``precision.value_order``); ``fifo``
@@ -160,6 +160,8 @@ def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fid
     reaches last first; each block's pieces in ``order``): the sender never sends what the receiver has
     computed (its ACKs say how far it got), so the link's spare time fills the gap a slower prefill
     leaves instead of the receiver starting with it masked.
+    ``absent`` (bool per block; a chain: the blocks lost upstream, from the OFFER's held map) drops every
+    piece of those blocks: the stream carries nothing for them, and both ends plan it alike.
     """
     if not 0 <= first_block < layout.n_token_blocks:
         raise ValueError(f"first token block {first_block!r} lies outside the context's "
@@ -178,6 +180,14 @@ def stream_plan(layout: PieceLayout, mix: str, block_utility: npt.ArrayLike, fid
     if first_block:
         sent = split_order(blocks % layout.n_token_blocks, first_block, front_after)
         blocks, kind_ids = blocks[sent], kind_ids[sent]
+    if absent is not None:
+        lost = np.asarray(absent, dtype=np.bool_)
+        if lost.shape != (layout.n_blocks,):
+            raise ValueError(f"absent blocks: {lost.shape}, the layout has ({layout.n_blocks},) blocks")
+        kept = ~lost[blocks]
+        if not kept.any():
+            raise ValueError("every block of the context was lost upstream: nothing to stream")
+        blocks, kind_ids = blocks[kept], kind_ids[kept]
     return PiecePlan(layout, blocks, kind_ids, payload_size)
 
 
@@ -284,7 +294,8 @@ class PrecisionOffer:
 
 def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.ArrayLike,
                 fidelity: FidelityTable, payload_size: int, n_source: int, order: str,
-                scheme: str | None, first_block: int = 0, front_after: bool = False) -> PiecePlan:
+                scheme: str | None, first_block: int = 0, front_after: bool = False,
+                absent: npt.ArrayLike | None = None) -> PiecePlan:
     """The plan the OFFER describes, recomputed here; ValueError with the reason when this node does not
     know the scheme, cannot rebuild the layout, or gets another plan (digest or symbol count)."""
     if scheme is None or offer.scheme != scheme:
@@ -297,7 +308,7 @@ def check_offer(offer: PrecisionOffer, layout: PieceLayout, block_utility: npt.A
             f"{layout.value_group}"
         )
     plan = stream_plan(layout, offer.mix, block_utility, fidelity, payload_size, order, first_block,
-                       front_after)
+                       front_after, absent)
     digest = plan_digest(plan, offer.mix, offer.fidelity)
     if digest != offer.plan:
         raise ValueError(f"OFFER precision plan {offer.plan} does not match the plan recomputed here "
