@@ -50,6 +50,7 @@ from pfec.common.wire.messages import DEFAULT_SYMBOL_SIZE
 DEFAULT_LENGTHS: Final = (128, 512, 1024)
 WARM_UP_TOKENS: Final = 64
 QUESTION_LENGTHS: Final = (16, 64)  # question tokens timed over each cache
+PARTS_REPEATS: Final = 3  # runs of each question forward and decode step timed (the rebuilds: one fewer)
 MEASURE_BLOCK_TOKENS: Final = 16  # the handoff's block (``handoff.BLOCK_TOKENS``)
 
 
@@ -216,12 +217,14 @@ def measure_parts(runtime: ModelRuntime, caches: dict[int, Any], repeats: int = 
                   seed: int = 0) -> MeasuredParts:
     """Time the rebuild at each level over the longest of ``caches`` (tokens -> a prefilled cache), and
     the question's masked forward and the first decode step over each (``QUESTION_LENGTHS``, as far as
-    the model's context allows), the fastest of ``repeats`` each; fitted as ``MeasuredParts`` (no
-    ``datagram_s``: the receive path is the daemon's). Needs two cache lengths for the fits."""
+    the model's context allows), the fastest of ``repeats`` (at least ``PARTS_REPEATS``) each; fitted as
+    ``MeasuredParts`` (no ``datagram_s``: the receive path is the daemon's). Needs two cache lengths."""
     if len(caches) < 2:
         raise ValueError(f"measure_parts needs caches of 2 lengths, got {sorted(caches)}")
     longest = max(caches)
-    rebuild = _rebuild_per_token(runtime, caches[longest], longest, repeats)
+    # Fastest of a few runs however many the curve took: single short calls, one stall would set them.
+    rebuild = _rebuild_per_token(runtime, caches[longest], longest, max(repeats, PARTS_REPEATS - 1))
+    repeats = max(repeats, PARTS_REPEATS)
     question: list[tuple[int, int, float]] = []
     decode: list[tuple[int, float]] = []
     rng = np.random.default_rng(seed)
