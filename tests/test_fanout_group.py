@@ -144,28 +144,38 @@ def test_one_repair_fills_a_different_hole_at_each_member() -> None:
     assert all(rx.session.stats.received["repair"] == 1 for rx in rxs)
 
 
+def _holes(offsets: list[int], bits: int) -> bytes:
+    """A hole map (MSB first) with the given offsets from the prefix set."""
+    packed = bytearray((bits + 7) // 8)
+    for o in offsets:
+        packed[o >> 3] |= 0x80 >> (o & 7)
+    return bytes(packed)
+
+
 def test_need_is_the_largest_deficit_not_the_sum() -> None:
-    """The repair rule: member deficits 3 and 5 ask for 5 repairs, not 8; repairs sent since an ACK count."""
+    """The repair rule: member deficits 3 and 5 ask for 5 repairs, not 8; each repair, over the neediest
+    member's holes widened over the other's, counts for both; repairs sent since an ACK count."""
     ticket = GroupTicket.fresh(1, random.Random(2).randbytes)
     group = GroupSession(group_sealer(ticket, SYMBOL), symbols(50), GroupConfig(1.0, 0.001, 50), ["a", "b"])
     group.start(0.0)
     for _ in range(30):
         assert group.next_datagram(0.0) is not None
-    for member, deficit in ((0, 3), (1, 5)):
+    for member, offsets in ((0, [0, 5, 11]), (1, [1, 3, 7, 12, 18])):  # ESIs 10 15 21; 11 13 17 22 28
+        deficit = len(offsets)
         ack = Ack(decoded_prefix=10, seen_end=30, decoded_count=30 - deficit, deficit=deficit,
                   unknowns=deficit, largest_pn=30, ack_delay_us=0, received=30 - deficit, lost=deficit,
-                  loss_runs=1, hole_bits=20, holes=bytes([0x80, 0x10, 0]))
+                  loss_runs=deficit, hole_bits=20, holes=_holes(offsets, 20))
         assert group.on_ack(member, ack, 0.001)
-    assert group.group_need() == pytest.approx(5 * 1.0 - 0.0, abs=1.0)
-    first, count = group.repair_window()
-    assert (first, count) == (10, 12)  # hole bits 0 and 11 of the map over [10, 30): ESIs 10 and 21
+    assert group.need_of(group.members[0]) == pytest.approx(3.0)
+    assert group.group_need() == pytest.approx(5.0)
+    assert group.repair_window() == (10, 19)  # b's holes [11, 29) widened over a's [10, 22)
     sent = 0
     while group.group_need() >= 0.5:
         d = group.next_datagram(0.002)
         assert d is not None
         sent += 1
-    assert sent == group.repairs_sent
-    assert 5 <= sent <= 6 < 8  # max (with member 1's measured loss), never the sum
+    assert sent == group.repairs_sent == 5  # the largest deficit, never the sum (8)
+    assert group.need_of(group.members[0]) <= 0.0  # every repair reached a's holes too
 
 
 def test_slow_member_is_dropped_and_the_others_finish() -> None:

@@ -59,6 +59,7 @@ from pfec.lab.sim.simulate import (
 )
 from pfec.receiver.endpoint import ReceiverEndpoint
 from pfec.receiver.fanout.member import GroupMembership
+from pfec.receiver.handshake import grant_span
 from pfec.receiver.session import DeadlineReached, ReceiverConfig, ReceiverSession
 from pfec.sender.transport.fanout.group import GroupConfig, GroupSession
 from pfec.sender.transport.repair_plan import warm_up
@@ -189,10 +190,16 @@ def _run_coded(config: FanoutConfig, handoffs: Sequence[Handoff], realization: i
     window = resolve_window_cap(cfg.window_cap, budget.owd_s, budget.slot_s)
     span = decoder_span_for(budget, window, send.n_source)
     ticket = GroupTicket.fresh(0xFA000000 + realization, seeded_random_bytes(cfg.seed, realization, "group"))
+    member_cfg = ReceiverConfig(ack_every=cfg.ack_every)
+    # Each member's span as its endpoint would grant the OFFER's request (what its ACCEPT would say).
+    span_offer = Offer(symbol, window, send.n_source, int(budget.deadline_s * 1e6), SIM_FINGERPRINT,
+                       span=span)
+    granted = grant_span(span_offer, member_cfg)
+    member_cfg = dataclasses.replace(member_cfg, decoder_span=granted)
     group = GroupSession(group_sealer(ticket, symbol), send.symbols, GroupConfig(
         budget_s=budget.deadline_s, owd_s=max(h.config.owd_s for h in handoffs),
         repair_budget=repair_cap(cfg.repair_budget, send.n_source, budget.deadline_s, budget.slot_s),
-        window_cap=min(window, 4095)), [f"r{i}" for i in range(n)])
+        window_cap=min(window, 4095), span=granted), [f"r{i}" for i in range(n)])
     engine = _Engine(handoffs, realization, cfg.rate_bps)
     keys = [_member_keys(i, cfg.seed, realization, cfg.authenticate, symbol) for i in range(n)]
     members: list[GroupMembership | None] = [None] * n
@@ -233,7 +240,7 @@ def _run_coded(config: FanoutConfig, handoffs: Sequence[Handoff], realization: i
                 sid, rx, _tx, r_s = keys[i]
                 offer = Offer(symbol, window, send.n_source, int((budget.deadline_s - now) * 1e6),
                               SIM_FINGERPRINT, sender_random=r_s, span=span)
-                session = ReceiverSession(sid, rx, offer, 1, now, ReceiverConfig(ack_every=cfg.ack_every))
+                session = ReceiverSession(sid, rx, offer, 1, now, member_cfg)
                 members[i] = GroupMembership(ticket, session)
             elif (m := members[i]) is not None and not done[i]:
                 m.receive(datagram, now)

@@ -114,6 +114,7 @@ def _group_holes(
     holes: npt.NDArray[np.int64],
     reg_i: npt.NDArray[np.int64],
     reg_f: npt.NDArray[np.float64],
+    fill: bool,
 ) -> tuple[int, int, int]:
     """Unpack the ACK's hole map (ESIs below ``limit`` only) into ``holes``, then the sources it never
     saw although later packets were acknowledged (``[unseen_from, unseen_to)`` past the map: lost, each
@@ -122,7 +123,8 @@ def _group_holes(
     region its share of the deficit (``_share_by_region``) and charge each in-flight repair (rows
     ``in_flight_from:in_flight_to`` of ``repair_windows``) to the region its [first, end) window overlaps
     that lacks most after the charges so far (its equation serves whichever of them it reaches).
-    Returns (holes, regions, repairs overlapping no region)."""
+    ``fill``: the shares add up to the deficit however many seen repairs reached the regions (see
+    ``_share_by_region``). Returns (holes, regions, repairs overlapping no region)."""
     n_holes = 0
     for i in range(bits):
         if packed[i >> 3] & (0x80 >> (i & 7)):
@@ -154,7 +156,7 @@ def _group_holes(
         i = j
     if n > 0 and deficit > 0:
         seen_from = _first_at_or_after(repair_times, in_flight_from, seen_since) if len(repair_times) else 0
-        _share_by_region(deficit, prefix, repair_windows, seen_from, in_flight_from, n, reg_i, reg_f)
+        _share_by_region(deficit, prefix, repair_windows, seen_from, in_flight_from, n, reg_i, reg_f, fill)
     unassigned = 0
     for k in range(in_flight_from, in_flight_to):
         target = _lacking_most(repair_windows[k, 0], repair_windows[k, 1], n, reg_i, reg_f)
@@ -196,11 +198,14 @@ def _lacking_most(first: int, end: int, n: int, reg_i: npt.NDArray[np.int64],
 @njit_cached
 def _share_by_region(deficit: int, prefix: int, repair_windows: npt.NDArray[np.int64], seen_from: int,
                      acked: int, n: int, reg_i: npt.NDArray[np.int64],
-                     reg_f: npt.NDArray[np.float64]) -> None:
+                     reg_f: npt.NDArray[np.float64], fill: bool) -> None:
     """Split the reported deficit over the regions by what each still lacks, not evenly per hole: a
     region's holes minus the recent repairs seen (rows ``seen_from:acked``) that reach it, charged to the one
     lacking most, scaled so the shares add up to the deficit (which absorbs the seen repairs that were
-    lost), at most its holes."""
+    lost), at most its holes. ``fill``: what the caps at its holes left of the deficit goes to the regions
+    below their caps, by what they could still lack, so the shares add up to the deficit (a fan-out
+    group's: many repairs planned for other members reach each region, and the lost ones would otherwise
+    drop out of the deficit)."""
     for r in range(n):
         reg_f[_NEED, r] = float(reg_i[_HOLES, r])
     for k in range(seen_from, acked):
@@ -223,6 +228,17 @@ def _share_by_region(deficit: int, prefix: int, repair_windows: npt.NDArray[np.i
             reg_f[_NEED, r] = min(float(reg_i[_HOLES, r]), reg_f[_NEED, r] * deficit / lacking)
         else:
             reg_f[_NEED, r] = reg_i[_HOLES, r] * deficit / max(1, total_holes)
+    if not fill:
+        return
+    shared = 0.0
+    room = 0.0
+    for r in range(n):
+        shared += reg_f[_NEED, r]
+        room += reg_i[_HOLES, r] - reg_f[_NEED, r]
+    if deficit > shared and room > 0.0:
+        part = min(1.0, (deficit - shared) / room)
+        for r in range(n):
+            reg_f[_NEED, r] += part * (reg_i[_HOLES, r] - reg_f[_NEED, r])
 
 
 @njit_cached
@@ -308,14 +324,15 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         packed = np.frombuffer(b"\0", dtype=np.uint8)  # ACK hole maps arrive as read-only bytes
         in_flight = np.zeros((1, 2), dtype=np.int64)
         _bound["group"] = entry_point(
-            _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f
-        )
+            _group_holes, packed, 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f,
+            False)
         # ... and as the bytes object the parser made (numba reads it in place: no array per ACK).
         _bound["group_bytes"] = entry_point(
-            _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f
-        )
+            _group_holes, b"\0", 0, 0, 0, 0, 0, in_flight, 0, 0, _NO_TIMES, 0.0, 0, 0, ints, reg_i, reg_f,
+            False)
         _bound["plan"] = entry_point(_plan, reg_i, reg_f, ints, 0.0, False, 0, 0, False)
         _bound["count_upto"] = entry_point(count_upto, ints, 0, 0)
+        _bound["lacking_most"] = entry_point(_lacking_most, 0, 0, 0, reg_i, reg_f)
     return _bound
 
 
@@ -335,13 +352,15 @@ def warm_up() -> None:
 
 class RepairPlanner:
     def __init__(
-        self, window_cap: int, span: int, target_nonzeros: int | None = 8, fixed_dt: int | None = None
+        self, window_cap: int, span: int, target_nonzeros: int | None = 8, fixed_dt: int | None = None,
+        fill_deficit: bool = False,
     ) -> None:
         if window_cap < 1 or span < window_cap:
             raise ValueError(f"need 1 <= window_cap <= span, got window_cap={window_cap} span={span}")
         self.window_cap = window_cap
         self.target_nonzeros = target_nonzeros
         self.fixed_dt = fixed_dt
+        self.fill_deficit = fill_deficit  # the regions' shares add up to the deficit (_share_by_region)
         target = -1 if target_nonzeros is None else int(target_nonzeros)  # kernels: -1 = dense
         self._params = np.array(
             [0, 0, span, window_cap, target, -1 if fixed_dt is None else int(fixed_dt), 0, 0, window_cap],
@@ -357,6 +376,7 @@ class RepairPlanner:
         self._group = kernels["group"]
         self._group_bytes = kernels["group_bytes"]
         self._plan = kernels["plan"]
+        self._lacking = kernels["lacking_most"]
         self._checked_windows: npt.NDArray[np.int64] | None = None  # the array on_ack last validated
 
     @property
@@ -444,6 +464,7 @@ class RepairPlanner:
             self._hole_buf,
             self._reg_i,
             self._reg_f,
+            self.fill_deficit,
         )
         params = self._params
         params[_P_REGIONS] = regions
@@ -489,6 +510,15 @@ class RepairPlanner:
             self._proactive_sent += 1
         else:
             self._reg_f[_SENT, region] += 1.0
+
+    def sent_over(self, first: int, end: int) -> bool:
+        """A repair over [first, end) planned elsewhere (a fan-out group's, for another member) was sent:
+        charged, as one in flight, to the region it reaches that lacks most. Whether it reached one."""
+        region = self._lacking(first, end, int(self._params[_P_REGIONS]), self._reg_i, self._reg_f)
+        if region < 0:
+            return False
+        self._reg_f[_SENT, region] += 1.0
+        return True
 
     def covers_both_ends(self, region: int) -> bool:
         """A region of at most two holes: a repair that covers its first and last symbol hits every hole."""
