@@ -178,6 +178,31 @@ def test_need_is_the_largest_deficit_not_the_sum() -> None:
     assert group.need_of(group.members[0]) <= 0.0  # every repair reached a's holes too
 
 
+def test_a_repair_counts_only_for_members_whose_holes_it_reaches() -> None:
+    """Member a lacks ESIs 10-12, member b ESIs 100-102, too far apart for one window of 16: the repairs
+    over a's holes leave b's need whole, and b's holes get repairs of their own (6 in all)."""
+    ticket = GroupTicket.fresh(4, random.Random(8).randbytes)
+    config = GroupConfig(1.0, 0.001, 50, window_cap=16, span=128)
+    group = GroupSession(group_sealer(ticket, SYMBOL), symbols(120), config, ["a", "b"])
+    group.start(0.0)
+    for _ in range(110):
+        assert group.next_datagram(0.0) is not None
+    for member, prefix in ((0, 10), (1, 100)):
+        ack = Ack(decoded_prefix=prefix, seen_end=110, decoded_count=107, deficit=3, unknowns=3,
+                  largest_pn=110, ack_delay_us=0, received=107, lost=3, loss_runs=1, hole_bits=110 - prefix,
+                  holes=_holes([0, 1, 2], 110 - prefix))
+        assert group.on_ack(member, ack, 0.001)
+    a, b = group.members
+    windows = []
+    while group.group_need() >= 0.5:
+        windows.append(group.repair_window())
+        before = group.need_of(a) + group.need_of(b)
+        assert group.next_datagram(0.002) is not None
+        assert group.need_of(a) + group.need_of(b) == pytest.approx(before - 1.0)  # it served one of them
+    assert group.repairs_sent == 6
+    assert sorted(set(windows)) == [(10, 3), (100, 3)]
+
+
 def test_slow_member_is_dropped_and_the_others_finish() -> None:
     """A member losing 60% cannot keep up: dropped with a reason; it no longer steers the repairs."""
     group, rxs, events = run_group([0.0, 0.05, 0.6], budget_s=0.5)

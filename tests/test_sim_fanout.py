@@ -86,7 +86,7 @@ def test_sim_cmd_fanout_json() -> None:
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{"):])
-    assert set(out["schemes"]) == {"coded", "solo", "oracle"}
+    assert set(out["schemes"]) == {"coded", "solo", "oracle", "group_oracle"}
     assert len(out["schemes"]["coded"]["receivers"]) == 3
     assert "recovered_utility_mean" in out["schemes"]["coded"]["receivers"][2]
     assert out["schemes"]["coded"]["uplink_datagrams_mean"] > 0
@@ -97,3 +97,27 @@ def test_sim_cmd_fanout_json() -> None:
     assert res.exit_code == 2 and "only with --receivers" in res.output
     res = runner.invoke(app, ["sim", "--receivers", "9"])
     assert res.exit_code == 2 and "--receivers must be 1..8" in res.output
+
+
+def test_a_group_of_one_does_as_well_as_the_solo_handoff() -> None:
+    """One member: the coded stream is that receiver's own handoff on the same losses, so its utility is
+    at least the solo session's less a small margin (the repairs aim at its holes, none is wasted)."""
+    for loss in (Bernoulli(0.05), Bernoulli(0.15)):
+        base = SimConfig(loss=loss, rho=0.8, tokens=256)
+        result = simulate_fanout(FanoutConfig(base, (loss,)), ("coded",), 2)
+        coded, solo = _utils(result, "coded")[0], _utils(result, "solo")[0]
+        assert coded >= solo - 0.02, (loss, coded, solo)
+
+
+def test_each_member_near_what_a_group_sized_for_the_worst_can_give() -> None:
+    """rho 0.8, 2%, 8% and 15% (the CLI's repair budget): the worst member gets about its solo, the others
+    at least what the worst gets, and each is within 5% of the group oracle (the sources the worst
+    receiver's arriving slots carry, which every member could decode)."""
+    losses = (Bernoulli(0.02), Bernoulli(0.08), Bernoulli(0.15))
+    base = SimConfig(loss=losses[0], rho=0.8, tokens=256)
+    result = simulate_fanout(FanoutConfig(base, losses), ("coded",), 2)
+    coded, solo, bound = (_utils(result, name) for name in ("coded", "solo", "group_oracle"))
+    assert coded[2] >= solo[2] - 0.02, (coded, solo)
+    assert min(coded[:2]) >= coded[2] - 0.005, coded
+    assert all(c >= 0.95 * g for c, g in zip(coded, bound, strict=True)), (coded, bound)
+    assert all(g <= o + 1e-9 for g, o in zip(bound, _utils(result, "oracle"), strict=True))

@@ -15,7 +15,9 @@ own loss realization. Two ways to carry the same handoff (one ``prepare``, one s
 
 Receiver i meets exactly the losses a solo handoff with seed ``seed + SEED_STRIDE * i`` meets (its data
 datagrams indexed as the solo's, its control datagrams on the solo's control stream), so each receiver's
-``solo`` (``run_once``, the whole uplink to itself) and ``oracle`` (``run_oracle``) are paired with it.
+``solo`` (``run_once``, the whole uplink to itself) and ``oracle`` (``run_oracle``) are paired with it;
+``group_oracle`` credits every receiver the sources the worst one's oracle delivers (a group that serves
+each receiver whole can send no more).
 The reverse path is lossless (as ``pfec sim``'s default). Recovered utility per receiver is scored at its
 deadline as the solo's (``Handoff.credit``), after checking the decoded symbols byte for byte.
 """
@@ -351,6 +353,7 @@ def simulate_fanout(config: FanoutConfig, fanouts: Sequence[str], realizations: 
     handoffs = [prepare(receiver_config(config, i)) for i in range(n)]
     runs: dict[str, list[_Outcome]] = {name: [] for name in (*dict.fromkeys(fanouts), "solo", "oracle")}
     total, step = realizations * len(runs), 0
+    group_oracle: list[_Outcome] = []
     scheme = get_scheme(config.scheme)
     for r in range(realizations):
         for name in runs:
@@ -365,10 +368,22 @@ def simulate_fanout(config: FanoutConfig, fanouts: Sequence[str], realizations: 
                                            [x.start_s if x.start_s is not None else math.nan for x in each],
                                            round(float(np.mean(sent))), 0,
                                            round(float(np.mean([x.repair_sent for x in each]))), [], sent))
+                if name == "oracle":
+                    group_oracle.append(_group_oracle(handoffs, each))
             step += 1
             if progress is not None:
                 progress(step, total)
+    runs["group_oracle"] = group_oracle
     return _report(config, handoffs[0], runs)
+
+
+def _group_oracle(handoffs: Sequence[Handoff], oracles: Sequence[Any]) -> _Outcome:
+    """The idealised group: one stream that every receiver decodes whole, so its sources are those the
+    worst receiver's arriving slots carry (its oracle's, an ideal code's repairs filling the rest); each
+    receiver is credited that utility-ordered prefix."""
+    k = min(x.decoded_symbols for x in oracles)
+    utility = [h.credit("utility", np.arange(k))[1] for h in handoffs]
+    return _Outcome(utility, [math.nan] * len(handoffs), 0, 0, 0, [])
 
 
 def _report(config: FanoutConfig, handoff: Handoff, runs: dict[str, list[_Outcome]]) -> dict[str, Any]:
@@ -382,7 +397,9 @@ def _report(config: FanoutConfig, handoff: Handoff, runs: dict[str, list[_Outcom
         "seed_stride": SEED_STRIDE, "realizations": len(oracle),
         "notes": {"solo": "each receiver alone on the whole uplink (pfec sim's session, same losses); "
                   "uplink_datagrams_mean is one solo handoff's, the mean over the receivers",
-                  "oracle": "each receiver's clairvoyant bound alone on the whole uplink"},
+                  "oracle": "each receiver's clairvoyant bound alone on the whole uplink",
+                  "group_oracle": "one stream every receiver decodes whole: the sources the worst receiver's "
+                  "oracle delivers, credited to each (the bound for a group sized for its worst)"},
     }, "schemes": {}}
     for name, results in runs.items():
         receivers = []
@@ -397,7 +414,7 @@ def _report(config: FanoutConfig, handoff: Handoff, runs: dict[str, list[_Outcom
                 sent = [o.sent[i] for o in results if o.sent]
                 receivers[-1]["uplink_datagrams_mean"] = float(np.mean(sent))
         row: dict[str, Any] = {"receivers": receivers}
-        if name != "oracle":
+        if name not in ("oracle", "group_oracle"):
             row["uplink_datagrams_mean"] = float(np.mean([o.uplink_datagrams for o in results]))
             row["repair_sent_mean"] = float(np.mean([o.repairs for o in results]))
         if name in FANOUTS:
