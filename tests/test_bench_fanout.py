@@ -41,6 +41,6 @@ def test_bench_fanout_tiny_case(tmp_path: Path) -> None:
     assert multi["outcome"] == "done" and all(d > 0 for d in multi["branch_delivered"]), multi
     assert set(multi["receivers"]) == {"0", "1"}
     sim = result["sim"]
-    assert set(sim["schemes"]) == {"coded", "unicast", "solo", "oracle"}
+    assert set(sim["schemes"]) == {"coded", "unicast", "solo", "oracle", "group_oracle"}
     assert len(sim["coded_vs_solo"]) == 2
     assert result["summary"]["per_seed"][0]["unicast_uplink_vs_solo"] is not None
