@@ -215,6 +215,18 @@ def test_slow_member_is_dropped_and_the_others_finish() -> None:
     assert group.repairs_sent < 0.5 * rxs[2].session.stats.lost
 
 
+def test_a_lost_last_source_is_probed_not_taken_for_silence() -> None:
+    """Member 1 loses only the last source: its ACKs report no hole (it never saw that symbol) and then it
+    has nothing to ACK. Once it is overdue the group sends one repair over the tail, which provokes an ACK
+    and fills the hole, instead of dropping the member as silent (seen: the multicast daemon test)."""
+    group, rxs, events = run_group([set(), {39}], n=40, budget_s=2.0,
+                                   config=GroupConfig(2.0, 0.001, 50, ack_timeout_s=0.3))
+    assert not [e for e in events if isinstance(e, MemberDropped)], events
+    assert all(rx.session.decoder.decoded_count == 40 for rx in rxs)
+    assert group.repairs_sent == 1 and rxs[1].session.stats.received["repair"] == 1
+    assert sum(isinstance(e, MemberComplete) for e in events) == 2
+
+
 def test_silent_member_is_dropped() -> None:
     _group, _rxs, events = run_group([0.0, 1.0], budget_s=2.0,
                                     config=GroupConfig(2.0, 0.001, 50, ack_timeout_s=0.05))

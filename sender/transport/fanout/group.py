@@ -70,6 +70,11 @@ NEED_THRESHOLD = 0.5
 # in 1.3%; Bernoulli 60% is dropped at 32 datagrams, 40% at about 190.
 LOSS_MARGIN = 1.5
 RTT_GAIN = 0.125  # a member's smoothed RTT moves by this share of each sample (RFC 6298's alpha)
+# A member with holes that has not ACKed for PROBE_RTTS smoothed RTTs (at least PROBE_MIN_S) is overdue:
+# the repairs in flight to it count as lost and one goes again, so a lost last repair provokes an ACK
+# instead of a silence that drops the member (a tail-loss probe, as the solo session's).
+PROBE_RTTS = 2.0
+PROBE_MIN_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +131,15 @@ class Member:
     """What the group knows of one receiver, from its newest plausible ACK."""
 
     __slots__ = ("decoded", "deficit", "first", "hole_end", "index", "largest_pn", "last_heard", "lossy",
-                 "lost", "name", "need", "nss", "phase", "planner", "prefix", "reason", "received", "rtt",
-                 "seen_end", "stale")
+                 "lost", "name", "need", "nss", "phase", "planner", "prefix", "probed_at", "reason",
+                 "received", "rtt", "seen_end", "stale")
 
     def __init__(self, index: int, name: str, planner: RepairPlanner) -> None:
         self.index, self.name = index, name
         self.phase = MemberPhase.JOINED
         self.prefix = self.seen_end = self.decoded = self.deficit = self.hole_end = 0
         self.largest_pn = self.lost = self.received = 0
-        self.last_heard = self.rtt = 0.0
+        self.last_heard = self.rtt = self.probed_at = 0.0
         self.reason = ""
         self.planner = planner  # its holes in regions, the repairs charged to them
         # Its newest plan: outstanding need, the neediest region's window; ``stale`` until made again.
@@ -317,14 +322,23 @@ class GroupSession:
         """Make member ``m``'s plan again if an ACK or a repair changed it, or its repairs in flight now
         count at its loss (a lost one could no longer be replaced in time)."""
         lossy = m.rtt > 0 and self._send_deadline - now < RESEND_RTTS * m.rtt
-        if not (m.stale or lossy != m.lossy):
+        overdue = (m.rtt > 0 and m.decoded < self.n_source
+                   and now - max(m.last_heard, m.probed_at) > max(PROBE_RTTS * m.rtt, PROBE_MIN_S))
+        if not (m.stale or overdue or lossy != m.lossy):
             return
         m.lossy, m.stale = lossy, False
-        plan = m.planner.plan(self.encoder.next_esi, m.loss if lossy else 0.0)
+        if overdue:  # its repairs in flight count as lost until the probe this plan sends is answered
+            m.probed_at = now
+        plan = m.planner.plan(self.encoder.next_esi, 1.0 if overdue else m.loss if lossy else 0.0)
         if plan.region < 0 or plan.nss <= 0:
             m.need, m.first, m.nss = min(0.0, plan.reactive_need), 0, 0
         else:
             m.need, m.first, m.nss = plan.reactive_need, plan.first, plan.nss
+        if overdue and m.need < NEED_THRESHOLD:  # no reported hole: it may lack a tail its ACKs never saw
+            end = self.encoder.next_esi
+            first = max(m.prefix, self.encoder.ack_prefix, end - self.config.window_cap)
+            if first < end:
+                m.need, m.first, m.nss = 1.0, first, end - first
 
     def _neediest(self, now: float) -> Member | None:
         """The steering member whose outstanding need is the largest (None: none has ACKed)."""
