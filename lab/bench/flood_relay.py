@@ -57,11 +57,18 @@ class CaptureRelay:
     every datagram the sender sent (``captured``) and everything the receiver sent back (``replies``),
     with byte counts both ways. ``inject`` sends a datagram at the receiver from the relay's own
     receiver-side socket (a replay): the receiver answers that socket, so its replies are counted here
-    too (and forwarded to the sender only while ``forward_replies``)."""
+    too (and forwarded to the sender only while ``forward_replies``). ``reply_delay_s`` holds each reply
+    that long before it goes on to the sender: a path with a round trip, so the sender's first flight goes
+    out under its early key before the ACCEPT can reach it (on bare loopback the ACCEPT may win the race
+    against the first paced slot)."""
 
-    def __init__(self, forward_to: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+    def __init__(self, forward_to: tuple[str, int], listen: tuple[str, int] = ("127.0.0.1", 0),
+                 reply_delay_s: float = 0.0) -> None:
+        if reply_delay_s < 0:
+            raise ValueError(f"reply_delay_s must be >= 0, got {reply_delay_s!r}")
         self.forward_to = forward_to
         self.listen = listen
+        self.reply_delay_s = reply_delay_s
         self.captured: list[bytes] = []
         self.replies: list[bytes] = []
         self.bytes_to_receiver = 0
@@ -103,8 +110,16 @@ class CaptureRelay:
     def _from_receiver(self, data: bytes) -> None:
         self.replies.append(data)
         self.bytes_from_receiver += len(data)
-        if self.forward_replies and self._peer is not None and self._down is not None:
-            self._down.sendto(data, self._peer)
+        if not self.forward_replies or self._peer is None:
+            return
+        if self.reply_delay_s > 0:
+            asyncio.get_running_loop().call_later(self.reply_delay_s, self._to_sender, data, self._peer)
+        else:
+            self._to_sender(data, self._peer)
+
+    def _to_sender(self, data: bytes, peer: Any) -> None:
+        if self._down is not None:  # closed meanwhile: the reply is lost, as on a link that went down
+            self._down.sendto(data, peer)
 
     def inject(self, data: bytes) -> None:
         """Send ``data`` to the receiver from the relay's receiver-side socket (counted)."""

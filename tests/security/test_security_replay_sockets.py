@@ -120,7 +120,10 @@ def test_replay_after_restart_opens_nothing_and_does_not_amplify() -> None:
         await rx.start("127.0.0.1", 0)
         port = rx.address[1]
         out: dict[str, Any] = {}
-        async with CaptureRelay(rx.address) as relay:
+        # 20 ms before a reply reaches the sender: its first flight goes out under the early key (on bare
+        # loopback the ACCEPT can come back before the first paced data slot, and the capture holds no early
+        # data: CI saw that once).
+        async with CaptureRelay(rx.address, reply_delay_s=0.02) as relay:
             tx = SenderDaemon(identity, PSK, rate_mbps=50, owd_ms=1, scheme="heuristic", result_wait_s=1.0)
             handoff = tx.submit(HandoffSpec(ContextInput(synthetic_tokens=512), relay.listen_address, rho=3.0,
                                             generate=False, repair_budget=0.3))
