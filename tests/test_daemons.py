@@ -183,7 +183,13 @@ def test_the_report_gives_each_predicted_part_beside_what_it_took(tiny: llm.Mode
     for part in ("ready_s", "rebuild_s", "question_s", "decode_s", "ttft_s"):
         row = table[part]
         assert row["predicted"] > 0 and row["measured"] > 0, (part, table)
-        assert row["measured_over_predicted"] == pytest.approx(row["measured"] / row["predicted"], rel=0.05)
+        # The ratio comes from the unrounded times and is rounded to 3 places; the row's times are rounded to
+        # 0.1 ms (a part of a few tenths of a ms moves by a tenth or more under rounding, as CI saw: 0.012
+        # against 0.0111).
+        half = 5e-5
+        low = (row["measured"] - half) / (row["predicted"] + half)
+        high = (row["measured"] + half) / max(row["predicted"] - half, 1e-9)
+        assert low - 5e-4 <= row["measured_over_predicted"] <= high + 5e-4, (part, row)
 
 
 def test_a_receiver_that_states_no_speed_leaves_the_first_handoff_on_the_stored_curve(
