@@ -130,6 +130,9 @@ class ReceiverSession:
         self._app_parts: dict[int, bytes] = {}
         self._largest_pn = 0
         self._largest_pn_at = now
+        # In a fan-out group the data comes in the stream's own packet numbers: only they count for loss,
+        # from the first one this member opens (``follow_group``).
+        self._group: bool | None = None  # None: unicast; False: joined, no group datagram yet; True: counting
         self._count_packet(offer_packet_number, now)
         self._unacked = 0
         self._timers: dict[Timer, float] = {Timer.DEADLINE: self.deadline}  # the armed ones: when each fires
@@ -141,9 +144,23 @@ class ReceiverSession:
         self._on_offer(offer, now)
 
     # ----------------------------------------------------------------- public API
-    def handle_message(self, packet_number: int, message: Message, now: float) -> None:
-        """An authenticated, replay-checked message from the sender."""
-        self._count_packet(packet_number, now)
+    def follow_group(self) -> None:
+        """The session joined a fan-out group: its loss is counted in the group stream's packet numbers,
+        from the first group datagram it opens. What the stream sent before the member joined is not the
+        channel's loss (counted as such, a member that joined 40 ms late at 100 Mbit/s reported 97% loss and
+        was dropped); its own unicast datagrams (a packet number space of their own) count for nothing."""
+        self._group = False
+
+    def handle_message(self, packet_number: int, message: Message, now: float, group: bool = False) -> None:
+        """An authenticated, replay-checked message from the sender (``group``: it came on the fan-out
+        stream, under the group key)."""
+        if self._group is None:
+            self._count_packet(packet_number, now)
+        elif group:
+            if not self._group:
+                self._group = True
+                self._largest_pn = packet_number - 1  # the stream starts here for this member
+            self._count_packet(packet_number, now)
         if isinstance(message, Source | Repair):
             self._fire(Input.DATA, now, message)
             return
@@ -392,6 +409,9 @@ class ReceiverSession:
             self._largest_pn_at = now
         elif stats.lost > 0:
             stats.lost -= 1  # a reordered packet fills a gap counted as lost
+            # ...and a run it ended is one run fewer at most: loss runs never exceed the losses (the
+            # sender refuses such an ACK as implausible).
+            stats.loss_runs = min(stats.loss_runs, stats.lost)
 
     def _track_stall(self, now: float) -> None:
         # Stalled: undecoded symbols reach past the decoder span, where no repair can help them until

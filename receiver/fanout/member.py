@@ -28,6 +28,7 @@ class GroupMembership:
 
     def __init__(self, ticket: GroupTicket, session: ReceiverSession) -> None:
         self.session = session
+        session.follow_group()  # its loss counts in the stream's packet numbers from now
         self.session_id = ticket.session_id
         self._opener = group_opener(ticket, session.offer.symbol_size)
         self.drops: dict[str, int] = {}
@@ -44,5 +45,5 @@ class GroupMembership:
             self.last_drop = reason
             return False
         self.opened += 1
-        self.session.handle_message(header.packet_number, message, now)
+        self.session.handle_message(header.packet_number, message, now, group=True)
         return True
