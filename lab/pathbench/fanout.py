@@ -176,7 +176,9 @@ def _row(report: dict[str, Any], relay: dict[str, Any], receivers: Sequence[int]
         "branch_lost": [r["forward"]["lost"] for r in relay["receivers"]],
         "receivers": {str(i): {"recovered_utility": e.get("recovered_utility"), "ttft_s": e.get("ttft_s"),
                                "precision": e.get("precision") or e.get("received_precision"),
-                               "outcome": e.get("outcome", report.get("outcome"))}
+                               "outcome": e.get("outcome", report.get("outcome")),
+                               # multicast: "group", or "unicast"/"none" after a drop, and why
+                               "carried": e.get("carried"), "dropped": e.get("dropped")}
                       for i, e in zip(receivers, entries, strict=True)},
     }
 
@@ -284,7 +286,9 @@ def write_fanout_bench(result: dict[str, Any], out_dir: Path) -> None:
             cells = []
             for i in range(len(inp["losses"])):
                 got, solo = row[carriage]["receivers"][str(i)], row[f"solo.{i}"]["receivers"][str(i)]
-                cells.append(f"{_fmt(got['recovered_utility'])} ({_fmt(solo['recovered_utility'])}) | "
+                dropped = f" dropped: {got['dropped']}," if got.get("dropped") else ""
+                cells.append(f"{_fmt(got['recovered_utility'])}{dropped} "
+                             f"({_fmt(solo['recovered_utility'])}) | "
                              f"{_fmt(got['ttft_s'])} ({_fmt(solo['ttft_s'])})")
             lines.append(f"| {row['seed']} | {carriage} | {row[carriage]['uplink_bytes']} | "
                          f"{_fmt(summ[f'{carriage}_uplink_vs_solo'])} | " + " | ".join(cells) + " |")
