@@ -178,7 +178,11 @@ def _row(report: dict[str, Any], relay: dict[str, Any], receivers: Sequence[int]
                                "precision": e.get("precision") or e.get("received_precision"),
                                "outcome": e.get("outcome", report.get("outcome")),
                                # multicast: "group", or "unicast"/"none" after a drop, and why
-                               "carried": e.get("carried"), "dropped": e.get("dropped")}
+                               "carried": e.get("carried"), "dropped": e.get("dropped"),
+                               # when it began generating (ready, sender-done or deadline), and what the
+                               # plan streamed (a solo may split; a fan-out never does)
+                               "start": e.get("start"), "decoded_symbols": e.get("decoded_symbols"),
+                               "plan": (report.get("planner") or {}).get("used")}
                       for i, e in zip(receivers, entries, strict=True)},
     }
 
@@ -289,9 +293,14 @@ def write_fanout_bench(result: dict[str, Any], out_dir: Path) -> None:
                 dropped = f" dropped: {got['dropped']}," if got.get("dropped") else ""
                 cells.append(f"{_fmt(got['recovered_utility'])}{dropped} "
                              f"({_fmt(solo['recovered_utility'])}) | "
-                             f"{_fmt(got['ttft_s'])} ({_fmt(solo['ttft_s'])})")
+                             f"{_fmt(got['ttft_s'])} {got.get('start') or ''} "
+                             f"({_fmt(solo['ttft_s'])} {solo.get('start') or ''})")
             lines.append(f"| {row['seed']} | {carriage} | {row[carriage]['uplink_bytes']} | "
                          f"{_fmt(summ[f'{carriage}_uplink_vs_solo'])} | " + " | ".join(cells) + " |")
+    lines += ["", "Each TTFT says when that receiver began generating: ready (all it needed had arrived), "
+              "sender-done, or deadline. A solo handoff is planned for its own link and may split (the "
+              "receiver computes the front; `plan` in the JSON); a fan-out streams the whole context at one "
+              "plan for the group."]
     sim = result["sim"]
     lines += ["", f"Simulator ({sim['inputs']['realizations']} realizations, same link and losses): "
               "recovered utility per receiver.", "", "| scheme | uplink datagrams | " + " | ".join(
