@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from pfec.common.node.config import parse_host_port
 from pfec.common.plan.stream import AUTO
 from pfec.common.sched.policies import Scheme
-from pfec.sender.handoffs import Handoff, HandoffSpec, plan_report
+from pfec.sender.handoffs import Handoff, HandoffSpec, plan_report, receiver_fields
 from pfec.sender.kv import Prepared
 from pfec.sender.multicast import GroupRun
 from pfec.sender.paths import PathLinks, PathLossPriors
@@ -85,13 +85,7 @@ def _entry(child: Handoff, outcome: str) -> dict[str, Any]:
         "receiver": report.get("receiver"),
         "outcome": outcome,
         "session_id": report.get("session_id"),
-        "recovered_utility": report.get("recovered_utility"),
-        "decoded_symbols": report.get("decoded_symbols"),
-        "n_source": report.get("n_source"),
-        "start": report.get("start"),
-        "ttft_s": report.get("ttft_s"),
-        "precision": report.get("received_precision") or report.get("precision"),
-        "answer": report.get("answer"),
+        **receiver_fields(report),
         "bytes_sent": report.get("bytes_sent"),
         "source_sent": report.get("source_sent"),
         "repair_sent": report.get("repair_sent"),

@@ -148,6 +148,19 @@ def wire_report(session: SenderSession, bytes_sent: int, socket_errors: int) -> 
     return report
 
 
+def receiver_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """What a fan-out's per-receiver entry keeps of one receiver's report (or its RESULT's section)."""
+    return {
+        "recovered_utility": report.get("recovered_utility"),
+        "decoded_symbols": report.get("decoded_symbols"),
+        "n_source": report.get("n_source"),
+        "start": report.get("start"),
+        "ttft_s": report.get("ttft_s"),
+        "precision": report.get("received_precision") or report.get("precision"),
+        "answer": report.get("answer"),
+    }
+
+
 def result_report(result: ResultApp, prepared: Prepared) -> tuple[dict[str, Any], float | None]:
     """(the RESULT's section of the report, the recovered utility scored here from its block map).
 

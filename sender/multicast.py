@@ -36,7 +36,7 @@ from pfec.common.wire.frames import peek_header
 from pfec.common.wire.group import GroupTicket, group_sealer
 from pfec.common.wire.messages import ParseError, Role
 from pfec.common.wire.seal import PacketProtector, keyring_for
-from pfec.sender.handoffs import Handoff, result_report
+from pfec.sender.handoffs import Handoff, receiver_fields, result_report
 from pfec.sender.kv import Prepared
 from pfec.sender.transport.fanout.group import GroupConfig, GroupDone, GroupSession, MemberDropped
 from pfec.sender.transport.fanout.member import MemberLink
@@ -314,7 +314,7 @@ class GroupRun:
                     continue
                 utility = self.host._report_transfer(fallback.handoff, fallback.transfer, self.prepared)
                 report = fallback.handoff.report
-                entry.update(_result_fields(report), outcome=fallback.transfer.outcome, carried="unicast",
+                entry.update(receiver_fields(report), outcome=fallback.transfer.outcome, carried="unicast",
                              session_id=report.get("session_id"),
                              unicast_bytes=fallback.transfer.bytes_sent, failure=report.get("failure"))
                 if utility is not None:
@@ -329,7 +329,7 @@ class GroupRun:
                     entry.update(outcome="failed", failure=str(exc))
                 else:
                     section, utility = result_report(result, self.prepared)
-                    entry.update(_result_fields(section))
+                    entry.update(receiver_fields(section))
                     if result.error:
                         entry.update(outcome="failed", failure=f"receiver failed: {result.error}")
                     elif utility is not None:
@@ -340,14 +340,3 @@ class GroupRun:
     def fallback_bytes(self) -> int:
         return sum(f.transfer.bytes_sent for f in self.fallbacks.values() if f.transfer is not None)
 
-
-def _result_fields(report: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "recovered_utility": report.get("recovered_utility"),
-        "decoded_symbols": report.get("decoded_symbols"),
-        "n_source": report.get("n_source"),
-        "start": report.get("start"),
-        "ttft_s": report.get("ttft_s"),
-        "precision": report.get("received_precision") or report.get("precision"),
-        "answer": report.get("answer"),
-    }
