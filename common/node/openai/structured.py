@@ -24,15 +24,14 @@ from pydantic import Field, field_validator
 from pfec.common.node.openai.tools import (
     CLOSE,
     MAX_DESCRIPTION_CHARS,
-    MAX_SCHEMA_BYTES,
     OPEN,
     Name,
     NamedToolChoice,
     Tool,
     ToolsMixin,
     _Closed,
+    checked_schema,
     closed,
-    schema_problem,
 )
 
 if TYPE_CHECKING:
@@ -62,15 +61,7 @@ class JSONSchemaFormat(_Closed):
     @field_validator("schema_")
     @classmethod
     def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return v
-        size = len(json.dumps(v, separators=(",", ":")))
-        if size > MAX_SCHEMA_BYTES:
-            raise ValueError(f"{size} bytes of JSON, above the limit of {MAX_SCHEMA_BYTES}")
-        problem = schema_problem(v, 1)
-        if problem is not None:
-            raise ValueError(f"not a JSON Schema: {problem}")
-        return v
+        return None if v is None else checked_schema(v, top=False)
 
 
 class ResponseFormatJSONSchema(_Closed):

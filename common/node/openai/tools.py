@@ -61,16 +61,7 @@ class FunctionDef(_Closed):
     @field_validator("parameters")
     @classmethod
     def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return v
-        size = len(json.dumps(v, separators=(",", ":")))
-        if size > MAX_SCHEMA_BYTES:
-            raise ValueError(f"a tool's parameters are {size} bytes of JSON, above the limit of "
-                             f"{MAX_SCHEMA_BYTES}")
-        problem = schema_problem(v, 1, top=True)
-        if problem is not None:
-            raise ValueError(f"not a JSON Schema object: {problem}")
-        return v
+        return None if v is None else checked_schema(v, top=True, what="a tool's parameters are ")
 
 
 class Tool(_Closed):
@@ -162,6 +153,18 @@ class ToolsMixin(_Closed):
         """``tool_choice`` required or a named function: the reply is calls only."""
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice,
                                                                                    NamedToolChoice))
+
+
+def checked_schema(schema: dict[str, Any], top: bool, what: str = "") -> dict[str, Any]:
+    """``schema`` as given, once its compact JSON is within ``MAX_SCHEMA_BYTES`` and its shape a JSON
+    Schema (``top``: an object schema, as a function's parameters); else a ValueError that says why."""
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{what}{size} bytes of JSON, above the limit of {MAX_SCHEMA_BYTES}")
+    problem = schema_problem(schema, 1, top=top)
+    if problem is not None:
+        raise ValueError(f"not a JSON Schema{' object' if top else ''}: {problem}")
+    return schema
 
 
 def schema_problem(schema: Any, depth: int, top: bool = False) -> str | None:
