@@ -48,6 +48,7 @@ class FanoutHost(Protocol):
     multicast_interface: str | None
     multicast_ttl: int
     limits: Any
+    metrics: Any  # SenderMetrics: what the multicast carriage sends counts there too
 
     async def destination(self, spec: HandoffSpec) -> Any: ...
     async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str,
@@ -195,6 +196,7 @@ async def _multicast(daemon: FanoutHost, handoff: Handoff, prepared: Prepared, s
         "destination": spec.group, "session_id": f"{run.ticket.session_id:016x}",
         "source_sent": group.datagrams_sent["source"], "repair_sent": group.datagrams_sent["repair"],
         "control_sent": group.datagrams_sent["control"], "bytes": run.group_bytes,
+        "socket_errors": run.socket_errors,
         "repair_budget": run.repair_budget, "end": run.done_reason, "drops": dict(group.drops),
         "members": [{"phase": m.phase.label, "loss": round(m.loss, 4), "reason": m.reason or None}
                     for m in group.members],

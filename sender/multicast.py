@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pfec.common.node.metrics import TYPE_BYTE_LABELS
 from pfec.common.node.multicast import group_key, send_socket
 from pfec.common.plan.deadline import repair_cap, repair_fraction
 from pfec.common.plan.handoff import ResultApp
@@ -194,6 +195,11 @@ class GroupRun:
             self.bytes_sent += len(datagram)
         except OSError:  # a full buffer or an ICMP error: the FEC and the retries cover it
             self.socket_errors += 1
+            return
+        # The node's datagram counters, as the pacer counts a unicast session's (the group's and each
+        # member's handshake, ACK-free control alike): a dashboard sees a multicast handoff too.
+        kind = TYPE_BYTE_LABELS.get(datagram[1], "source") if len(datagram) > 1 else "source"
+        self.host.metrics.datagrams_sent(kind, 1, len(datagram))
 
     def _flush_members(self) -> None:
         for member, destination in zip(self.members, self.destinations, strict=True):
