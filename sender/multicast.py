@@ -178,33 +178,52 @@ class GroupRun:
         assert group is not None and sock is not None
         if link.next_send < now - MAX_BACKLOG_S:
             link.next_send = now - MAX_BACKLOG_S
-        sent = 0
+        sent = sources = source_bytes = repairs = repair_bytes = 0
         while link.next_send <= now and sent < MAX_PER_WAKE:
             datagram = group.next_datagram(now)
             if datagram is None:
                 break
-            self._send(datagram, self.group_addr)
+            if self._send(datagram, self.group_addr):
+                kind = TYPE_BYTE_LABELS.get(datagram[1])
+                if kind == "source":
+                    sources += 1
+                    source_bytes += len(datagram)
+                elif kind == "repair":
+                    repairs += 1
+                    repair_bytes += len(datagram)
+                else:  # the group's DONE: rare
+                    self._count(datagram)
             self.group_bytes += len(datagram)
             link.next_send += len(datagram) * 8 / link.pacing_bps
             sent += 1
+        # The node's datagram counters, once per wake-up as the pacer counts a unicast session's: a dashboard
+        # sees a multicast handoff too.
+        if sources:
+            self.host.metrics.datagrams_sent("source", sources, source_bytes)
+        if repairs:
+            self.host.metrics.datagrams_sent("repair", repairs, repair_bytes)
 
-    def _send(self, datagram: bytes, address: Any) -> None:
+    def _send(self, datagram: bytes, address: Any) -> bool:
+        """Whether the socket took the datagram (a full buffer or an ICMP error: the FEC and the retries
+        cover it, and it counts in ``socket_errors``)."""
         assert self.sock is not None
         try:
             self.sock.sendto(datagram, address)
-            self.bytes_sent += len(datagram)
-        except OSError:  # a full buffer or an ICMP error: the FEC and the retries cover it
+        except OSError:
             self.socket_errors += 1
-            return
-        # The node's datagram counters, as the pacer counts a unicast session's (the group's and each
-        # member's handshake, ACK-free control alike): a dashboard sees a multicast handoff too.
+            return False
+        self.bytes_sent += len(datagram)
+        return True
+
+    def _count(self, datagram: bytes) -> None:
         kind = TYPE_BYTE_LABELS.get(datagram[1], "source") if len(datagram) > 1 else "source"
         self.host.metrics.datagrams_sent(kind, 1, len(datagram))
 
     def _flush_members(self) -> None:
         for member, destination in zip(self.members, self.destinations, strict=True):
-            for datagram in member.datagrams_to_send():
-                self._send(datagram, destination.sockaddr)
+            for datagram in member.datagrams_to_send():  # handshakes, CLOSEs: a few per member
+                if self._send(datagram, destination.sockaddr):
+                    self._count(datagram)
 
     def _on_readable(self) -> None:
         sock = self.sock
