@@ -30,6 +30,7 @@ from pfec.common.plan.stream import AUTO
 from pfec.common.sched.policies import Scheme
 from pfec.sender.handoffs import Handoff, HandoffSpec, plan_report, receiver_fields
 from pfec.sender.kv import Prepared
+from pfec.sender.metrics import SenderMetrics
 from pfec.sender.multicast import GroupRun
 from pfec.sender.paths import PathLinks, PathLossPriors
 from pfec.sender.peers import PeerMemory
@@ -48,7 +49,7 @@ class FanoutHost(Protocol):
     multicast_interface: str | None
     multicast_ttl: int
     limits: Any
-    metrics: Any  # SenderMetrics: what the multicast carriage sends counts there too
+    metrics: SenderMetrics  # what the multicast carriage sends counts there too
 
     async def destination(self, spec: HandoffSpec) -> Any: ...
     async def _prepare(self, handoff: Handoff, scheme: Scheme, profile: str,

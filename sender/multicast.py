@@ -216,8 +216,8 @@ class GroupRun:
         return True
 
     def _count(self, datagram: bytes) -> None:
-        kind = TYPE_BYTE_LABELS.get(datagram[1], "source") if len(datagram) > 1 else "source"
-        self.host.metrics.datagrams_sent(kind, 1, len(datagram))
+        """One datagram the socket took, by its type byte (ours: always a whole header)."""
+        self.host.metrics.datagrams_sent(TYPE_BYTE_LABELS.get(datagram[1], "source"), 1, len(datagram))
 
     def _flush_members(self) -> None:
         for member, destination in zip(self.members, self.destinations, strict=True):
