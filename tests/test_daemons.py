@@ -1247,7 +1247,9 @@ def test_a_sender_measuring_its_path_is_not_undone_by_a_told_rate_4x_too_high() 
     assert peer["rounds"] >= measured["path_rate"]["rounds"], peer
     rate = measured["path_rate"]
     # Within 0.7-1.5x of the link, not the told 4x: ACKs bunched by a busy machine overstate a round or two.
-    assert 7 <= rate["estimate_mbps"] <= 15 and rate["min_rtt_ms"] >= 10, rate
+    # The min RTT is the path's 10 ms, less the relay's timer slack (its delays may fire a little early:
+    # CI saw 9.926 ms).
+    assert 7 <= rate["estimate_mbps"] <= 15 and rate["min_rtt_ms"] >= 9.5, rate
     assert queue["queue_dropped"] <= 0.05 * queue["received"], queue
     assert measured["recovered_utility"] >= 0.9, measured
     (told,), flooded = run(main("fixed"))
